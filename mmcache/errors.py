@@ -1,0 +1,50 @@
+"""Every error mmcache raises on bad input or exhausted capacity.
+
+Each error is raised before any state changes, so catching one leaves the cache exactly as it was.
+"""
+
+
+class MmcacheError(Exception):
+    """Base of every mmcache error."""
+
+
+class OutOfPages(MmcacheError):
+    """Live demand exceeds the pool: ``shortfall`` pages are missing even after evicting every cached page."""
+
+    def __init__(self, shortfall: int, requested: int | None = None):
+        self.shortfall = shortfall
+        self.requested = requested
+        wanted = f" of {requested} requested" if requested is not None else ""
+        super().__init__(f"out of pages: {shortfall} page(s){wanted} missing after evicting all cached pages")
+
+
+class PageOwnershipError(MmcacheError):
+    """A retain of an unowned page or a release of a free page: the owner counts would be corrupted."""
+
+
+class UnknownRequest(MmcacheError, KeyError):
+    """A request id that was never admitted or has already ended."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class DuplicateRequest(MmcacheError):
+    """A second admit of a request id that is still live."""
+
+
+class InvalidRequest(MmcacheError, ValueError):
+    """Arguments that cannot describe a request: bad tokens, salt, names or lengths."""
+
+
+class TraceError(MmcacheError, ValueError):
+    """A trace file or line that cannot be read; carries the file and 1-based line number."""
+
+    def __init__(self, path, line: int | None, reason: str):
+        self.path, self.line, self.reason = str(path), line, reason
+        where = f"{path}:{line}" if line is not None else f"{path}"
+        super().__init__(f"{where}: {reason}")
+
+
+class EncoderOutputError(MmcacheError, ValueError):
+    """An encoder output the store refuses: not tensors, or a shape/dtype other than expected or already stored."""

@@ -1,0 +1,140 @@
+"""Page names: a 64-bit xxh64 chain over full pages, rooted at the process fingerprint.
+
+``name_i = xxh64(tokens of page i ‖ media of page i, seed=name_{i-1})`` with ``name_{-1}`` the chain root:
+``xxh64(fingerprint)`` for an empty salt, else ``xxh64(salt, seed=xxh64(fingerprint))``. Passing the parent as the
+seed commits to it exactly as prefixing its 8 bytes would, at one hash call per page. Nothing here takes a lock or
+touches a pool, so engines compute names before entering the cache.
+
+A name only nominates a page; the cache confirms it with the verifying ids (tokens, media, parent, salt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import cached_property
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from .errors import InvalidRequest
+
+TOKEN_DTYPE = np.int32
+_TOKEN_LIMIT = np.iinfo(TOKEN_DTYPE).max
+_NO_MEDIA = np.zeros(2, dtype=np.uint64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """The process constants that KV bytes depend on; any change gives a different chain root.
+
+    ``model`` should identify the weights exactly (repository@revision, or a hash of the files).
+    """
+
+    model: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_dtype: str = "bfloat16"
+    attention_backend: str = "sdpa"
+    page_size: int = 128
+    extra: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_dtype", str(self.kv_dtype).removeprefix("torch."))
+        if int(self.page_size) <= 0:
+            raise InvalidRequest(f"page_size must be positive, got {self.page_size}")
+
+    @cached_property
+    def root(self) -> int:
+        """The 64-bit chain root: xxh64 of the fields as canonical JSON."""
+        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"), default=str)
+        return xxhash.xxh64_intdigest(canonical.encode())
+
+
+def chain_root(fp: Fingerprint, salt: bytes = b"") -> int:
+    """The root a request's chain starts from: the fingerprint's, with the tenant salt folded in."""
+    if not isinstance(salt, (bytes, bytearray)):
+        raise InvalidRequest(f"salt must be bytes, got {type(salt).__name__}")
+    return xxhash.xxh64_intdigest(bytes(salt), seed=fp.root) if salt else fp.root
+
+
+def as_tokens(token_ids, limit: int = _TOKEN_LIMIT) -> np.ndarray:
+    """Token ids as a contiguous int32 array; raises ``InvalidRequest`` unless all are integers in [0, limit)."""
+    if hasattr(token_ids, "detach"):  # torch tensor, without importing torch here
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1) if arr.size else arr.reshape(0)
+    if arr.size and (arr.dtype.kind not in "iu"):
+        raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+        raise InvalidRequest(f"token ids must lie in [0, {limit}), got range [{arr.min()}, {arr.max()}]")
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
+
+
+def _digest_bytes(digest) -> bytes:
+    if isinstance(digest, int):
+        if digest < 0 or digest >= 1 << 128:
+            raise InvalidRequest("an integer media digest must be in [0, 2**128)")
+        return digest.to_bytes(16, "little")
+    try:
+        return bytes(digest)
+    except TypeError:
+        raise InvalidRequest(f"a media digest must be bytes, an int or support bytes(), got {type(digest).__name__}")
+
+
+def media_by_page(media: Iterable, page_size: int, num_tokens: int) -> dict[int, bytes]:
+    """Group ``(offset, digest)`` marks by the page of their first placeholder: page -> ``offset ‖ digest`` blob.
+
+    Offsets within the page enter the blob so that two images swapped inside one page give different names.
+    """
+    pages: dict[int, list[tuple[int, bytes]]] = {}
+    for mark in media or ():
+        try:
+            offset, digest = mark
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"a media mark must be an (offset, digest) pair, got {mark!r}")
+        if not isinstance(offset, (int, np.integer)) or not 0 <= offset < num_tokens:
+            raise InvalidRequest(f"media offset {offset!r} outside the prompt of {num_tokens} tokens")
+        pages.setdefault(int(offset) // page_size, []).append((int(offset), _digest_bytes(digest)))
+    return {p: b"".join(o.to_bytes(8, "little") + d for o, d in sorted(marks)) for p, marks in pages.items()}
+
+
+def media_ids(blobs: dict[int, bytes], pages: range) -> np.ndarray:
+    """The 128-bit media verifying id of each page in ``pages`` (zero where the page holds no media)."""
+    out = np.zeros((len(pages), 2), dtype=np.uint64)
+    for p, blob in blobs.items():
+        if p in pages:
+            out[p - pages.start] = np.frombuffer(xxhash.xxh3_128_digest(blob), dtype=np.uint64)
+    return out
+
+
+def chain(parent: int, tokens: np.ndarray, page_size: int, first_page: int = 0,
+          media: dict[int, bytes] | None = None) -> list[int]:
+    """Names of the full pages of ``tokens`` (int32), continuing a chain whose last name is ``parent``.
+
+    ``first_page`` is the page number of ``tokens[0]`` in the whole sequence, so media marks keyed by absolute page
+    fall on the right pages. Trailing tokens that do not fill a page get no name.
+    """
+    n_pages = len(tokens) // page_size
+    step = page_size * tokens.itemsize
+    buf = memoryview(tokens[: n_pages * page_size]).cast("B")
+    hash64 = xxhash.xxh64_intdigest
+    names = [0] * n_pages
+    if not media:
+        for i in range(n_pages):
+            parent = names[i] = hash64(buf[i * step:(i + 1) * step], parent)
+        return names
+    for i in range(n_pages):
+        blob = media.get(first_page + i)
+        page = buf[i * step:(i + 1) * step]
+        parent = names[i] = hash64(bytes(page) + blob if blob else page, parent)
+    return names
+
+
+def page_names(fp: Fingerprint, token_ids, media: Sequence = (), salt: bytes = b"") -> list[int]:
+    """One 64-bit name per full page of ``token_ids``; needs no lock and no pool."""
+    tokens = as_tokens(token_ids)
+    blobs = media_by_page(media, fp.page_size, len(tokens))
+    return chain(chain_root(fp, salt), tokens, fp.page_size, 0, blobs)

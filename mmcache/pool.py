@@ -1,0 +1,118 @@
+"""PagePool: a fixed slab of pages with one owner count per page.
+
+An owner is anything with a defined end (a live request, the prefix index, the encoder store). The pool is the only
+place pages are freed: a page is on the free list exactly when its owner count is 0.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from .errors import OutOfPages, PageOwnershipError
+
+
+class PagePool:
+    """``num_pages`` pages of ``page_shape`` allocated once, plus one owner count per page.
+
+    Invariants, enforced by ``alloc``/``retain``/``release`` under ``self.lock``:
+    - a page is on the free list if and only if its owner count is 0;
+    - counts never go below 0 (releasing a free page raises) and an unowned page is never retained;
+    - ``num_free + owned pages == num_pages`` at all times.
+
+    ``page_shape=()`` (or any zero-size shape) makes a metadata-only pool: ids and counts, no tensor.
+    """
+
+    def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        if int(num_pages) <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = int(num_pages)
+        self.page_shape = tuple(int(s) for s in page_shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.data: torch.Tensor | None = None
+        if self.page_shape and math.prod(self.page_shape) > 0:
+            self.data = torch.zeros((self.num_pages, *self.page_shape), dtype=dtype, device=self.device)
+        self.lock = threading.Lock()
+        self._counts = np.zeros(self.num_pages, dtype=np.int32)
+        # A stack popped from the end: low page ids are handed out first, which keeps tests readable.
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page's data (0 for a metadata-only pool)."""
+        if self.data is None:
+            return 0
+        return math.prod(self.page_shape) * self.data.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """A read-only view of the owner counts, indexed by page id."""
+        view = self._counts.view()
+        view.flags.writeable = False
+        return view
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free pages, each with owner count 1, or raise ``OutOfPages`` and take none."""
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n == 0:
+            return []
+        with self.lock:
+            if n > len(self._free):
+                raise OutOfPages(n - len(self._free), requested=n)
+            pages = self._free[-n:]
+            del self._free[-n:]
+            self._counts[pages] = 1
+        return pages
+
+    def retain(self, pages) -> None:
+        """Add one owner to each page (a page listed twice gains two); every page must already be owned."""
+        idx, mult = self._checked(pages)
+        if idx is None:
+            return
+        with self.lock:
+            if (self._counts[idx] <= 0).any():
+                bad = idx[self._counts[idx] <= 0].tolist()
+                raise PageOwnershipError(f"retain of unowned page(s) {bad[:8]}")
+            self._counts[idx] += mult
+
+    def release(self, pages) -> list[int]:
+        """Drop one owner from each page; pages whose count reaches 0 return to the free list and are returned."""
+        idx, mult = self._checked(pages)
+        if idx is None:
+            return []
+        with self.lock:
+            short = self._counts[idx] < mult
+            if short.any():
+                raise PageOwnershipError(f"release of free or over-released page(s) {idx[short].tolist()[:8]}")
+            self._counts[idx] -= mult
+            freed = idx[self._counts[idx] == 0].tolist()
+            self._free.extend(freed)
+        return freed
+
+    def _checked(self, pages):
+        """Page ids as unique ids with multiplicities; raises on ids outside the pool."""
+        idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if idx.size == 0:
+            return None, None
+        if idx.min() < 0 or idx.max() >= self.num_pages:
+            raise PageOwnershipError(f"page id outside the pool of {self.num_pages} pages")
+        if idx.size == 1:
+            return idx, 1
+        idx, mult = np.unique(idx, return_counts=True)
+        return idx, mult.astype(np.int32)
+
+    def __repr__(self) -> str:
+        kind = "metadata-only" if self.data is None else f"{tuple(self.page_shape)} {self.dtype} on {self.device}"
+        return f"PagePool({self.num_pages} pages, {kind}, {self.num_free} free)"

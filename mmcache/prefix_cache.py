@@ -1,0 +1,372 @@
+"""PrefixCache: token-verified prefix reuse of KV pages, with cold-tail eviction (RFC phase 2).
+
+One PrefixCache per pool (node × label × rank); labels never share pages. Every method that changes state validates
+its arguments first and holds ``self._lock`` while it mutates, so an error leaves the cache as it was. Names are
+computed outside the lock.
+
+Ownership: the index holds one owner on each indexed page, a live request one on each page it holds. The pool frees
+a page when its count reaches 0; this module never frees pages any other way.
+
+Chain invariants the eviction order relies on:
+- a live request holds index pages only as a prefix 0..k-1 of its chain, so a page only the index owns (count 1)
+  has no live holder below it either;
+- every touch of a page touches all its ancestors with the same tick, so ticks never increase along a chain, and
+  ordering by (tick, -depth) puts every page after all of its descendants: any prefix of that order is a set of
+  whole cold tails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
+from .names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from .pool import PagePool
+
+_FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestState:
+    """What an engine needs to run a request: its pages in position order and how far they hold KV.
+
+    ``page_indices[i]`` holds tokens ``position_id_start + i·page_size`` onward; ``seq_len`` tokens are held and the
+    KV of the first ``computed_tokens`` is written; the first ``matched_tokens`` came from the cache.
+    """
+
+    rid: Hashable
+    page_indices: tuple[int, ...]
+    seq_len: int
+    position_id_start: int
+    matched_tokens: int
+    computed_tokens: int
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Request:
+    rid: Hashable
+    tokens: np.ndarray          # prompt token ids, int32
+    media: dict[int, bytes]     # page -> media blob (see names.media_by_page)
+    root: int
+    salt_id: int
+    names: list[int]            # names of the prompt's full pages
+    pages: list[int]            # pages held, in position order from first_page
+    seq_len: int
+    computed: int
+    matched: int
+    first_page: int = 0         # while suspended: how many leading (shared) pages were released
+    suspended: bool = False
+
+    def state(self, page_size: int) -> RequestState:
+        return RequestState(self.rid, tuple(self.pages), self.seq_len, self.first_page * page_size,
+                            self.matched, self.computed)
+
+
+class PrefixCache:
+    """Live requests plus an index of full, written pages keyed by page name and confirmed by verifying ids.
+
+    ``evict_batch_pages``: the least number of cached pages one eviction frees (default 1/64 of the pool), so a
+    saturated pool evicts in batches instead of once per allocation.
+    ``vocab_size``: if given, token ids must lie below it.
+    """
+
+    def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
+                 vocab_size: int | None = None):
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self.page_size = P = fingerprint.page_size
+        self.evict_batch_pages = max(1, evict_batch_pages or pool.num_pages // 64)
+        self._vocab_limit = int(vocab_size) if vocab_size else np.iinfo(np.int32).max
+        n = pool.num_pages
+        # Verifying ids and chain metadata, preallocated and indexed by page id (valid where _indexed).
+        self._name = np.zeros(n, dtype=np.uint64)
+        self._tokens = np.zeros((n, P), dtype=np.int32)
+        self._media = np.zeros((n, 2), dtype=np.uint64)
+        self._parent = np.full(n, -1, dtype=np.int32)
+        self._salt = np.zeros(n, dtype=np.int32)
+        self._depth = np.zeros(n, dtype=np.int32)
+        self._tick = np.zeros(n, dtype=np.int64)
+        self._indexed = np.zeros(n, dtype=bool)
+        self._index: dict[int, int] = {}
+        self._salt_ids: dict[bytes, int] = {b"": 0}
+        self._clock = 0
+        self._live: dict[Hashable, _Request] = {}
+        self._ended: OrderedDict[Hashable, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages",
+                                        "eviction_batches", "shortfall_pages", "stalls", "collisions"), 0)
+
+    # ----------------------------------------------------------------- engine contract
+    def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
+              names: Sequence[int] | None = None) -> RequestState:
+        """Start a request: match the longest verified prefix of full pages and retain those pages.
+
+        At most ``(n-1) // page_size`` pages match, so the last prompt token is always computed. The state's
+        ``seq_len == computed_tokens == matched_tokens``; ``grow`` adds pages for the rest.
+        """
+        P = self.page_size
+        tokens = as_tokens(token_ids, self._vocab_limit)
+        if tokens.size == 0:
+            raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
+        root = chain_root(self.fingerprint, salt)
+        blobs = media_by_page(media, P, tokens.size)
+        names = self._checked_names(rid, names, tokens.size) if names is not None else \
+            chain(root, tokens, P, 0, blobs)
+        limit = (tokens.size - 1) // P
+        mids = media_ids(blobs, range(limit))
+        with self._lock:
+            if rid in self._live:
+                raise DuplicateRequest(f"request {rid!r} is already live")
+            salt_id = self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
+            pages = self._match(names[:limit], tokens, mids, salt_id)
+            self.pool.retain(pages)
+            self._touch(pages)
+            k = len(pages) * P
+            rec = _Request(rid, tokens, blobs, root, salt_id, list(names), pages, k, k, k)
+            self._live[rid] = rec
+            self._ended.pop(rid, None)
+            c = self._counters
+            c["queries"] += 1
+            c["hits"] += bool(pages)
+            c["queried_tokens"] += int(tokens.size)
+            c["hit_tokens"] += k
+            return rec.state(P)
+
+    def grow(self, rid: Hashable, total_tokens: int) -> RequestState:
+        """Hold pages for ``total_tokens``; evicts cold cached pages if needed and raises ``OutOfPages`` only when
+        live requests alone need more than the pool (nothing changes then)."""
+        with self._lock:
+            rec = self._get(rid, live=True)
+            total_tokens = int(total_tokens)
+            if total_tokens < rec.seq_len:
+                raise InvalidRequest(f"request {rid!r}: grow to {total_tokens} tokens is below the "
+                                     f"{rec.seq_len} it already holds")
+            need = -(-total_tokens // self.page_size) - len(rec.pages)
+            if need > 0:
+                self._make_room(need)
+                rec.pages += self.pool.alloc(need)
+            rec.seq_len = total_tokens
+            return rec.state(self.page_size)
+
+    def mark_computed(self, rid: Hashable, total_tokens: int) -> RequestState:
+        """Record that the KV of the first ``total_tokens`` tokens is written (never decreases, never past seq_len)."""
+        with self._lock:
+            rec = self._get(rid, live=True)
+            total_tokens = int(total_tokens)
+            if not rec.computed <= total_tokens <= rec.seq_len:
+                raise InvalidRequest(f"request {rid!r}: computed tokens must stay within "
+                                     f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
+            rec.computed = total_tokens
+            return rec.state(self.page_size)
+
+    def state(self, rid: Hashable) -> RequestState:
+        with self._lock:
+            return self._get(rid).state(self.page_size)
+
+    def finish(self, rid: Hashable, output_ids=()) -> int:
+        """Tear a request down: every full, written page of prompt + output moves to the index; the rest is released.
+
+        A page whose name is already indexed with equal verifying ids is not duplicated (the request's copy is
+        released and the chain continues from the indexed one); a name held by different ids stops indexing there.
+        Returns the number of pages newly indexed.
+        """
+        P = self.page_size
+        with self._lock:
+            rec = self._get(rid, live=True)
+        out = as_tokens(output_ids, self._vocab_limit)
+        seq = np.concatenate((rec.tokens, out)) if out.size else rec.tokens
+        m = min(seq.size, rec.computed) // P
+        names = rec.names[:m]
+        if m > len(names):  # generated tokens extend the chain from the prompt's last full page
+            start = len(names)
+            names += chain(names[-1] if names else rec.root, seq[start * P:m * P], P, start, rec.media)
+        mids = media_ids(rec.media, range(m))
+        with self._lock:
+            if self._live.get(rid) is not rec:
+                raise UnknownRequest(f"request {rid!r} ended while finishing")
+            added = self._insert(rec, names, seq[:m * P].reshape(m, P), mids)
+            self._end(rid)
+            return added
+
+    def abort(self, rid: Hashable) -> None:
+        """End a request without indexing anything (its KV may be unusable); all its pages are released."""
+        with self._lock:
+            rec = self._get(rid)
+            self.pool.release(rec.pages)
+            self._end(rid)
+
+    def suspend(self, rid: Hashable) -> list[int]:
+        """Prepare a request for offload: release its shared pages (they stay resident for their other owners) and
+        return the pages it owns exclusively, which it keeps until ``resume`` or ``abort``."""
+        with self._lock:
+            rec = self._get(rid, live=True)
+            shared = self.pool.counts[rec.pages] > 1
+            j0 = int(np.argmin(shared)) if not shared.all() else len(rec.pages)
+            assert not shared[j0:].any(), "shared pages of a live request form a prefix"
+            self.pool.release(rec.pages[:j0])
+            rec.pages, rec.first_page, rec.suspended = rec.pages[j0:], j0, True
+            return list(rec.pages)
+
+    def resume(self, rid: Hashable) -> RequestState:
+        """Bring a suspended request back: its released prefix comes back through a normal verified lookup; pages
+        the lookup cannot supply are allocated and ``computed_tokens`` drops to what is held contiguously."""
+        P = self.page_size
+        with self._lock:
+            rec = self._get(rid)
+            if not rec.suspended:
+                raise InvalidRequest(f"request {rid!r} is not suspended")
+            j0 = rec.first_page
+            mids = media_ids(rec.media, range(j0))
+            pages = self._match(rec.names[:j0], rec.tokens, mids, rec.salt_id)
+            self.pool.retain(pages)
+            gap = j0 - len(pages)
+            try:
+                self._make_room(gap)
+            except OutOfPages:
+                self.pool.release(pages)
+                raise
+            self._touch(pages)
+            rec.pages = pages + self.pool.alloc(gap) + rec.pages
+            rec.first_page, rec.suspended = 0, False
+            rec.matched = len(pages) * P
+            if gap:
+                rec.computed = min(rec.computed, rec.matched)
+            return rec.state(P)
+
+    def clear(self) -> int:
+        """Drop every index entry (live requests keep their pages); returns how many entries were dropped."""
+        with self._lock:
+            pages = np.flatnonzero(self._indexed)
+            self._index.clear()
+            self._indexed[:] = False
+            self.pool.release(pages)
+            return int(pages.size)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            counts = self.pool.counts
+            return {**self._counters,
+                    "pages_free": self.pool.num_free,
+                    "pages_live": int(np.count_nonzero(counts > self._indexed)),
+                    "pages_cached": len(self._index),
+                    "requests_live": len(self._live)}
+
+    # ----------------------------------------------------------------- internals (callers hold the lock)
+    def _get(self, rid: Hashable, live: bool = False) -> _Request:
+        rec = self._live.get(rid)
+        if rec is None:
+            why = "has already ended" if rid in self._ended else "was never admitted"
+            raise UnknownRequest(f"request {rid!r} {why}")
+        if live and rec.suspended:
+            raise InvalidRequest(f"request {rid!r} is suspended; resume it first")
+        return rec
+
+    def _end(self, rid: Hashable) -> None:
+        del self._live[rid]
+        self._ended[rid] = None
+        if len(self._ended) > _FINISHED_MEMORY:
+            self._ended.popitem(last=False)
+
+    def _checked_names(self, rid, names, num_tokens: int) -> list[int]:
+        names = [int(x) for x in names]
+        if len(names) != num_tokens // self.page_size:
+            raise InvalidRequest(f"request {rid!r}: {len(names)} names for {num_tokens // self.page_size} full pages")
+        if any(not 0 <= x < 1 << 64 for x in names):
+            raise InvalidRequest(f"request {rid!r}: page names must be 64-bit unsigned integers")
+        return names
+
+    def _match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int) -> list[int]:
+        """Pages nominated by walking ``names`` to the first miss, cut at the first that fails verification.
+
+        Verification is one vectorized comparison of every nominated page's tokens, media, parent and salt; a page
+        is accepted only if its whole chain back to page 0 is the request's own, so a hash collision costs a miss.
+        """
+        get = self._index.get
+        pages = []
+        for name in names:
+            page = get(name)
+            if page is None:
+                break
+            pages.append(page)
+        if not pages:
+            return pages
+        k, P = len(pages), self.page_size
+        idx = np.fromiter(pages, dtype=np.int64, count=k)
+        ok = (self._tokens[idx] == tokens[:k * P].reshape(k, P)).all(axis=1)
+        ok &= (self._media[idx] == mids[:k]).all(axis=1)
+        ok &= self._salt[idx] == salt_id
+        ok[0] &= self._parent[idx[0]] == -1
+        ok[1:] &= self._parent[idx[1:]] == idx[:-1]
+        if not ok.all():
+            self._counters["collisions"] += 1
+            pages = pages[:int(np.argmin(ok))]
+        return pages
+
+    def _touch(self, pages) -> None:
+        if len(pages):
+            self._clock += 1
+            self._tick[pages] = self._clock
+
+    def _insert(self, rec: _Request, names: list[int], page_tokens: np.ndarray, mids: np.ndarray) -> int:
+        """Move the request's first ``len(names)`` pages into the index (see ``finish``) and release all the rest."""
+        chain_pages, new = [], []
+        parent = -1
+        for j, name in enumerate(names):
+            page = rec.pages[j]
+            if not self._indexed[page]:
+                other = self._index.get(name)
+                if other is None:
+                    self._index[name] = page  # the request's owner becomes the index's owner
+                    new.append(j)
+                elif self._same(other, page_tokens[j], mids[j], parent, rec.salt_id):
+                    page = other
+                else:
+                    self._counters["collisions"] += 1
+                    break
+            chain_pages.append(parent := page)
+        if new:
+            pages = [rec.pages[j] for j in new]
+            self._name[pages] = np.array([names[j] for j in new], dtype=np.uint64)
+            self._tokens[pages] = page_tokens[new]
+            self._media[pages] = mids[new]
+            self._parent[pages] = [chain_pages[j - 1] if j else -1 for j in new]
+            self._salt[pages] = rec.salt_id
+            self._depth[pages] = new
+            self._indexed[pages] = True
+        self._touch(chain_pages)
+        kept = set(new)
+        self.pool.release([p for j, p in enumerate(rec.pages) if j not in kept])
+        return len(new)
+
+    def _same(self, page: int, tokens: np.ndarray, mid: np.ndarray, parent: int, salt_id: int) -> bool:
+        return bool(self._parent[page] == parent and self._salt[page] == salt_id
+                    and (self._tokens[page] == tokens).all() and (self._media[page] == mid).all())
+
+    def _make_room(self, need: int) -> None:
+        """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
+        nothing) when even every page only the index holds would not cover the shortfall."""
+        short = need - self.pool.num_free
+        if short <= 0:
+            return
+        c = self._counters
+        cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
+        if cands.size < short:
+            c["stalls"] += 1
+            raise OutOfPages(short - int(cands.size), requested=need)
+        batch = min(int(cands.size), max(short, self.evict_batch_pages))
+        if batch < cands.size:
+            # Coldest first, deeper first among equal ticks: a prefix of this order is a set of whole cold tails.
+            key = self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
+            cands = cands[np.argpartition(key, batch - 1)[:batch]]
+        for name in self._name[cands].tolist():
+            del self._index[name]
+        self._indexed[cands] = False
+        self.pool.release(cands)
+        c["evicted_pages"] += batch
+        c["eviction_batches"] += 1
+        c["shortfall_pages"] += short

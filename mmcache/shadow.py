@@ -1,0 +1,127 @@
+"""Phase 1, names without pages: measure the reuse a workload would get without changing what an engine does.
+
+The table keeps, per page name, the verifying ids a real index would compare (parent name, salt, tokens, media), so
+the measured matches are the ones PrefixCache would confirm with an unbounded pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import Counter
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from .errors import DuplicateRequest, InvalidRequest, UnknownRequest
+from .names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShadowMatch:
+    """One request's would-be reuse: ``matched_pages`` from finished requests, and past the first miss,
+    ``inflight_pages`` more that a request still in flight was computing (reusable with in-flight sharing)."""
+
+    rid: Hashable
+    prompt_tokens: int
+    matched_pages: int
+    inflight_pages: int
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Live:
+    tokens: np.ndarray
+    media: dict[int, bytes]
+    root: int
+    salt_id: int
+    names: list[int]
+
+
+class ShadowIndex:
+    """Names and verifying ids of every finished request's full pages, with no pages and no eviction.
+
+    Invariant: an entry is added only at ``finish`` and never removed, so ``matched_pages`` is the ceiling an
+    infinite pool would realize. Nothing here is visible to the engine being measured.
+    """
+
+    def __init__(self, fingerprint: Fingerprint):
+        self.fingerprint = fingerprint
+        self.page_size = fingerprint.page_size
+        self.records: list[ShadowMatch] = []
+        self._table: dict[int, tuple[int, int, bytes, bytes]] = {}
+        self._salt_ids: dict[bytes, int] = {b"": 0}
+        self._live: dict[Hashable, _Live] = {}
+        self._inflight: Counter[int] = Counter()
+        self._lock = threading.Lock()
+
+    def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
+              names: Sequence[int] | None = None) -> ShadowMatch:
+        P = self.page_size
+        tokens = as_tokens(token_ids)
+        if tokens.size == 0:
+            raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
+        root = chain_root(self.fingerprint, salt)
+        blobs = media_by_page(media, P, tokens.size)
+        names = [int(x) for x in names] if names is not None else chain(root, tokens, P, 0, blobs)
+        limit = (tokens.size - 1) // P
+        mids = media_ids(blobs, range(limit))
+        with self._lock:
+            if rid in self._live:
+                raise DuplicateRequest(f"request {rid!r} is already live")
+            salt_id = self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
+            k, parent = 0, None
+            for k in range(limit + 1):
+                entry = self._table.get(names[k]) if k < limit else None
+                if entry != (parent, salt_id, tokens[k * P:(k + 1) * P].tobytes(), mids[k].tobytes()):
+                    break
+                parent = names[k]
+            inflight = 0
+            while k + inflight < limit and self._inflight[names[k + inflight]]:
+                inflight += 1
+            self._live[rid] = _Live(tokens, blobs, root, salt_id, list(names))
+            self._inflight.update(names[:limit])
+            match = ShadowMatch(rid, int(tokens.size), k, inflight)
+            self.records.append(match)
+            return match
+
+    def finish(self, rid: Hashable, output_ids=()) -> None:
+        """Record the full pages of prompt + output under their names, as PrefixCache.finish would index them."""
+        P = self.page_size
+        with self._lock:
+            live = self._pop(rid)
+        out = as_tokens(output_ids)
+        seq = np.concatenate((live.tokens, out)) if out.size else live.tokens
+        m = seq.size // P
+        names = live.names[:m]
+        if m > len(names):
+            names += chain(names[-1] if names else live.root, seq[len(names) * P:m * P], P, len(names), live.media)
+        mids = media_ids(live.media, range(m))
+        with self._lock:
+            parent = None
+            for j, name in enumerate(names):
+                self._table.setdefault(name, (parent, live.salt_id, seq[j * P:(j + 1) * P].tobytes(),
+                                              mids[j].tobytes()))
+                parent = name
+
+    def abort(self, rid: Hashable) -> None:
+        with self._lock:
+            self._pop(rid)
+
+    def _pop(self, rid: Hashable) -> _Live:
+        live = self._live.pop(rid, None)
+        if live is None:
+            raise UnknownRequest(f"request {rid!r} is not live in the shadow index")
+        self._inflight.subtract(live.names[:(live.tokens.size - 1) // self.page_size])
+        return live
+
+    def stats(self) -> dict[str, float]:
+        """Matched-page share and in-flight overlap over every request admitted so far."""
+        with self._lock:
+            recs = self.records
+            pages = sum(r.prompt_tokens // self.page_size for r in recs)
+            matched = sum(r.matched_pages for r in recs)
+            inflight = sum(r.inflight_pages for r in recs)
+            return {"requests": len(recs), "prompt_pages": pages, "matched_pages": matched,
+                    "matched_page_share": matched / pages if pages else 0.0,
+                    "inflight_pages": inflight, "misses_held_in_flight": sum(r.inflight_pages > 0 for r in recs),
+                    "table_pages": len(self._table)}
