@@ -70,11 +70,10 @@ class ShadowIndex:
                 raise DuplicateRequest(f"request {rid!r} is already live")
             salt_id = self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
             k, parent = 0, None
-            for k in range(limit + 1):
-                entry = self._table.get(names[k]) if k < limit else None
-                if entry != (parent, salt_id, tokens[k * P:(k + 1) * P].tobytes(), mids[k].tobytes()):
-                    break
+            while k < limit and self._table.get(names[k]) == (parent, salt_id, tokens[k * P:(k + 1) * P].tobytes(),
+                                                               mids[k].tobytes()):
                 parent = names[k]
+                k += 1
             inflight = 0
             while k + inflight < limit and self._inflight[names[k + inflight]]:
                 inflight += 1
@@ -111,7 +110,11 @@ class ShadowIndex:
         live = self._live.pop(rid, None)
         if live is None:
             raise UnknownRequest(f"request {rid!r} is not live in the shadow index")
-        self._inflight.subtract(live.names[:(live.tokens.size - 1) // self.page_size])
+        for name in live.names[:(live.tokens.size - 1) // self.page_size]:
+            if self._inflight[name] > 1:
+                self._inflight[name] -= 1
+            else:
+                del self._inflight[name]
         return live
 
     def stats(self) -> dict[str, float]:

@@ -1,0 +1,244 @@
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache, page_names
+from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
+
+P = 4
+FP = Fingerprint(model="org/m@rev", page_size=P)
+
+
+def make(num_pages=32, data=False, **kw):
+    pool = PagePool(num_pages, (P,) if data else (), torch.int64)
+    return PrefixCache(pool, FP, **kw)
+
+
+def serve(cache, rid, prompt, output=(), computed=None, **kw):
+    """Run one request the way an engine would: admit, prefill, decode, finish."""
+    st = cache.admit(rid, prompt, **kw)
+    total = len(prompt) + len(output)
+    cache.grow(rid, total)
+    cache.mark_computed(rid, total if computed is None else computed)
+    cache.finish(rid, output)
+    return st
+
+
+def test_second_request_hits_prompt_and_generated_pages():
+    cache = make()
+    first = serve(cache, "a", list(range(10)), output=[50, 51, 52, 53, 54])
+    assert first.matched_tokens == 0
+    again = cache.admit("b", list(range(10)) + [50, 51, 52, 53, 54, 99])
+    assert again.matched_tokens == 12 and again.seq_len == 12 and again.position_id_start == 0
+    assert len(again.page_indices) == 3
+    s = cache.stats()
+    assert s["hits"] == 1 and s["hit_tokens"] == 12 and s["pages_live"] == 3 and s["requests_live"] == 1
+
+
+def test_full_match_still_leaves_the_last_token_to_compute():
+    cache = make()
+    serve(cache, "a", list(range(8)))
+    assert cache.admit("b", list(range(8))).matched_tokens == 4      # floor((8-1)/4) pages
+    assert cache.admit("c", list(range(9))).matched_tokens == 8
+
+
+def test_forced_collision_all_names_equal_stays_exact():
+    cache = make(data=True)
+    collide = lambda n: [7] * (n // P)                              # every page has the same name
+    a, b = list(range(12)), list(range(100, 112))
+    serve(cache, "a", a, names=collide(12))
+    assert cache.admit("b", b, names=collide(12)).matched_tokens == 0
+    cache.abort("b")
+    # same prompt: page 0 verifies, page 1 is nominated as a's page 0 again and fails the parent check
+    assert cache.admit("c", a + [1], names=collide(13)).matched_tokens == 4
+    assert cache.stats()["collisions"] == 3      # a's own finish stopped at page 1, then b and c
+    assert cache.stats()["pages_cached"] == 1
+
+
+def test_salts_never_share_pages():
+    cache = make()
+    serve(cache, "a", list(range(12)), salt=b"tenant-a")
+    assert cache.admit("b", list(range(12)), salt=b"tenant-b").matched_tokens == 0
+    assert cache.admit("c", list(range(12)), salt=b"tenant-a").matched_tokens == 8
+    # given names that ignore the salt still cannot cross tenants: the salt is a verifying id
+    names = page_names(FP, list(range(12)), salt=b"tenant-a")
+    assert cache.admit("d", list(range(12)), salt=b"tenant-b", names=names).matched_tokens == 0
+
+
+def test_nothing_matches_across_fingerprints():
+    pool = PagePool(32)
+    old = PrefixCache(pool, FP)
+    serve(old, "a", list(range(12)))
+    new = PrefixCache(pool, Fingerprint(model="org/m@rev2", page_size=P))
+    assert new.admit("a", list(range(12))).matched_tokens == 0
+
+
+def test_different_image_behind_same_text_never_hits():
+    cache = make()
+    prompt = list(range(12))
+    serve(cache, "a", prompt, media=[(1, b"image-A" * 3)])
+    assert cache.admit("b", prompt, media=[(1, b"image-B" * 3)]).matched_tokens == 0
+    assert cache.admit("c", prompt, media=[(1, b"image-A" * 3)]).matched_tokens == 8
+    assert cache.admit("d", prompt).matched_tokens == 0
+
+
+def test_teardown_mid_prefill_indexes_only_written_pages():
+    cache = make()
+    cache.admit("a", list(range(20)))
+    cache.grow("a", 20)
+    cache.mark_computed("a", 10)                                     # 2 full pages written, the third half
+    assert cache.finish("a") == 2
+    assert cache.admit("b", list(range(20))).matched_tokens == 8
+    assert cache.stats()["pages_cached"] == 2
+
+
+def test_equal_pages_are_not_duplicated_when_two_requests_finish():
+    cache = make()
+    for rid in "ab":                                                 # both in flight: neither hits
+        cache.admit(rid, list(range(12)))
+        cache.grow(rid, 12)
+        cache.mark_computed(rid, 12)
+    assert cache.finish("a") == 3 and cache.finish("b") == 0
+    s = cache.stats()
+    assert s["pages_cached"] == 3 and s["pages_free"] == 32 - 3
+
+
+def test_bytes_written_by_one_request_are_read_by_the_next():
+    cache = make(data=True)
+    prompt = list(range(100, 113))
+    st = cache.admit("a", prompt)
+    st = cache.grow("a", len(prompt))
+    kv = torch.arange(1000, 1000 + 4 * P).reshape(4, P)             # stand-in KV, one row per page
+    cache.pool.data[list(st.page_indices)] = kv
+    cache.mark_computed("a", len(prompt))
+    cache.finish("a")
+    hit = cache.admit("b", prompt)
+    assert torch.equal(cache.pool.data[list(hit.page_indices)], kv[:3])
+
+
+def test_eviction_drops_cold_tails_first_and_live_requests_never_fail_because_of_cache():
+    cache = make(num_pages=8, evict_batch_pages=1)
+    serve(cache, "old", list(range(16)))                             # 4 cached pages
+    serve(cache, "new", list(range(100, 108)))                       # 2 cached pages, hotter
+    cache.admit("x", list(range(200, 220)))
+    cache.grow("x", 20)                                              # 5 pages: needs 3 evicted
+    s = cache.stats()
+    assert s["evicted_pages"] == 3 and s["stalls"] == 0
+    # the cold run lost its tail, not its head; the hot run is intact
+    cache.abort("x")
+    assert cache.admit("old2", list(range(16))).matched_tokens == 4
+    assert cache.admit("new2", list(range(100, 108)) + [1]).matched_tokens == 8
+
+
+def test_out_of_pages_only_when_live_demand_exceeds_the_pool_and_changes_nothing():
+    cache = make(num_pages=4)
+    serve(cache, "cached", list(range(8)))
+    cache.admit("a", list(range(100, 112)))
+    cache.grow("a", 12)                                             # 3 pages live, cache evicted as needed
+    before = cache.stats()
+    with pytest.raises(OutOfPages) as err:
+        cache.grow("a", 24)                                          # 6 pages > 4
+    assert err.value.shortfall == 2
+    after = cache.stats()
+    assert after["stalls"] == before["stalls"] + 1
+    assert {k: v for k, v in after.items() if k != "stalls"} == {k: v for k, v in before.items() if k != "stalls"}
+    assert cache.state("a").seq_len == 12
+
+
+def test_eviction_is_batched_under_saturation():
+    cache = make(num_pages=64, evict_batch_pages=8)
+    for i in range(40):                                              # distinct prompts fill the pool
+        serve(cache, i, [i] * 8 + [1])
+    s = cache.stats()
+    assert s["stalls"] == 0 and s["evicted_pages"] >= s["shortfall_pages"]
+    assert s["evicted_pages"] / s["eviction_batches"] >= 8
+
+
+def test_suspend_releases_shared_pages_and_resume_relooks_them_up():
+    cache = make()
+    serve(cache, "a", list(range(12)))
+    st = cache.admit("b", list(range(12)) + [5] * 6)
+    cache.grow("b", 18)
+    cache.mark_computed("b", 18)
+    own = cache.suspend("b")
+    assert st.matched_tokens == 12 and len(own) == 2 and cache.state("b").position_id_start == 12
+    assert cache.stats()["pages_live"] == 2
+    with pytest.raises(InvalidRequest):
+        cache.grow("b", 30)                                          # suspended requests do not grow
+    back = cache.resume("b")
+    assert back.page_indices[:3] == st.page_indices and back.computed_tokens == 18
+    cache.finish("b")
+    assert cache.admit("c", list(range(12)) + [5] * 6 + [0]).matched_tokens == 16
+
+
+def test_resume_after_eviction_recomputes_the_gap():
+    cache = make(num_pages=8, evict_batch_pages=1)
+    serve(cache, "a", list(range(12)))
+    cache.admit("b", list(range(12)) + [5, 5])
+    cache.grow("b", 14)
+    cache.mark_computed("b", 14)
+    cache.suspend("b")
+    cache.admit("hog", list(range(100, 128)))
+    cache.grow("hog", 28)                                            # 7 pages: the shared prefix is evicted
+    cache.abort("hog")
+    back = cache.resume("b")
+    assert back.matched_tokens == 0 and back.computed_tokens == 0 and len(back.page_indices) == 4
+
+
+def test_errors_are_clear_and_change_nothing():
+    cache = make()
+    serve(cache, "done", list(range(12)))
+    cache.admit("a", list(range(12)))
+    before = cache.stats()
+    with pytest.raises(UnknownRequest, match="already ended"):
+        cache.grow("done", 20)
+    with pytest.raises(UnknownRequest, match="never admitted"):
+        cache.finish("ghost")
+    with pytest.raises(DuplicateRequest):
+        cache.admit("a", [1, 2])
+    with pytest.raises(InvalidRequest):
+        cache.grow("a", 3)                                           # below the 8 matched tokens
+    with pytest.raises(InvalidRequest):
+        cache.mark_computed("a", 9)                                  # beyond what is held
+    with pytest.raises(InvalidRequest):
+        cache.admit("z", [1, -2])
+    with pytest.raises(InvalidRequest):
+        cache.admit("z", [])
+    with pytest.raises(InvalidRequest):
+        cache.admit("z", [1, 2], salt="text")
+    with pytest.raises(InvalidRequest):
+        cache.admit("z", list(range(8)), names=[1])                  # one name for two full pages
+    with pytest.raises(InvalidRequest):
+        cache.resume("a")                                            # not suspended
+    assert cache.stats() == before
+    cache.finish("a")
+    with pytest.raises(UnknownRequest):
+        cache.finish("a")                                            # double teardown
+
+
+def test_vocab_size_bounds_tokens():
+    cache = make(vocab_size=100)
+    with pytest.raises(InvalidRequest):
+        cache.admit("a", [5, 100])
+
+
+def test_concurrent_requests_from_threads_keep_counts_exact():
+    cache = make(num_pages=256)
+    prompts = [list(range(i % 5 * 8)) + [i] * 9 for i in range(200)]
+
+    def worker(k):
+        for i in range(k, 200, 4):
+            serve(cache, i, prompts[i], output=[1, 2, 3])
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = cache.stats()
+    assert s["requests_live"] == 0 and s["pages_live"] == 0
+    assert (cache.pool.counts == cache._indexed).all()              # every owned page is owned by the index alone
+    cache.clear()
+    assert cache.pool.num_free == 256

@@ -1,0 +1,194 @@
+"""Stateful property test of PrefixCache over a real data-carrying pool.
+
+Each written KV slot holds a value that depends on the salt and every token up to its position, so a page that is
+reused under the wrong prefix shows up as wrong data: cached-on equals cached-off at the byte level.
+"""
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
+
+P, PAGES = 4, 12
+SALTS = [b"", b"tenant"]
+
+
+def kv_values(salt: bytes, seq: list[int]) -> np.ndarray:
+    """The 'KV' of each position: a rolling hash of the salt and the whole prefix up to it."""
+    h, out = hash(salt) & 0xFFFF, []
+    for tok in seq:
+        h = (h * 1_000_003 + tok + 1) % (1 << 61)
+        out.append(h)
+    return np.array(out, dtype=np.int64)
+
+
+# Prompts share prefixes: one of three stems, cut anywhere, plus a short random tail.
+STEMS = [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2], [2, 2, 1, 1, 0, 0, 2, 2, 1, 1, 0, 0], [1] * 12]
+PROMPTS = st.builds(lambda stem, cut, tail: stem[:cut] + tail or [0], st.sampled_from(STEMS), st.integers(0, 12),
+                    st.lists(st.integers(0, 2), max_size=5))
+
+
+def generated(t: int) -> int:
+    return (t * 7) % 3  # the tokens a request "generates" at position t; a small alphabet keeps prefixes shared
+
+
+class CacheMachine(RuleBasedStateMachine):
+    collide = False  # when True every page of every request has the same name: only verification keeps it exact
+
+    def __init__(self):
+        super().__init__()
+        self.cache = PrefixCache(PagePool(PAGES, (P,), torch.int64), Fingerprint("m", page_size=P),
+                                 evict_batch_pages=2)
+        self.live: dict[int, dict] = {}
+        self.next_id = 0
+
+    # ---- helpers
+    def seq(self, r, upto):
+        return r["prompt"] + [generated(t) for t in range(len(r["prompt"]), upto)]
+
+    def held_by_live(self) -> set[int]:
+        return {p for rid in self.live for p in self.cache.state(rid).page_indices}
+
+    def check_matched_data(self, r, st_):
+        n = st_.matched_tokens
+        if n:
+            got = self.cache.pool.data[list(st_.page_indices[: n // P])].reshape(-1)
+            assert torch.equal(got, torch.from_numpy(kv_values(r["salt"], r["prompt"][:n])))
+
+    def expect_refusal_is_justified(self, need):
+        assert need > PAGES - len(self.held_by_live()), "a live request was refused because of cached data"
+
+    # ---- rules
+    @precondition(lambda self: len(self.live) < 4)
+    @rule(prompt=PROMPTS, salt=st.sampled_from(SALTS))
+    def admit(self, prompt, salt):
+        self.start(prompt, salt)
+
+    def start(self, prompt, salt) -> int:
+        rid, self.next_id = self.next_id, self.next_id + 1
+        names = [7] * (len(prompt) // P) if self.collide else None
+        st_ = self.cache.admit(rid, prompt, salt=salt, names=names)
+        r = self.live[rid] = {"prompt": prompt, "salt": salt, "suspended": False}
+        assert st_.matched_tokens <= (len(prompt) - 1) // P * P
+        self.check_matched_data(r, st_)
+        return rid
+
+    @rule(prompt=PROMPTS, salt=st.sampled_from(SALTS), decode=st.integers(0, 6))
+    def serve(self, prompt, salt, decode):
+        """A whole request in one step, so that the index fills and later admits hit and evict."""
+        rid = self.start(prompt, salt) if len(self.live) < 4 else None
+        if rid is None:
+            return
+        r, total = self.live[rid], len(prompt) + decode
+        try:
+            self.cache.grow(rid, total)
+        except OutOfPages:
+            self.expect_refusal_is_justified(-(-total // P) - len(self.cache.state(rid).page_indices))
+            self.cache.abort(rid)
+            del self.live[rid]
+            return
+        self.write_upto(rid, total)
+        self.cache.finish(rid, self.seq(r, total)[len(prompt):])
+        del self.live[rid]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), extra=st.integers(0, 12))
+    def grow(self, data, extra):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        if self.live[rid]["suspended"]:
+            return
+        st_ = self.cache.state(rid)
+        total = max(st_.seq_len + extra, len(self.live[rid]["prompt"]) if extra else 0)
+        need = -(-total // P) - len(st_.page_indices)
+        try:
+            self.cache.grow(rid, total)
+        except OutOfPages:
+            self.expect_refusal_is_justified(need)
+            assert self.cache.state(rid) == st_
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), k=st.integers(1, 9))
+    def write(self, data, k):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live[rid]
+        if r["suspended"]:
+            return
+        st_ = self.cache.state(rid)
+        self.write_upto(rid, min(st_.seq_len, st_.computed_tokens + k))
+
+    def write_upto(self, rid, new):
+        r, st_ = self.live[rid], self.cache.state(rid)
+        values = kv_values(r["salt"], self.seq(r, new))
+        for t in range(st_.computed_tokens, new):
+            page = st_.page_indices[t // P - st_.position_id_start // P]
+            assert self.cache.pool.counts[page] == 1, "a request writes only into pages it owns alone"
+            self.cache.pool.data[page, t % P] = int(values[t])
+        self.cache.mark_computed(rid, new)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), how=st.sampled_from(["finish", "abort", "suspend", "resume"]))
+    def end_or_move(self, data, how):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live[rid]
+        if how == "finish" and not r["suspended"]:
+            st_ = self.cache.state(rid)
+            self.cache.finish(rid, self.seq(r, st_.seq_len)[len(r["prompt"]):])
+            del self.live[rid]
+        elif how == "abort":
+            self.cache.abort(rid)
+            del self.live[rid]
+        elif how == "suspend" and not r["suspended"]:
+            own = self.cache.suspend(rid)
+            assert all(self.cache.pool.counts[p] == 1 for p in own)
+            r["suspended"] = True
+        elif how == "resume" and r["suspended"]:
+            gap = self.cache.state(rid).position_id_start // P
+            try:
+                st_ = self.cache.resume(rid)
+            except OutOfPages:
+                self.expect_refusal_is_justified(gap)
+                return
+            r["suspended"] = False
+            self.check_matched_data(r, st_)
+
+    @rule()
+    def clear_index(self):
+        self.cache.clear()
+
+    # ---- invariants
+    @invariant()
+    def owner_counts_equal_holders(self):
+        holders = np.zeros(PAGES, dtype=np.int32)
+        for rid in self.live:
+            np.add.at(holders, list(self.cache.state(rid).page_indices), 1)
+        holders += self.cache._indexed
+        assert (self.cache.pool.counts == holders).all()
+
+    @invariant()
+    def free_list_is_exactly_the_unowned_pages(self):
+        free = self.cache.pool._free
+        assert len(free) == len(set(free)), "a page is on the free list twice"
+        assert sorted(free) == np.flatnonzero(self.cache.pool.counts == 0).tolist()
+
+    @invariant()
+    def index_and_arrays_agree(self):
+        idx = self.cache._index
+        assert sorted(idx.values()) == np.flatnonzero(self.cache._indexed).tolist()
+        for name, page in idx.items():
+            assert int(self.cache._name[page]) == name
+
+    def teardown(self):
+        for rid in list(self.live):
+            self.cache.abort(rid)
+        self.cache.clear()
+        assert self.cache.pool.num_free == PAGES, "pages leaked"
+
+
+class CollidingNamesMachine(CacheMachine):
+    collide = True
+
+
+TestPrefixCacheStateful = CacheMachine.TestCase
+TestPrefixCacheForcedCollisions = CollidingNamesMachine.TestCase
