@@ -68,7 +68,9 @@ def as_tokens(token_ids, limit: int = _TOKEN_LIMIT) -> np.ndarray:
         arr = arr.reshape(-1) if arr.size else arr.reshape(0)
     if arr.size and (arr.dtype.kind not in "iu"):
         raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit):
+    # int32 ids are below the default limit by construction, so the common case needs only the min.
+    if arr.size and (int(arr.min()) < 0 or (not (arr.dtype == TOKEN_DTYPE and limit == _TOKEN_LIMIT)
+                                            and int(arr.max()) >= limit)):
         raise InvalidRequest(f"token ids must lie in [0, {limit}), got range [{arr.min()}, {arr.max()}]")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
 

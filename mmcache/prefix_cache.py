@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+from itertools import repeat
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -86,7 +87,8 @@ class PrefixCache:
         # Verifying ids and chain metadata, preallocated and indexed by page id (valid where _indexed).
         self._name = np.zeros(n, dtype=np.uint64)
         self._tokens = np.zeros((n, P), dtype=np.int32)
-        self._media = np.zeros((n, 2), dtype=np.uint64)
+        self._media_lo = np.zeros(n, dtype=np.uint64)   # 128-bit media verifying id, split for 1-D gathers
+        self._media_hi = np.zeros(n, dtype=np.uint64)
         self._parent = np.full(n, -1, dtype=np.int32)
         self._salt = np.zeros(n, dtype=np.int32)
         self._depth = np.zeros(n, dtype=np.int32)
@@ -115,24 +117,26 @@ class PrefixCache:
             raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
         root = chain_root(self.fingerprint, salt)
         blobs = media_by_page(media, P, tokens.size)
-        names = self._checked_names(rid, names, tokens.size) if names is not None else \
-            chain(root, tokens, P, 0, blobs)
+        if names is None:
+            names = chain(root, tokens, P, 0, blobs)
+        elif len(names) != tokens.size // P:
+            raise InvalidRequest(f"request {rid!r}: {len(names)} names for {tokens.size // P} full pages")
         limit = (tokens.size - 1) // P
         mids = media_ids(blobs, range(limit))
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request {rid!r} is already live")
             salt_id = self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
-            pages = self._match(names[:limit], tokens, mids, salt_id)
-            self.pool.retain(pages)
-            self._touch(pages)
-            k = len(pages) * P
-            rec = _Request(rid, tokens, blobs, root, salt_id, list(names), pages, k, k, k)
+            idx = self._match(names[:limit], tokens, mids, salt_id)
+            self.pool.retain(idx, distinct=True)
+            self._touch(idx)
+            k = idx.size * P
+            rec = _Request(rid, tokens, blobs, root, salt_id, list(names), idx.tolist(), k, k, k)
             self._live[rid] = rec
             self._ended.pop(rid, None)
             c = self._counters
             c["queries"] += 1
-            c["hits"] += bool(pages)
+            c["hits"] += bool(k)
             c["queried_tokens"] += int(tokens.size)
             c["hit_tokens"] += k
             return rec.state(P)
@@ -181,7 +185,7 @@ class PrefixCache:
         out = as_tokens(output_ids, self._vocab_limit)
         seq = np.concatenate((rec.tokens, out)) if out.size else rec.tokens
         m = min(seq.size, rec.computed) // P
-        names = rec.names[:m]
+        names = self._storable(rid, rec.names[:m])
         if m > len(names):  # generated tokens extend the chain from the prompt's last full page
             start = len(names)
             names += chain(names[-1] if names else rec.root, seq[start * P:m * P], P, start, rec.media)
@@ -222,18 +226,18 @@ class PrefixCache:
                 raise InvalidRequest(f"request {rid!r} is not suspended")
             j0 = rec.first_page
             mids = media_ids(rec.media, range(j0))
-            pages = self._match(rec.names[:j0], rec.tokens, mids, rec.salt_id)
-            self.pool.retain(pages)
-            gap = j0 - len(pages)
+            idx = self._match(rec.names[:j0], rec.tokens, mids, rec.salt_id)
+            self.pool.retain(idx, distinct=True)
+            gap = j0 - idx.size
             try:
                 self._make_room(gap)
             except OutOfPages:
-                self.pool.release(pages)
+                self.pool.release(idx)
                 raise
-            self._touch(pages)
-            rec.pages = pages + self.pool.alloc(gap) + rec.pages
+            self._touch(idx)
+            rec.pages = idx.tolist() + self.pool.alloc(gap) + rec.pages
             rec.first_page, rec.suspended = 0, False
-            rec.matched = len(pages) * P
+            rec.matched = idx.size * P
             if gap:
                 rec.computed = min(rec.computed, rec.matched)
             return rec.state(P)
@@ -272,40 +276,43 @@ class PrefixCache:
         if len(self._ended) > _FINISHED_MEMORY:
             self._ended.popitem(last=False)
 
-    def _checked_names(self, rid, names, num_tokens: int) -> list[int]:
-        names = [int(x) for x in names]
-        if len(names) != num_tokens // self.page_size:
-            raise InvalidRequest(f"request {rid!r}: {len(names)} names for {num_tokens // self.page_size} full pages")
-        if any(not 0 <= x < 1 << 64 for x in names):
-            raise InvalidRequest(f"request {rid!r}: page names must be 64-bit unsigned integers")
-        return names
+    @staticmethod
+    def _storable(rid, names) -> list[int]:
+        """Names as Python ints that fit the uint64 name array. A lookup needs no check (a name only nominates);
+        storing does, and it happens here, before ``finish`` changes anything."""
+        try:
+            checked = np.array(names, dtype=np.uint64).tolist()
+        except (OverflowError, TypeError, ValueError):
+            checked = None
+        if checked != list(names):
+            raise InvalidRequest(f"request {rid!r}: page names must be unsigned 64-bit integers")
+        return checked
 
-    def _match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int) -> list[int]:
+    def _match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int) -> np.ndarray:
         """Pages nominated by walking ``names`` to the first miss, cut at the first that fails verification.
 
         Verification is one vectorized comparison of every nominated page's tokens, media, parent and salt; a page
         is accepted only if its whole chain back to page 0 is the request's own, so a hash collision costs a miss.
         """
-        get = self._index.get
-        pages = []
-        for name in names:
-            page = get(name)
-            if page is None:
-                break
-            pages.append(page)
-        if not pages:
-            return pages
-        k, P = len(pages), self.page_size
-        idx = np.fromiter(pages, dtype=np.int64, count=k)
-        ok = (self._tokens[idx] == tokens[:k * P].reshape(k, P)).all(axis=1)
-        ok &= (self._media[idx] == mids[:k]).all(axis=1)
-        ok &= self._salt[idx] == salt_id
-        ok[0] &= self._parent[idx[0]] == -1
-        ok[1:] &= self._parent[idx[1:]] == idx[:-1]
-        if not ok.all():
+        # Probing past the first miss in C is cheaper than stopping there in a Python loop.
+        idx = np.fromiter(map(self._index.get, names, repeat(-1)), dtype=np.int64, count=len(names))
+        miss = np.flatnonzero(idx < 0)
+        if miss.size:
+            idx = idx[:miss[0]]
+        k, P = idx.size, self.page_size
+        if k == 0:
+            return idx
+        rows = self._tokens[idx]
+        expected = tokens[:k * P].reshape(k, P)
+        parents = np.empty(k, dtype=np.int32)
+        parents[0], parents[1:] = -1, idx[:-1]
+        ok = (self._parent[idx] == parents) & (self._salt[idx] == salt_id)
+        ok &= (self._media_lo[idx] == mids[:k, 0]) & (self._media_hi[idx] == mids[:k, 1])
+        if not (ok.all() and (rows == expected).all()):  # the common all-equal case skips the per-row reduction
+            ok &= (rows == expected).all(axis=1)
             self._counters["collisions"] += 1
-            pages = pages[:int(np.argmin(ok))]
-        return pages
+            idx = idx[:int(np.argmin(ok))]
+        return idx
 
     def _touch(self, pages) -> None:
         if len(pages):
@@ -333,7 +340,7 @@ class PrefixCache:
             pages = [rec.pages[j] for j in new]
             self._name[pages] = np.array([names[j] for j in new], dtype=np.uint64)
             self._tokens[pages] = page_tokens[new]
-            self._media[pages] = mids[new]
+            self._media_lo[pages], self._media_hi[pages] = mids[new, 0], mids[new, 1]
             self._parent[pages] = [chain_pages[j - 1] if j else -1 for j in new]
             self._salt[pages] = rec.salt_id
             self._depth[pages] = new
@@ -345,7 +352,8 @@ class PrefixCache:
 
     def _same(self, page: int, tokens: np.ndarray, mid: np.ndarray, parent: int, salt_id: int) -> bool:
         return bool(self._parent[page] == parent and self._salt[page] == salt_id
-                    and (self._tokens[page] == tokens).all() and (self._media[page] == mid).all())
+                    and self._media_lo[page] == mid[0] and self._media_hi[page] == mid[1]
+                    and (self._tokens[page] == tokens).all())
 
     def _make_room(self, need: int) -> None:
         """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
