@@ -48,3 +48,7 @@ class TraceError(MmcacheError, ValueError):
 
 class EncoderOutputError(MmcacheError, ValueError):
     """An encoder output the store refuses: not tensors, or a shape/dtype other than expected or already stored."""
+
+
+class InvalidMedia(MmcacheError, ValueError):
+    """Media, params or token ids that cannot be digested or decoded: missing file, unsupported type, corrupt data."""

@@ -1,0 +1,74 @@
+"""Decoders for the encoder wrappers: they turn user media into pixels or samples, or raise InvalidMedia.
+
+Digesting never calls these; a corrupt file still has a digest, and fails here, at the encoder, with a clear message.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import wave
+
+import numpy as np
+
+from mmcache.errors import InvalidMedia
+
+_PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error)
+
+
+def _source(data, what: str):
+    """A path or a binary file object for ``data`` (bytes-like, str / os.PathLike, or an open binary file)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return io.BytesIO(data)
+    if isinstance(data, (str, os.PathLike)):
+        if not os.path.isfile(data):
+            raise InvalidMedia(f"no such {what} file: {os.fspath(data)!r}")
+        return os.fspath(data)
+    if hasattr(data, "read"):
+        return data
+    raise InvalidMedia(f"cannot decode {type(data).__qualname__} as {what}: expected bytes, a path or a binary file")
+
+
+def open_image(data):
+    """A fully loaded PIL image (mode as stored, no conversion); InvalidMedia if it is missing, corrupt or truncated."""
+    from PIL import Image
+
+    src = _source(data, "image")
+    try:
+        img = Image.open(src)
+        img.load()  # Image.open only reads the header; truncation and bad data surface here
+    except (Image.DecompressionBombError, *_PIL_ERRORS) as e:
+        raise InvalidMedia(f"cannot decode image{_name(data)}: {e}") from e
+    return img
+
+
+def load_wav(data):
+    """``(waveform, sample_rate)`` of a PCM WAV (8/16/24/32-bit): a float32 torch tensor [channels, samples] in
+    [-1, 1). InvalidMedia if the file is missing, not PCM WAV, or truncated."""
+    import torch
+
+    src = _source(data, "WAV")
+    try:
+        with wave.open(src, "rb") as w:
+            channels, width, rate, frames = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+            raw = w.readframes(frames)
+    except (wave.Error, EOFError, struct.error, ValueError) as e:
+        raise InvalidMedia(f"cannot decode WAV{_name(data)}: {e}") from e
+    if channels < 1 or width not in (1, 2, 3, 4):
+        raise InvalidMedia(f"unsupported WAV{_name(data)}: {channels} channel(s), {8 * width}-bit samples")
+    if len(raw) != frames * channels * width:  # wave returns what is there, silently, when the data is cut short
+        raise InvalidMedia(f"truncated WAV{_name(data)}: {len(raw)} of {frames * channels * width} data bytes")
+    if width == 1:
+        x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
+    elif width == 3:  # no int24 dtype: place each sample in the top 3 bytes of an int32, then scale as 32-bit
+        padded = np.zeros((len(raw) // 3, 4), np.uint8)
+        padded[:, 1:] = np.frombuffer(raw, np.uint8).reshape(-1, 3)
+        x = padded.view("<i4")[:, 0] / np.float32(2**31)
+    else:
+        x = np.frombuffer(raw, f"<i{width}") / np.float32(2 ** (8 * width - 1))
+    return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32).reshape(-1, channels).T)), rate
+
+
+def _name(data) -> str:
+    return f" {os.fspath(data)!r}" if isinstance(data, (str, os.PathLike)) else ""
