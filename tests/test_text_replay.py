@@ -1,0 +1,211 @@
+"""Text trace loaders, replay order, and the replay engine (small temp traces, the embedded slice, real data)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mmcache.errors import TraceError
+from workloads.catalog import embedded_slice
+from workloads.mooncake import BLOCK_TOKENS, load_mooncake
+from workloads.ordering import schedule
+from workloads.text_replay import ServiceModel, pool_pages_for, replay
+from workloads.text_trace import CallInfo
+
+P = BLOCK_TOKENS
+
+
+def row(ts_ms, n_in, ids, n_out=8):
+    return json.dumps({"timestamp": ts_ms, "input_length": n_in, "output_length": n_out, "hash_ids": ids})
+
+
+def write_lines(tmp_path, lines, name="trace.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- Mooncake loader
+def test_mooncake_skips_malformed_lines_with_file_and_line(tmp_path):
+    path = write_lines(tmp_path, [
+        row(0, 1000, [1, 2]),
+        "{not json",
+        json.dumps({"timestamp": 5, "input_length": 10, "hash_ids": [1]}),  # no output_length
+        row(10, 1025, [1, 2]),                                              # needs 3 ids
+        "",                                                                 # blank: ignored, not an error
+        row(20, 512, [7]),
+    ])
+    trace = load_mooncake(path)
+    assert [s.name for s in trace.sessions] == ["mc-1", "mc-6"]
+    assert trace.malformed == 3
+    assert [e.line for e in trace.errors] == [2, 3, 4]
+    assert all(e.path == str(path) for e in trace.errors)
+    assert str(trace.errors[0]).startswith(f"{path}:2:") and "JSON" in str(trace.errors[0])
+    assert "output_length" in str(trace.errors[1])
+    assert "hash_ids" in str(trace.errors[2])
+
+
+def test_mooncake_missing_file_raises(tmp_path):
+    with pytest.raises(TraceError, match="no such file"):
+        load_mooncake(tmp_path / "absent.jsonl")
+
+
+def test_mooncake_tokens_and_names_follow_block_ids(tmp_path):
+    path = write_lines(tmp_path, [row(0, 1500, [1, 2, 3]), row(1000, 1024, [1, 2]), row(2000, 700, [1, 9])])
+    a, b, c = (s.build(0) for s in load_mooncake(path).sessions)
+    assert a.token_ids.dtype == np.int32 and a.prompt_len == 1500 and a.output_ids is None
+    assert len(a.names) == 1500 // P and len(b.names) == 2 and len(c.names) == 1
+    assert a.names[:2] == b.names and a.names[0] == c.names[0]
+    assert np.array_equal(a.token_ids[:2 * P], b.token_ids)
+    assert np.array_equal(a.token_ids[:P], c.token_ids[:P])
+    assert not np.array_equal(a.token_ids[P:2 * P], c.token_ids[P:2 * P])
+    assert a.arrival_s == 0.0 and b.arrival_s == 1.0
+    assert all(n >= 1 << 32 for n in a.names)  # mapped away from the small integer ids
+
+
+def test_embedded_slice_loads():
+    trace = load_mooncake(embedded_slice())
+    assert trace.num_requests == 2000 and trace.malformed == 0 and trace.page_size == 512
+    assert trace.prompt_tokens > 0
+
+
+def test_mooncake_limit_counts_valid_requests(tmp_path):
+    path = write_lines(tmp_path, ["oops", row(0, 10, [1]), row(0, 10, [1]), row(0, 10, [1])])
+    assert load_mooncake(path, limit=2).num_requests == 2
+
+
+# ----------------------------------------------------------------------------------------------- ordering
+class _S:
+    def __init__(self, name, arrivals):
+        self.name, self.calls = name, [CallInfo(t, 1, 1) for t in arrivals]
+
+
+def test_round_robin_interleaves_k_sessions_and_refills():
+    sessions = [_S("a", [0, 0, 0]), _S("b", [0]), _S("c", [0, 0]), _S("d", [0])]
+    assert list(schedule(sessions, "round-robin", 2)) == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (3, 0)]
+
+
+def test_timestamp_order_is_stable_and_causal():
+    sessions = [_S("a", [5, 5, 9]), _S("b", [0, 5])]
+    assert list(schedule(sessions, "timestamp")) == [(1, 0), (0, 0), (0, 1), (1, 1), (0, 2)]
+
+
+def test_unknown_order_rejected():
+    with pytest.raises(ValueError, match="unknown order"):
+        list(schedule([], "random"))
+
+
+# ----------------------------------------------------------------------------------------------- replay engine
+@pytest.mark.parametrize("order", ["timestamp", "round-robin"])
+def test_replay_counts_expected_hits(tmp_path, order):
+    path = write_lines(tmp_path, [
+        row(0, 3 * P, [1, 2, 3]),             # cold
+        row(100_000, 3 * P + 64, [1, 2, 4, 5]),  # shares blocks 1, 2
+        row(200_000, 3 * P, [1, 2, 3]),       # all 3 blocks indexed, but the last token is always computed: 2 pages
+    ])
+    trace = load_mooncake(path)
+    run = replay(trace, page_size=P, pool_tokens=None, order=order, in_flight=1)
+    assert (run.requests, run.prompt_tokens, run.hit_tokens) == (3, 9 * P + 64, 4 * P)
+    assert run.evicted_pages == run.stalls == run.failed == 0
+
+
+def test_replay_rejects_other_page_size_for_mooncake(tmp_path):
+    trace = load_mooncake(write_lines(tmp_path, [row(0, 10, [1])]))
+    with pytest.raises(ValueError, match="512"):
+        replay(trace, page_size=128, pool_tokens=None)
+
+
+def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
+    path = write_lines(tmp_path, [row(0, 3 * P, [1, 2, 3], n_out=0), row(1, P, [1], n_out=0)])
+    run = replay(load_mooncake(path), page_size=P, pool_tokens=2 * P, order="round-robin", in_flight=2)
+    assert run.failed == 1 and run.requests == 2 and run.prompt_tokens == 4 * P and run.hit_tokens == 0
+
+
+@pytest.mark.parametrize("order", ["timestamp", "round-robin"])
+def test_request_waits_for_live_ones_when_pool_is_full(tmp_path, order):
+    # Two concurrent 2-page requests in a 3-page pool: the second waits for the first (one stall), then fits.
+    path = write_lines(tmp_path, [row(0, 1000, [1, 2], n_out=10), row(0, 1000, [3, 4], n_out=10)])
+    run = replay(load_mooncake(path), page_size=P, pool_tokens=3 * P, order=order, in_flight=2)
+    assert run.stalls == 1 and run.failed == 0 and run.requests == 2
+
+
+def test_service_model_duration():
+    assert ServiceModel(1000.0, 0.5).duration(2000, 4) == pytest.approx(4.0)
+
+
+def test_unbounded_pool_fits_every_request_at_once(tmp_path):
+    trace = load_mooncake(write_lines(tmp_path, [row(0, 1000, [1, 2], n_out=30), row(0, 600, [1, 2], n_out=0)]))
+    assert pool_pages_for(trace, P, None) == 1 + math.ceil(1030 / P) + math.ceil(600 / P)
+    assert pool_pages_for(trace, P, 1000) == 1 and pool_pages_for(trace, P, 100) == 1
+
+
+# ----------------------------------------------------------------------------------------------- real data
+def test_real_mooncake_ceiling_and_small_pool(data_dir):
+    trace = load_mooncake(data_dir / "mooncake" / "conversation_trace.jsonl", limit=1500)
+    assert trace.malformed == 0
+    inf = replay(trace, page_size=P, pool_tokens=None, order="timestamp")
+    again = replay(trace, page_size=P, pool_tokens=None, order="timestamp")
+    assert inf.hit_tokens == again.hit_tokens > 0 and inf.evicted_pages == 0
+    k = 4
+    ceiling = replay(trace, page_size=P, pool_tokens=None, order="round-robin", in_flight=k)
+    biggest = max(c.prompt_len + c.output_len for s in trace.sessions for c in s.calls)
+    pool = k * math.ceil(biggest / P) * P                      # holds K live contexts
+    small = replay(trace, page_size=P, pool_tokens=pool, order="round-robin", in_flight=k)
+    assert small.stalls == 0 and small.failed == 0 and small.evicted_pages > 0
+    assert 0 < small.hit_tokens <= ceiling.hit_tokens
+
+
+def _swe_agent(data_dir, limit):
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("mistral_common")
+    from workloads.swe_agent import load_swe_agent
+    return load_swe_agent(data_dir / "mini-swe-agent" / "trajs", limit=limit)
+
+
+def test_real_swe_agent_tokenized_once_and_consistent(data_dir):
+    trace = _swe_agent(data_dir, 3)
+    assert len(trace.sessions) == 3 and trace.malformed == 0 and trace.page_size is None
+    for sess in trace.sessions:
+        prev = None
+        for i, info in enumerate(sess.calls):
+            req = sess.build(i)
+            assert req.prompt_len == info.prompt_len and req.output_len == info.output_len == req.output_ids.size
+            assert req.token_ids.dtype == np.int32 and req.session == sess.name
+            if prev is not None:
+                head = np.concatenate([prev.token_ids, prev.output_ids])
+                assert np.array_equal(req.token_ids[:head.size], head)
+                assert req.prompt_len > head.size and req.arrival_s >= prev.arrival_s
+            prev = req
+
+
+def test_real_swe_agent_replay(data_dir):
+    trace = _swe_agent(data_dir, 3)
+    ceiling = replay(trace, page_size=128, pool_tokens=None, order="round-robin", in_flight=2)
+    assert ceiling.hit_rate > 0.8  # agents re-send their whole history
+    small = replay(trace, page_size=128, pool_tokens=64 * 1024, order="round-robin", in_flight=2)
+    assert small.hit_tokens <= ceiling.hit_tokens
+    ts = replay(trace, page_size=128, pool_tokens=None, order="timestamp")
+    assert ts.hit_tokens > 0 and ts.requests == ceiling.requests
+
+
+def test_swe_agent_skips_bad_files(tmp_path):
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("mistral_common")
+    from workloads.swe_agent import load_swe_agent
+    good = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "task"},
+                         {"role": "assistant", "content": "ls", "extra": {"response": {"created": 100}}},
+                         {"role": "user", "content": "a b c"},
+                         {"role": "assistant", "content": "done"}]}
+    (tmp_path / "a.traj.json").write_text(json.dumps(good))
+    (tmp_path / "b.traj.json").write_text("{broken")
+    (tmp_path / "c.traj.json").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}] * 3}))
+    trace = load_swe_agent(tmp_path)
+    assert [s.name for s in trace.sessions] == ["a"] and trace.malformed == 2
+    assert {e.path.rsplit("/", 1)[-1] for e in trace.errors} == {"b.traj.json", "c.traj.json"}
+    sess = trace.sessions[0]
+    assert [c.arrival_s for c in sess.calls] == [0.0, 0.0]  # second call has no time: it keeps the previous one
+    r0, r1 = sess.build(0), sess.build(1)
+    assert np.array_equal(r1.token_ids[:r0.prompt_len + r0.output_len], np.concatenate([r0.token_ids, r0.output_ids]))
+    with pytest.raises(TraceError, match="no such folder"):
+        load_swe_agent(tmp_path / "nope")

@@ -1,0 +1,78 @@
+"""A pool-size sweep of one text trace: one replay per size plus the unbounded ceiling, as a table and as JSON.
+
+The ceiling is always run (reused when ``inf`` is among the sizes), so "of ceiling" is defined for every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from .sizes import format_size
+from .text_replay import ReplayRun, ServiceModel, replay
+from .text_trace import TextTrace
+
+
+@dataclasses.dataclass
+class Sweep:
+    trace: TextTrace
+    page_size: int
+    order: str
+    in_flight: int | None
+    service: ServiceModel
+    runs: list[ReplayRun]        # in the order the sizes were given
+    ceiling: ReplayRun           # the unbounded run
+
+    @property
+    def requests(self) -> int:
+        return self.ceiling.requests
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.ceiling.prompt_tokens
+
+    def of_ceiling(self, run: ReplayRun) -> float:
+        return run.hit_tokens / self.ceiling.hit_tokens if self.ceiling.hit_tokens else 0.0
+
+
+def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], order: str = "timestamp",
+              in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False) -> Sweep:
+    """Replay ``trace`` once per pool size (None = unbounded) and once unbounded for the ceiling if not listed."""
+    def one(size):
+        return replay(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
+                      service=service, progress=progress)
+    runs = [one(size) for size in pool_sizes]
+    ceiling = next((r for r in runs if r.pool_tokens is None), None) or one(None)
+    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling)
+
+
+def sweep_json(sweep: Sweep) -> dict:
+    """The JSON document ``mmcache replay --json`` writes."""
+    return {
+        "trace": sweep.trace.source,
+        "kind": sweep.trace.kind,
+        "page_size": sweep.page_size,
+        "requests": sweep.requests,
+        "sessions": len(sweep.trace.sessions),
+        "prompt_tokens": sweep.prompt_tokens,
+        "ceiling_hit_tokens": sweep.ceiling.hit_tokens,
+        "ceiling_hit_rate": sweep.ceiling.hit_rate,
+        "order": sweep.order,
+        "in_flight": sweep.in_flight,
+        "service_model": dataclasses.asdict(sweep.service) if sweep.order == "timestamp" else None,
+        "runs": [{**r.to_dict(), "of_ceiling": sweep.of_ceiling(r)} for r in sweep.runs],
+        "malformed_lines": sweep.trace.malformed,
+        "errors": [str(e) for e in sweep.trace.errors[:100]],
+    }
+
+
+def format_table(sweep: Sweep) -> str:
+    """A fixed-width table: pool tokens | hit tokens | realized reuse % | of ceiling % | evicted pages | stalls |
+    failed."""
+    head = ("pool tokens", "hit tokens", "realized reuse %", "of ceiling %", "evicted pages", "stalls", "failed")
+    rows = [(format_size(r.pool_tokens), f"{r.hit_tokens:,}", f"{100 * r.hit_rate:.2f}",
+             f"{100 * sweep.of_ceiling(r):.1f}", f"{r.evicted_pages:,}", f"{r.stalls:,}", f"{r.failed:,}")
+            for r in sweep.runs]
+    widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(head)]
+    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), "-+-".join("-" * w for w in widths), *map(line, rows)])

@@ -1,0 +1,82 @@
+"""Text traces: sessions of calls, with cheap metadata up front and token arrays built only when replayed.
+
+A trace is a list of sessions (a multi-turn conversation, an agent trajectory, or, where the trace gives no
+sessions, one request each). A session knows every call's arrival time and lengths without building any token
+array; ``Session.build(i)`` materializes call ``i``. Loaders never raise on a bad line or file: they skip it and keep
+a ``TraceError`` (path and 1-based line) in ``TextTrace.errors``.
+
+Invariants every loader keeps:
+- ``build(i).token_ids`` has exactly ``calls[i].prompt_len`` tokens, int32, all >= 0;
+- ``names``, when given, holds one 64-bit name per *full* page of the prompt (``prompt_len // page_size``) and
+  equal names mean equal token prefixes;
+- ``output_ids``, when given, has ``output_len`` tokens, and the session's next prompt starts with
+  prompt + output (the agent re-sends its history), so finished output pages can be matched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from mmcache.errors import TraceError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextRequest:
+    """One API call of a text workload, ready to admit."""
+
+    rid: str
+    session: str
+    arrival_s: float
+    token_ids: np.ndarray           # int32 prompt
+    names: list[int] | None         # one per full page of the prompt, or None to let the cache compute them
+    output_ids: np.ndarray | None   # int32 generated tokens, or None when the trace does not give them
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.token_ids.size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What ordering and pool sizing need about a call, known without building its tokens."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+class Session(Protocol):
+    """A sequence of calls in causal order (call i+1 is sent after call i's output)."""
+
+    name: str
+    calls: Sequence[CallInfo]
+
+    def build(self, i: int) -> TextRequest: ...
+
+
+@dataclasses.dataclass
+class TextTrace:
+    """Sessions in source order, the page size the trace fixes (None: any), and the lines that were skipped."""
+
+    source: str
+    kind: str                                   # "mooncake" or "swe-agent"
+    sessions: list[Session]
+    page_size: int | None = None
+    errors: list[TraceError] = dataclasses.field(default_factory=list)
+
+    @property
+    def malformed(self) -> int:
+        """How many lines (or files) were skipped."""
+        return len(self.errors)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.calls) for s in self.sessions)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(c.prompt_len for s in self.sessions for c in s.calls)
