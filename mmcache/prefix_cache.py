@@ -37,7 +37,9 @@ class RequestState:
     """What an engine needs to run a request: its pages in position order and how far they hold KV.
 
     ``page_indices[i]`` holds tokens ``position_id_start + i·page_size`` onward; ``seq_len`` tokens are held and the
-    KV of the first ``computed_tokens`` is written; the first ``matched_tokens`` came from the cache.
+    KV of the first ``computed_tokens`` is written; the first ``matched_tokens`` came from the cache. A windowed
+    request keeps its first ``protected_tokens`` and has released the ``released_tokens`` after them: its pages past
+    the protected run hold tokens from ``(i·page_size + released_tokens)`` onward.
     """
 
     rid: Hashable
@@ -46,6 +48,8 @@ class RequestState:
     position_id_start: int
     matched_tokens: int
     computed_tokens: int
+    protected_tokens: int | None = None
+    released_tokens: int = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -56,16 +60,23 @@ class _Request:
     root: int
     salt_id: int
     names: list[int]            # names of the prompt's full pages
-    pages: list[int]            # pages held, in position order from first_page
+    pages: list[int]            # pages held, in position order from first_page (less the released window)
     seq_len: int
     computed: int
     matched: int
     first_page: int = 0         # while suspended: how many leading (shared) pages were released
     suspended: bool = False
+    offloaded: int = 0          # while suspended: own pages handed back after the engine copied them out
+    protected: int | None = None  # windowed label: tokens kept at the start; only their full pages are indexed
+    released: int = 0           # windowed label: pages released after the protected run
 
     def state(self, page_size: int) -> RequestState:
         return RequestState(self.rid, tuple(self.pages), self.seq_len, self.first_page * page_size,
-                            self.matched, self.computed)
+                            self.matched, self.computed, self.protected, self.released * page_size)
+
+    def pages_spanned(self) -> int:
+        """Page positions covered, released window included."""
+        return self.first_page + self.offloaded + len(self.pages) + self.released
 
 
 class PrefixCache:
@@ -150,7 +161,7 @@ class PrefixCache:
             if total_tokens < rec.seq_len:
                 raise InvalidRequest(f"request {rid!r}: grow to {total_tokens} tokens is below the "
                                      f"{rec.seq_len} it already holds")
-            need = -(-total_tokens // self.page_size) - len(rec.pages)
+            need = -(-total_tokens // self.page_size) - rec.pages_spanned()
             if need > 0:
                 self._make_room(need)
                 rec.pages += self.pool.alloc(need)
@@ -185,6 +196,8 @@ class PrefixCache:
         out = as_tokens(output_ids, self._vocab_limit)
         seq = np.concatenate((rec.tokens, out)) if out.size else rec.tokens
         m = min(seq.size, rec.computed) // P
+        if rec.protected is not None:  # a windowed label stores only its protected-prefix run
+            m = min(m, rec.protected // P)
         names = self._storable(rid, rec.names[:m])
         if m > len(names):  # generated tokens extend the chain from the prompt's last full page
             start = len(names)
@@ -209,6 +222,8 @@ class PrefixCache:
         return the pages it owns exclusively, which it keeps until ``resume`` or ``abort``."""
         with self._lock:
             rec = self._get(rid, live=True)
+            if rec.protected is not None or rec.released:
+                raise InvalidRequest(f"request {rid!r} is windowed; windowed requests are not suspended")
             shared = self.pool.counts[rec.pages] > 1
             j0 = int(np.argmin(shared)) if not shared.all() else len(rec.pages)
             assert not shared[j0:].any(), "shared pages of a live request form a prefix"
@@ -230,16 +245,63 @@ class PrefixCache:
             self.pool.retain(idx, distinct=True)
             gap = j0 - idx.size
             try:
-                self._make_room(gap)
+                self._make_room(gap + rec.offloaded)
             except OutOfPages:
                 self.pool.release(idx)
                 raise
             self._touch(idx)
-            rec.pages = idx.tolist() + self.pool.alloc(gap) + rec.pages
-            rec.first_page, rec.suspended = 0, False
+            fresh = self.pool.alloc(gap + rec.offloaded)
+            rec.pages = idx.tolist() + fresh[:gap] + fresh[gap:] + rec.pages
+            rec.first_page, rec.suspended, rec.offloaded = 0, False, 0
             rec.matched = idx.size * P
             if gap:
                 rec.computed = min(rec.computed, rec.matched)
+            return rec.state(P)
+
+    def release_suspended(self, rid: Hashable) -> int:
+        """The engine has copied a suspended request's own pages out (offload): release them. ``resume`` then gives
+        fresh pages at the same positions, into which the engine copies the data back. Returns the pages released."""
+        with self._lock:
+            rec = self._get(rid)
+            if not rec.suspended:
+                raise InvalidRequest(f"request {rid!r} is not suspended")
+            self.pool.release(rec.pages)
+            rec.offloaded += len(rec.pages)
+            n, rec.pages = len(rec.pages), []
+            return n
+
+    def protect_prefix(self, rid: Hashable, tokens: int) -> RequestState:
+        """Make the request windowed: its first ``tokens`` are never released, and at teardown only their full pages
+        are indexed (the KV after a released window is not what a fresh prefill would write)."""
+        with self._lock:
+            rec = self._get(rid, live=True)
+            tokens = int(tokens)
+            if not 0 <= tokens <= rec.seq_len or rec.released and tokens != rec.protected:
+                raise InvalidRequest(f"request {rid!r}: cannot protect {tokens} tokens (holds {rec.seq_len}, "
+                                     f"released {rec.released} pages)")
+            rec.protected = tokens
+            return rec.state(self.page_size)
+
+    def release_oldest(self, rid: Hashable, pages: int) -> RequestState:
+        """Release the ``pages`` oldest pages after the protected run (sliding window). Each goes through the
+        counted release: a page the index or another request also holds is decremented, never freed under them.
+        The page being appended into is never released."""
+        P = self.page_size
+        with self._lock:
+            rec = self._get(rid, live=True)
+            pages = int(pages)
+            keep = -(-(rec.protected or 0) // P)
+            tail = max(0, (rec.seq_len - 1) // P - rec.released)  # held-list index of the page appended into
+            written = rec.computed // P - rec.released  # held-list index of the first page not fully written
+            if pages < 0 or keep + pages > min(tail, written):
+                raise InvalidRequest(f"request {rid!r}: cannot release {pages} page(s); "
+                                     f"{max(0, min(tail, written) - keep)} written page(s) lie between the protected "
+                                     f"run and the tail page")
+            if rec.protected is None:
+                rec.protected = 0
+            self.pool.release(rec.pages[keep:keep + pages])
+            del rec.pages[keep:keep + pages]
+            rec.released += pages
             return rec.state(P)
 
     def clear(self) -> int:

@@ -242,3 +242,54 @@ def test_concurrent_requests_from_threads_keep_counts_exact():
     assert (cache.pool.counts == cache._indexed).all()              # every owned page is owned by the index alone
     cache.clear()
     assert cache.pool.num_free == 256
+
+
+def test_windowed_label_stores_only_its_protected_prefix_and_releases_through_counts():
+    cache = make(num_pages=16)
+    serve(cache, "shared", list(range(16)))                          # 4 pages in the index
+    st = cache.admit("w", list(range(16)) + [7] * 12)                # matches the 4 shared pages
+    assert st.matched_tokens == 16
+    cache.grow("w", 28)
+    cache.mark_computed("w", 28)
+    cache.protect_prefix("w", 4)
+    shared_page = st.page_indices[1]
+    st = cache.release_oldest("w", 2)                                # positions 1 and 2: index pages
+    assert st.released_tokens == 8 and st.protected_tokens == 4 and len(st.page_indices) == 5
+    assert cache.pool.counts[shared_page] == 1                       # decremented, not freed: the index holds it
+    with pytest.raises(InvalidRequest):
+        cache.release_oldest("w", 5)                                 # would reach the tail page
+    with pytest.raises(InvalidRequest):
+        cache.suspend("w")
+    assert cache.finish("w", [1, 2, 3, 4]) == 0                      # page 0 is already indexed; nothing after it
+    s = cache.stats()
+    assert s["pages_cached"] == 4 and s["pages_live"] == 0
+
+
+def test_windowed_request_grows_past_its_released_window():
+    cache = make(num_pages=6)
+    cache.admit("w", list(range(8)))
+    cache.grow("w", 16)
+    cache.mark_computed("w", 16)
+    cache.protect_prefix("w", 4)
+    cache.release_oldest("w", 2)                                     # holds pages at positions 0 and 3
+    st = cache.grow("w", 24)                                         # positions 4 and 5: two new pages
+    assert len(st.page_indices) == 4 and cache.stats()["pages_live"] == 4
+
+
+def test_offload_releases_own_pages_and_resume_gives_fresh_ones_at_the_same_positions():
+    cache = make(num_pages=8, data=True)
+    serve(cache, "a", list(range(12)))
+    st = cache.admit("b", list(range(12)) + [5] * 6)
+    st = cache.grow("b", 18)
+    kv = torch.arange(100, 100 + 5 * P).reshape(5, P)
+    cache.pool.data[list(st.page_indices[3:])] = kv[3:]
+    cache.mark_computed("b", 18)
+    own = cache.suspend("b")
+    saved = cache.pool.data[own].clone()                             # the engine copies them to host memory
+    assert cache.release_suspended("b") == 2 and cache.stats()["pages_live"] == 0
+    back = cache.resume("b")
+    assert back.computed_tokens == 18 and len(back.page_indices) == 5
+    cache.pool.data[list(back.page_indices[3:])] = saved             # ...and back into the fresh pages
+    cache.finish("b")
+    hit = cache.admit("c", list(range(12)) + [5] * 6 + [0])
+    assert torch.equal(cache.pool.data[list(hit.page_indices[3:4])], kv[3:4])

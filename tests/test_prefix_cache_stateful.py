@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
+from mmcache.errors import InvalidRequest
 
 P, PAGES = 4, 12
 SALTS = [b"", b"tenant"]
@@ -121,8 +122,10 @@ class CacheMachine(RuleBasedStateMachine):
     def write_upto(self, rid, new):
         r, st_ = self.live[rid], self.cache.state(rid)
         values = kv_values(r["salt"], self.seq(r, new))
+        keep = -(-(st_.protected_tokens or 0) // P)
         for t in range(st_.computed_tokens, new):
-            page = st_.page_indices[t // P - st_.position_id_start // P]
+            j = t // P - st_.position_id_start // P
+            page = st_.page_indices[j if j < keep else j - st_.released_tokens // P]
             assert self.cache.pool.counts[page] == 1, "a request writes only into pages it owns alone"
             self.cache.pool.data[page, t % P] = int(values[t])
         self.cache.mark_computed(rid, new)
@@ -139,19 +142,41 @@ class CacheMachine(RuleBasedStateMachine):
         elif how == "abort":
             self.cache.abort(rid)
             del self.live[rid]
-        elif how == "suspend" and not r["suspended"]:
+        elif how == "suspend" and not r["suspended"] and not r.get("windowed"):
             own = self.cache.suspend(rid)
             assert all(self.cache.pool.counts[p] == 1 for p in own)
             r["suspended"] = True
         elif how == "resume" and r["suspended"]:
-            gap = self.cache.state(rid).position_id_start // P
+            rec = self.cache._live[rid]
+            need = rec.first_page + rec.offloaded  # the released prefix and offloaded pages, at most
             try:
                 st_ = self.cache.resume(rid)
             except OutOfPages:
-                self.expect_refusal_is_justified(gap)
+                self.expect_refusal_is_justified(need)
                 return
             r["suspended"] = False
             self.check_matched_data(r, st_)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), protect=st.integers(0, 8), release=st.integers(0, 3))
+    def slide_window(self, data, protect, release):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        r = self.live[rid]
+        if r["suspended"]:
+            return
+        try:
+            self.cache.protect_prefix(rid, protect)
+            self.cache.release_oldest(rid, release)
+        except InvalidRequest:
+            pass
+        r["windowed"] = True
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def offload(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        if self.live[rid]["suspended"]:
+            self.cache.release_suspended(rid)
 
     @rule()
     def clear_index(self):
