@@ -16,8 +16,8 @@ class EncoderKey:
 
     ``digest`` is anything ``bytes()`` accepts (bytes, a ``digests.Digest``); ``fingerprint`` is any hashable that
     identifies the encoder exactly (weights, dtype, device type). The store indexes entries by ``name``; ``verify_ids``
-    (e.g. a text encoder's token ids, kept as int64 bytes) travel with the entry and are compared on every hit, so a
-    digest collision costs a miss, never a wrong answer.
+    (e.g. a text encoder's token ids; kept as int64 bytes, and bytes given are taken as already encoded) travel with
+    the entry and are compared on every hit, so a digest collision costs a miss, never a wrong answer.
     """
 
     digest: bytes

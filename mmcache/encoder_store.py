@@ -1,0 +1,408 @@
+"""EncoderStore: digest-keyed encoder outputs in pages of a PagePool, owned and evicted like KV pages (RFC phase 3a).
+
+An output (a tensor, or a tuple/list/dict of tensors) is laid out as bytes over ceil(nbytes / page_bytes) pages of a
+uint8 pool and gathered back into fresh tensors on a hit, so no tensor a caller holds ever aliases stored bytes
+(sglang-omni #258: encoder state leaking between requests).
+
+Ownership: the store holds one owner on each indexed entry's pages, a pin one more, a hit one more while it copies
+out. The pool frees a page when its count reaches 0; this module never frees pages any other way. Eviction is LRU by
+entry, runs only when a put needs pages, and takes only entries whose pages the store alone owns (count 1).
+
+Locking: one lock per store guards the index, the in-flight table and the counters; it is taken before the pool's
+lock, never after. Byte copies run outside it: a put writes into pages it alone owns and nobody can see, then
+publishes them; a hit retains its entry's pages under the lock and gathers without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .encoder_key import EncoderKey
+from .errors import EncoderOutputError, OutOfPages, PageOwnershipError
+from .pool import PagePool
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 16  # byte offset of each tensor within an entry: every dtype view of the gathered bytes is aligned
+_ZERO = {**dict.fromkeys(("queries", "hits", "misses", "bytes_stored", "evictions", "evicted_bytes", "bypasses",
+                          "joins", "collisions"), 0), "time_saved_s": 0.0}
+
+
+def _flatten(value, leaves: list) -> Any:
+    """The tree spec of ``value`` (None for a tensor, else (container type, dict keys, children)); appends its
+    tensors to ``leaves`` in order."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.device.type == "meta":
+            raise EncoderOutputError(f"encoder outputs must be dense tensors with data, got {value.layout} on "
+                                     f"{value.device}")
+        leaves.append(value)
+        return None
+    if isinstance(value, (tuple, list)):
+        return (list if isinstance(value, list) else tuple), None, tuple(_flatten(v, leaves) for v in value)
+    if isinstance(value, dict):
+        return dict, tuple(value), tuple(_flatten(v, leaves) for v in value.values())
+    raise EncoderOutputError(f"encoder outputs must be tensors or tuples/lists/dicts of tensors, "
+                             f"got {type(value).__name__}")
+
+
+def _unflatten(tree, leaves: Iterator[torch.Tensor]):
+    """Inverse of ``_flatten``; containers come back as plain tuple/list/dict."""
+    if tree is None:
+        return next(leaves)
+    kind, keys, children = tree
+    items = [_unflatten(child, leaves) for child in children]
+    return dict(zip(keys, items)) if kind is dict else kind(items)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of ``t``'s elements in row-major order (a copy only when ``t`` is not contiguous)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    key: EncoderKey
+    pages: list[int]
+    index: torch.Tensor  # ``pages`` as int64 on the pool's device, built once for index_select
+    tree: Any
+    layout: tuple  # (shape, dtype, byte offset) per tensor
+    nbytes: int
+    compute_s: float  # encoder time of the miss that stored it: what each hit saves
+
+
+@dataclasses.dataclass(eq=False)
+class _Flight:
+    verify_ids: bytes | None
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    joiners: int = 0
+    error: BaseException | None = None
+    tree: Any = None
+    leaves: list | None = None  # a private copy of the leader's value; each joiner clones it again
+
+
+class EncoderPin:
+    """One owner on one entry's pages: they are neither evicted nor reused until ``release`` (or the ``with`` ends).
+
+    The pin holds the entry it found, so a later put or ``clear`` for its key leaves the pinned bytes intact.
+    """
+
+    def __init__(self, store: EncoderStore, entry: _Entry):
+        self._store, self._entry, self._held = store, entry, True
+
+    @property
+    def key(self) -> EncoderKey:
+        return self._entry.key
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return tuple(self._entry.pages)
+
+    @property
+    def value(self):
+        """A fresh copy of the pinned value."""
+        if not self._held:
+            raise PageOwnershipError("read through a released pin")
+        return self._store._read(self._entry)
+
+    def release(self) -> None:
+        """Drop the pin's owner; a second call does nothing."""
+        with self._store._lock:
+            held, self._held = self._held, False
+        if held:
+            self._store.pool.release(self._entry.pages)
+
+    def __enter__(self) -> EncoderPin:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class EncoderStore:
+    """Encoder outputs by ``EncoderKey``, in pages of one uint8 ``PagePool`` with ``page_shape == (page_bytes,)``.
+
+    Invariants, kept under ``self._lock``:
+    - each indexed entry holds exactly one store owner on each of its pages, and no two entries share a page;
+    - a page's count is 1 + pins + hits copying out of its entry, so eviction, which takes only entries whose pages
+      all have count 1, never takes a pinned entry or one being read;
+    - ``bytes_stored`` is the sum of the indexed entries' bytes, in total and per modality;
+    - concurrent ``get_or_compute`` misses on one key (name and verifying ids) run ``fn`` once (``_flights``);
+    - values go in and come out as copies: nothing returned aliases the pool, nothing passed in is kept.
+
+    Hits come back on the pool's device. ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of
+    shapes and a list of dtypes for a tuple/list/dict of tensors; ``None`` in a shape matches any size).
+    """
+
+    def __init__(self, capacity_bytes: int | None = None, page_bytes: int = 65536, device: str | torch.device = "cpu",
+                 *, pool: PagePool | None = None, expect: tuple | None = None):
+        if pool is None:
+            if capacity_bytes is None or int(capacity_bytes) < int(page_bytes) or int(page_bytes) <= 0:
+                raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one page of {page_bytes} "
+                                 f"bytes")
+            pool = PagePool(int(capacity_bytes) // int(page_bytes), (int(page_bytes),), torch.uint8, device)
+        elif capacity_bytes is not None:
+            raise ValueError("give capacity_bytes or pool, not both")
+        if pool.data is None or pool.dtype != torch.uint8 or len(pool.page_shape) != 1:
+            raise ValueError(f"an encoder store needs a uint8 pool of shape (page_bytes,), got {pool!r}")
+        self.pool = pool
+        self.page_bytes = pool.page_shape[0]
+        self.capacity_bytes = pool.num_pages * self.page_bytes
+        self.expect = expect
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
+        self._flights: dict[tuple, _Flight] = {}
+        self._totals = dict(_ZERO)
+        self._by_modality: dict[str, dict] = {}
+
+    # -- public API ---------------------------------------------------------------------------------------------------
+
+    def get(self, key: EncoderKey):
+        """A fresh copy of the value stored under ``key``, or None; one query, a hit or a miss (+ a collision when the
+        name matches but the verifying ids do not)."""
+        with self._lock:
+            entry = self._lookup(key)
+        return None if entry is None else self._gather(entry)
+
+    def put(self, key: EncoderKey, value, compute_s: float = 0.0) -> bool:
+        """Store a copy of ``value`` under ``key``, replacing any entry of that name; False when bypassed.
+
+        Raises ``EncoderOutputError`` before any state changes for non-tensor values, values unlike ``expect``, or a
+        shape/dtype unlike the entry stored for the same key and verifying ids. A bypass (larger than the pool, or no
+        room because everything left is pinned) stores nothing and drops the replaced entry, so a get never returns
+        anything but the last value put. ``compute_s`` is the encoder time each later hit saves.
+        """
+        leaves: list[torch.Tensor] = []
+        tree = _flatten(value, leaves)
+        if self.expect is not None:
+            self._check_expect(key, leaves)
+        layout, nbytes = [], 0
+        for t in leaves:
+            nbytes = -(-nbytes // _ALIGN) * _ALIGN
+            layout.append((tuple(t.shape), t.dtype, nbytes))
+            nbytes += t.numel() * t.element_size()
+        layout = tuple(layout)
+        n = -(-nbytes // self.page_bytes)
+        with self._lock:
+            self._check_replace(key, tree, layout)
+            self._remove(key.name)
+            if n > self.pool.num_pages:
+                self._count(key.modality, bypasses=1)
+                logger.warning("encoder store: %s output of %d bytes exceeds the whole pool (%d bytes); not cached",
+                               key.modality, nbytes, self.capacity_bytes)
+                return False
+            pages = self._make_room(n)
+            if pages is None:
+                self._count(key.modality, bypasses=1)
+                return False
+        try:  # the pages are ours alone and not yet indexed: no lock needed to fill them
+            entry = _Entry(key, pages, self._write(pages, leaves, layout), tree, layout, nbytes, float(compute_s))
+            with self._lock:
+                self._check_replace(key, tree, layout)  # a concurrent put of this key may have published meanwhile
+                self._remove(key.name)
+                self._entries[key.name] = entry
+                self._count(key.modality, bytes_stored=nbytes)
+        except BaseException:
+            self.pool.release(pages)
+            raise
+        return True
+
+    def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]):
+        """The stored value for ``key``, else ``fn()`` stored and returned; one query either way.
+
+        Concurrent misses on one key run ``fn`` once: the first caller computes, the others wait (each counted as a
+        join) and get private copies of its result, or the same exception re-raised; a failure stores nothing, so a
+        later call retries. A caller never shares a tensor with the store or with another caller.
+        """
+        with self._lock:
+            entry, flight = self._lookup(key), None
+            if entry is None:
+                flight = self._flights.get(key.name)
+                lead = flight is None
+                if lead:
+                    flight = self._flights[key.name] = _Flight(key.verify_ids)
+                elif flight.verify_ids == key.verify_ids:
+                    flight.joiners += 1
+                    self._count(key.modality, joins=1)
+                else:  # another input with this name is in flight: compute on our own, uncoordinated
+                    self._count(key.modality, collisions=1)
+                    flight = None
+        if entry is not None:
+            return self._gather(entry)
+        if flight is None:
+            return self._compute(key, fn)
+        if not lead:
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            return _unflatten(flight.tree, (t.clone() for t in flight.leaves))
+        try:
+            value = self._compute(key, fn)
+            with self._lock:
+                del self._flights[key.name]  # joiners register only while it is listed: their count is final
+            if flight.joiners:  # their copy is taken before our caller can mutate value
+                flight.tree = _flatten(value, leaves := [])
+                flight.leaves = [t.detach().clone() for t in leaves]
+        except BaseException as exc:
+            flight.error = exc
+            with self._lock:
+                if self._flights.get(key.name) is flight:
+                    del self._flights[key.name]
+            raise
+        finally:
+            flight.done.set()
+        return value
+
+    def pin(self, key: EncoderKey) -> EncoderPin | None:
+        """Add one owner to ``key``'s entry so it cannot be evicted while a request uses it; None when not stored.
+
+        Marks the entry recently used; not counted as a query (a collision still counts).
+        """
+        with self._lock:
+            entry = self._match(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key.name)
+            self.pool.retain(entry.pages)
+            return EncoderPin(self, entry)
+
+    def clear(self) -> None:
+        """Drop every entry's store owner; pinned pages stay with their pins. Counters other than bytes_stored stay."""
+        with self._lock:
+            self._drop(list(self._entries.values()))
+
+    def stats(self) -> dict:
+        """Counter totals, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
+        with self._lock:
+            return {**self._totals, "entries": len(self._entries), "capacity_bytes": self.capacity_bytes,
+                    "by_modality": {m: dict(c) for m, c in self._by_modality.items()}}
+
+    def __contains__(self, key: EncoderKey) -> bool:
+        with self._lock:
+            entry = self._entries.get(key.name)
+            return entry is not None and entry.key.verify_ids == key.verify_ids
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"EncoderStore({len(self)} entries, {self._totals['bytes_stored']} bytes in {self.pool!r})"
+
+    # -- internals (``_lock`` held unless stated) ---------------------------------------------------------------------
+
+    def _count(self, modality: str, **deltas) -> None:
+        per = self._by_modality.setdefault(modality, dict(_ZERO))
+        for name, delta in deltas.items():
+            self._totals[name] += delta
+            per[name] += delta
+
+    def _match(self, key: EncoderKey) -> _Entry | None:
+        """The entry named like ``key`` if its verifying ids agree; a disagreement counts a collision."""
+        entry = self._entries.get(key.name)
+        if entry is not None and entry.key.verify_ids != key.verify_ids:
+            self._count(key.modality, collisions=1)
+            return None
+        return entry
+
+    def _lookup(self, key: EncoderKey) -> _Entry | None:
+        """``_match`` counted as a query; a hit is marked recently used and retained until ``_gather`` releases it."""
+        entry = self._match(key)
+        if entry is None:
+            self._count(key.modality, queries=1, misses=1)
+            return None
+        self._entries.move_to_end(key.name)
+        self.pool.retain(entry.pages)
+        self._count(key.modality, queries=1, hits=1, time_saved_s=entry.compute_s)
+        return entry
+
+    def _check_expect(self, key: EncoderKey, leaves: list[torch.Tensor]) -> None:
+        shape, dtype = self.expect
+        shape = shape(key) if callable(shape) else shape
+        want = [(shape, dtype)] if isinstance(dtype, torch.dtype) else list(zip(shape, dtype))
+        got = [(tuple(t.shape), t.dtype) for t in leaves]
+        if len(want) != len(got) or any(
+                d != gd or len(s) != len(gs) or any(w is not None and w != g for w, g in zip(s, gs))
+                for (s, d), (gs, gd) in zip(want, got)):
+            raise EncoderOutputError(f"{key.modality} output {got} does not match the expected {want}")
+
+    def _check_replace(self, key: EncoderKey, tree, layout: tuple) -> None:
+        old = self._entries.get(key.name)
+        if old is not None and old.key.verify_ids == key.verify_ids and (old.tree, old.layout) != (tree, layout):
+            raise EncoderOutputError(
+                f"{key.modality} output {[(s, d) for s, d, _ in layout]} differs from the one stored for this key "
+                f"{[(s, d) for s, d, _ in old.layout]}")
+
+    def _make_room(self, n: int) -> list[int] | None:
+        """``n`` pages, evicting least recently used unpinned entries as one batch if the free ones fall short; None,
+        with nothing evicted, when even that is not enough."""
+        short = n - self.pool.num_free
+        if short > 0:
+            counts, victims = self.pool.counts, []
+            for entry in self._entries.values():
+                if short <= 0:
+                    break
+                if entry.pages and (counts[entry.pages] == 1).all():
+                    victims.append(entry)
+                    short -= len(entry.pages)
+            if short > 0:
+                return None
+            self._drop(victims, evicted=True)
+        try:
+            return self.pool.alloc(n)
+        except OutOfPages:  # another owner of a shared pool took pages meanwhile
+            return None
+
+    def _remove(self, name: tuple) -> None:
+        if (entry := self._entries.get(name)) is not None:
+            self._drop([entry])
+
+    def _drop(self, entries: list[_Entry], evicted: bool = False) -> None:
+        """Unindex ``entries`` and release the store's owner on all their pages in one call."""
+        for e in entries:
+            del self._entries[e.key.name]
+            self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
+                        evicted_bytes=e.nbytes if evicted else 0)
+        self.pool.release([p for e in entries for p in e.pages])
+
+    def _compute(self, key: EncoderKey, fn: Callable[[], Any]):
+        """``fn()`` timed and put (no lock held)."""
+        start = time.perf_counter()
+        value = fn()
+        self.put(key, value, compute_s=time.perf_counter() - start)
+        return value
+
+    def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:
+        """Copy ``leaves`` into ``pages`` (no lock held; the caller owns the pages alone); returns the page index."""
+        data, pb = self.pool.data, self.page_bytes
+        if len(leaves) == 1:
+            blob = _as_bytes(leaves[0]).to(data.device)
+        else:  # stage the aligned layout, padded to whole pages
+            blob = torch.zeros(len(pages) * pb, dtype=torch.uint8, device=data.device)
+            for t, (_, _, off) in zip(leaves, layout):
+                blob[off:off + t.numel() * t.element_size()].copy_(_as_bytes(t))
+        index = torch.tensor(pages, dtype=torch.int64, device=data.device)
+        full = blob.numel() // pb
+        data.index_copy_(0, index[:full], blob[:full * pb].view(full, pb))  # every whole page in one indexed copy
+        if blob.numel() > full * pb:  # a single tensor's partial last page
+            data[pages[full], :blob.numel() - full * pb] = blob[full * pb:]
+        return index
+
+    def _read(self, entry: _Entry):
+        """A fresh copy of ``entry``'s value (no lock held; the caller holds an owner on its pages)."""
+        buf = self.pool.data.index_select(0, entry.index).view(-1)  # new memory: never aliases a page
+        return _unflatten(entry.tree, (buf[off:off + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
+                                       for shape, dtype, off in entry.layout))
+
+    def _gather(self, entry: _Entry):
+        """``_read``, then drop the owner ``_lookup`` added (no lock held)."""
+        try:
+            return self._read(entry)
+        finally:
+            self.pool.release(entry.pages)
