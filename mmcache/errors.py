@@ -52,3 +52,16 @@ class EncoderOutputError(MmcacheError, ValueError):
 
 class InvalidMedia(MmcacheError, ValueError):
     """Media, params or token ids that cannot be digested or decoded: missing file, unsupported type, corrupt data."""
+
+
+class AllocationFailed(OutOfPages):
+    """An engine allocation for one request and label that live demand cannot meet: ``pages_short`` pages missing.
+
+    Carries ``request_id`` and ``label`` on the exception itself, so a caller on another thread needs no shared state
+    to tell which request to preempt.
+    """
+
+    def __init__(self, pages_short: int, request_id, label, requested: int | None = None):
+        super().__init__(pages_short, requested)
+        self.pages_short, self.request_id, self.label = pages_short, request_id, label
+        self.args = (f"request {request_id!r}, label {label!r}: {self.args[0]}",)
