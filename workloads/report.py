@@ -1,0 +1,174 @@
+"""A cache-on vs cache-off report: one self-contained HTML file and the same numbers as JSON.
+
+The HTML needs nothing but itself: plots are PNGs (matplotlib's Agg backend, no display) embedded as base64
+``data:`` URIs, styles are inline, there are no scripts and no external links. It holds the summary table, latency
+CDFs with the cache off and on (one plot per latency that has data), the cumulative hit rate per cache against its
+ceiling and the pool occupancy over time (cache-on run), and the measured time per stage off vs on (the saving per
+encoder modality and for prefill). The JSON holds both runs' ``metrics.summarize``, the table rows, the savings, the
+time series and every request record.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .metrics import LATENCIES, SLO, RunResult, hit_rate_series, stage_seconds, summarize, summary_rows
+
+_STYLE = {False: dict(color="C3", label="cache off"), True: dict(color="C0", label="cache on")}
+
+
+def savings(off: RunResult, on: RunResult) -> dict[str, float]:
+    """Seconds saved per stage (off total - on total), for every stage either run timed."""
+    a, b = stage_seconds(off), stage_seconds(on)
+    return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(set(a) | set(b))}
+
+
+def report_json(off: RunResult, on: RunResult, slo: SLO = SLO()) -> dict:
+    """Everything in the report as JSON-ready values."""
+    runs = {"off": off, "on": on}
+    return {
+        "workload": on.workload, "schedule": on.schedule, "slo": str(slo),
+        "summary": {k: summarize(r, slo) for k, r in runs.items()},
+        "table": [dict(zip(("metric", "off", "on", "on/off"), row)) for row in summary_rows(off, on, slo)],
+        "savings_s": savings(off, on),
+        "hit_rate_series": {k: hit_rate_series(r) for k, r in runs.items()},
+        "occupancy": {k: [dict(zip(("t", "pages_live", "pages_cached", "pages_free"), s)) for s in r.occupancy]
+                      for k, r in runs.items()},
+        "requests": {k: [rec.to_dict() for rec in r.records] for k, r in runs.items()},
+    }
+
+
+def _figure(width: float = 6.0, height: float = 3.6):
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    return fig, fig.add_subplot()
+
+
+def _png(fig) -> str:
+    """The figure as a ``data:image/png;base64`` URI."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _cdf(off: RunResult, on: RunResult, name: str) -> str | None:
+    """Empirical CDF of latency ``name`` for both runs (ms), None when neither has a value."""
+    values = {run.cached: np.sort(run.latencies(name)) * 1000 for run in (off, on)}
+    if not any(v.size for v in values.values()):
+        return None
+    fig, ax = _figure()
+    for cached, v in values.items():
+        if v.size:
+            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", **_STYLE[cached])
+    ax.set_xlabel(f"{LATENCIES[name]} (ms)")
+    ax.set_ylabel("fraction of requests" if name != "itl" else "fraction of token gaps")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"{LATENCIES[name]}: CDF, cache off vs on", fontsize=10)
+    return _png(fig)
+
+
+def _hit_rates(on: RunResult) -> str | None:
+    """Cumulative hit rate per cache over the cache-on run, each ceiling dashed."""
+    series = hit_rate_series(on)
+    if not series:
+        return None
+    fig, ax = _figure()
+    for k, (cache, points) in enumerate(series.items()):
+        t, rate = zip(*points)
+        ax.plot(t, 100 * np.array(rate), color=f"C{k}", label=f"{cache} ({'tokens' if cache == 'prefix' else 'items'})")
+        if on.ceilings.get(cache) is not None:
+            ax.axhline(100 * on.ceilings[cache], color=f"C{k}", linestyle="--", linewidth=1,
+                       label=f"{cache} ceiling {100 * on.ceilings[cache]:.1f}%")
+    ax.set_xlabel("time (s, simulated)")
+    ax.set_ylabel("cumulative hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title("hit rate over time, cache on", fontsize=10)
+    return _png(fig)
+
+
+def _occupancy(on: RunResult) -> str | None:
+    """Pool pages live / cached / free after each request of the cache-on run, stacked."""
+    if not on.occupancy:
+        return None
+    t, live, cached, free = map(np.array, zip(*on.occupancy))
+    fig, ax = _figure()
+    ax.stackplot(t, live, cached, free, labels=("live", "cached", "free"), colors=("C3", "C0", "0.85"), step="post")
+    ax.set_xlabel("time (s, simulated)")
+    ax.set_ylabel("pages")
+    ax.set_ylim(0, (live + cached + free).max())
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_title("prefix-cache pool occupancy, cache on", fontsize=10)
+    return _png(fig)
+
+
+def _savings(off: RunResult, on: RunResult) -> str | None:
+    """Measured seconds per stage with the cache off and on, each pair labeled with the saving."""
+    a, b, saved = stage_seconds(off), stage_seconds(on), savings(off, on)
+    if not saved:
+        return None
+    fig, ax = _figure(6.0, 1.2 + 0.6 * len(saved))
+    y = np.arange(len(saved))
+    for cached, totals, dy in ((False, a, 0.2), (True, b, -0.2)):
+        ax.barh(y + dy, [totals.get(k, 0.0) for k in saved], height=0.4, **_STYLE[cached])
+    for yk, (k, s) in zip(y, saved.items()):
+        ax.annotate(f"saved {s:.3f} s", (max(a.get(k, 0.0), b.get(k, 0.0)), yk), xytext=(4, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    ax.set_yticks(y, list(saved))
+    ax.invert_yaxis()
+    ax.margins(x=0.3)
+    ax.set_xlabel("measured time, all requests (s)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("time per stage (encoder modalities, prefill): saved by the cache", fontsize=10)
+    return _png(fig)
+
+
+def _html(off: RunResult, on: RunResult, slo: SLO) -> str:
+    e = html.escape
+    plots = [("Cache behaviour", [p for p in (_hit_rates(on), _occupancy(on), _savings(off, on)) if p]),
+             ("Latency CDFs", [p for p in (_cdf(off, on, name) for name in LATENCIES) if p])]
+    rows = "\n".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in summary_rows(off, on, slo))
+    sections = "\n".join(f"<h2>{e(title)}</h2>\n<div class=grid>" + "".join(f'<img alt="plot" src="{p}">' for p in ps)
+                         + "</div>" for title, ps in plots if ps)
+    errors = "".join(f"<li>cache {r.label}: {e(rec.error)}</li>" for r in (off, on) for rec in r.records if not rec.ok)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>mmcache: {e(on.workload)}</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; }} td, th {{ padding: 2px 10px; border-bottom: 1px solid #ddd; }}
+td:not(:first-child), th:not(:first-child) {{ text-align: right; font-variant-numeric: tabular-nums; }}
+.grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 12px; }}
+img {{ width: 100%; border: 1px solid #eee; }}
+</style></head><body>
+<h1>mmcache: {e(on.workload)}, cache on vs off</h1>
+<p>schedule {e(on.schedule)}; {len(on.records):,} requests; SLO {e(str(slo))}; one request at a time, FIFO,
+latencies = simulated queueing + measured service time.</p>
+<h2>Summary</h2>
+<table><tr><th>metric</th><th>cache off</th><th>cache on</th><th>on/off</th></tr>
+{rows}
+</table>
+{f"<h2>Failed requests</h2><ul>{errors}</ul>" if errors else ""}
+{sections}
+</body></html>
+"""
+
+
+def write_report(off: RunResult, on: RunResult, html_path: str | Path, json_path: str | Path,
+                 slo: SLO = SLO()) -> tuple[Path, Path]:
+    """Write the HTML report and its JSON; returns both paths."""
+    html_path, json_path = Path(html_path), Path(json_path)
+    html_path.write_text(_html(off, on, slo), encoding="utf-8")
+    json_path.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
+    return html_path, json_path
