@@ -37,7 +37,8 @@ class PagePool:
         self.device = torch.device(device)
         self.data: torch.Tensor | None = None
         if self.page_shape and math.prod(self.page_shape) > 0:
-            self.data = torch.zeros((self.num_pages, *self.page_shape), dtype=dtype, device=self.device)
+            # Pages are always written before they are read, so the slab need not be zeroed (nor touched) up front.
+            self.data = torch.empty((self.num_pages, *self.page_shape), dtype=dtype, device=self.device)
         self.lock = threading.Lock()
         self._counts = np.zeros(self.num_pages, dtype=np.int32)
         # A stack popped from the end: low page ids are handed out first, which keeps tests readable.
