@@ -8,13 +8,18 @@ A target is resolved in this order:
 3. an existing path: a file is read as Mooncake JSONL, a folder as mini-swe-agent trajectories.
 Anything else is an error naming the known workloads.
 
-Later workloads (``vlm-chat``, ``image-gen``, ``voice-clone``) register here with their own ``kind``; the command
-line dispatches on ``kind``.
+Model-backed workloads (``MODEL_WORKLOADS``: ``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``,
+``mooncake-model``, ``mixed``) run real models with the cache off and on (``workloads.serving.compare``). Each names
+the module and function that build it (``factory(options) -> Callable[[], Workload]``), imported only when asked
+for, so a workload whose module or dependencies are missing fails alone, with ``UnknownWorkload`` saying why. Without
+``--data`` a model workload runs its embedded default; with it, ``model_data`` resolves the shared data folder as for
+the text workloads and checks that the workload's data is there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -45,6 +50,31 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 _BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}
 
 LOADERS: dict[str, Callable[..., TextTrace]] = {"mooncake": load_mooncake, "swe-agent": load_swe_agent}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelWorkload:
+    name: str
+    module: str                # imported on first use
+    function: str              # ``function(options: ModelWorkloadOptions) -> Callable[[], Workload]``
+    data_path: str             # relative to the shared data folder ("" for the folder itself)
+    description: str
+
+
+MODEL_WORKLOADS: dict[str, ModelWorkload] = {w.name: w for w in (
+    ModelWorkload("vlm-chat", "workloads.vlm_chat", "factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
+                  "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)"),
+    ModelWorkload("image-gen", "workloads.image_gen", "factory", "diffusiondb/diffusiondb_5k.jsonl",
+                  "text-to-image requests with a shared negative prompt (DiffusionDB prompts)"),
+    ModelWorkload("voice-clone", "workloads.voice_clone", "factory", "seedtts/meta.lst",
+                  "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)"),
+    ModelWorkload("agent-model", "workloads.agent_model", "factory", "mini-swe-agent/trajs",
+                  "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
+    ModelWorkload("mooncake-model", "workloads.agent_model", "mooncake_factory", "mooncake/conversation_trace.jsonl",
+                  "Mooncake conversation trace, scaled to 4 blocks per request (tiny Llama)"),
+    ModelWorkload("mixed", "workloads.mixed", "factory", "",
+                  "vlm-chat, agent-model, image-gen and voice-clone interleaved by arrival time"),
+)}
 
 
 class UnknownWorkload(ValueError):
@@ -86,10 +116,40 @@ def resolve(target: str | None, data: str | Path | None = None) -> tuple[str, Pa
         return "mooncake", path
     if path.is_dir():
         return "swe-agent", path
-    known = ", ".join(sorted(WORKLOADS))
+    known = ", ".join(sorted(WORKLOADS | MODEL_WORKLOADS))
     raise UnknownWorkload(f"unknown workload {target!r}: not a file or folder, and not one of: {known}")
 
 
 def load(kind: str, path: str | Path, limit: int | None = None) -> TextTrace:
     """Load a trace of ``kind`` from ``path``; ``limit`` caps sessions (Mooncake: requests; agent: trajectories)."""
     return LOADERS[kind](path, limit=limit)
+
+
+def model_data(name: str, data: str | Path | None) -> Path | None:
+    """The shared data folder for model workload ``name``: None (its embedded default) when ``data`` is None;
+    ``data_dir(data)`` otherwise (``""``: ``$MMCACHE_DATA`` or ../shared/data), which must hold its data."""
+    if data is None:
+        return None
+    root = data_dir(data)
+    if root is None:
+        raise UnknownWorkload(f"workload {name!r} with --data reads the shared data folder: pass --data PATH or set "
+                              f"{DATA_ENV}")
+    path = root / MODEL_WORKLOADS[name].data_path
+    if not path.exists():
+        raise UnknownWorkload(f"workload {name!r} expects {path}, which does not exist (check --data / {DATA_ENV})")
+    return root
+
+
+def import_model_module(name: str):
+    """The module of model workload ``name``; ``UnknownWorkload`` saying why when it cannot be imported."""
+    w = MODEL_WORKLOADS[name]
+    try:
+        return importlib.import_module(w.module)
+    except ImportError as e:
+        raise UnknownWorkload(f"workload {name!r} is not available: importing {w.module} failed ({e})") from e
+
+
+def model_factory(name: str, options):
+    """``factory(options)`` of model workload ``name``: loads its data and models once and returns what builds a
+    fresh workload per run."""
+    return getattr(import_model_module(name), MODEL_WORKLOADS[name].function)(options)

@@ -2,24 +2,43 @@
 
     mmcache replay [TARGET] [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
+    mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
+                   [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
+                   [--metrics-port PORT] [--page-size P] [--max-new-tokens N]
 
-TARGET is a registered workload (``mooncake``, ``agent``; see ``workloads.catalog``), a Mooncake JSONL file, or a
-folder of mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed. ``main`` returns the
-exit status: 0 on success, 2 on a usage, workload or trace error (printed as ``mmcache: error: ...``).
+Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.catalog``), a Mooncake
+JSONL file, or a folder of mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a
+metadata-only prefix cache at several pool sizes, no model involved.
+
+Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
+``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
+both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per stage). Without
+``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or ../shared/data.
+
+``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
+``mmcache: error: ...``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from mmcache.errors import TraceError
+import torch
 
-from . import catalog
+from mmcache.errors import MmcacheError, TraceError
+
+from . import catalog, mixed
+from .metrics import SLO, summary_table
+from .model_options import ModelWorkloadOptions
 from .ordering import ORDERS
+from .prometheus import Exporter
+from .report import report_json, write_report
+from .serving import Schedule, compare
 from .sizes import format_size, parse_size, parse_sizes
 from .sweep import format_table, run_sweep, sweep_json
 from .text_replay import ServiceModel
@@ -27,6 +46,8 @@ from .text_replay import ServiceModel
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
+TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot")
+MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "max_new_tokens")
 
 
 def _sizes(text: str) -> list[int | None]:
@@ -51,16 +72,25 @@ def build_parser() -> argparse.ArgumentParser:
                                      "serving: measure it on real traces.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     names = ", ".join(sorted(catalog.WORKLOADS))
-    rp = sub.add_parser("replay", help="replay a trace through the prefix cache at several pool sizes",
-                        description="Replay a trace through a metadata-only prefix cache at several pool sizes and "
-                        "report realized reuse (prompt tokens served from the cache) against the unbounded ceiling.")
-    rp.add_argument("target", nargs="?", metavar="TRACE",
-                    help=f"workload name ({names}), Mooncake JSONL file, or folder of mini-swe-agent trajectories; "
-                    "default: the embedded Mooncake slice")
-    rp.add_argument("--data", metavar="PATH", help=f"shared data folder for workload names (default: "
-                    f"${catalog.DATA_ENV}, else ../shared/data)")
+    models = ", ".join(catalog.MODEL_WORKLOADS)
+    defaults = ModelWorkloadOptions()
+    epilog = "model workloads:\n" + "\n".join(f"  {w.name:15} {w.description}"
+                                              for w in catalog.MODEL_WORKLOADS.values())
+    rp = sub.add_parser("replay", help="replay a trace through the prefix cache, or a model workload cache off vs on",
+                        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Replay a trace through a metadata-only prefix cache at several pool sizes "
+                        "and report realized reuse\n(prompt tokens served from the cache) against the unbounded "
+                        "ceiling; or serve a model workload with the cache off,\nthen on, on the same schedule and "
+                        "compare what users would see.")
+    rp.add_argument("target", nargs="?", metavar="TARGET",
+                    help=f"text workload name ({names}), Mooncake JSONL file, or folder of mini-swe-agent "
+                    f"trajectories (default: the embedded Mooncake slice); or a model workload ({models})")
+    rp.add_argument("--data", metavar="PATH", nargs="?", const="",
+                    help=f"shared data folder for workload names (default: ${catalog.DATA_ENV}, else "
+                    "../shared/data); a model workload runs its embedded default unless --data is given")
     rp.add_argument("--page-size", type=int, metavar="P",
-                    help=f"tokens per page (Mooncake: 512, fixed by its block ids; text: {TEXT_PAGE_SIZE})")
+                    help=f"tokens per page (Mooncake: 512, fixed by its block ids; text: {TEXT_PAGE_SIZE}; "
+                    f"model workloads: {defaults.page_size})")
     rp.add_argument("--pool-tokens", type=_sizes, default=parse_sizes(DEFAULT_POOLS), metavar="SIZES",
                     help=f"comma-separated pool sizes in tokens: 64k, 1M (binary), plain ints, inf "
                     f"(default: {DEFAULT_POOLS})")
@@ -69,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--in-flight", type=int, default=8, metavar="K",
                     help="live sessions/requests in round-robin order (default 8)")
     rp.add_argument("--limit", type=_count, metavar="N",
-                    help="replay only the first N sessions (Mooncake: requests; agent: trajectories)")
+                    help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
+                    "workloads: requests, each with a default cap)")
     rp.add_argument("--prefill-rate", type=float, default=ServiceModel.prefill_tokens_per_s, metavar="TOK_S",
                     help="timestamp order: uncached prompt tokens prefilled per second (default %(default)g)")
     rp.add_argument("--tpot", type=float, default=ServiceModel.s_per_output_token, metavar="S",
@@ -77,6 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     rp.add_argument("--plot", type=Path, metavar="OUT.png", help="draw realized reuse vs pool size as a PNG")
     rp.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    mg = rp.add_argument_group("model workload options")
+    mg.add_argument("--model", type=Path, metavar="PATH",
+                    help="a local model folder (save_pretrained layout) instead of the tiny model built from config")
+    mg.add_argument("--schedule", metavar="SPEC", help="arrivals: trace (default), poisson:RATE (requests/s) or "
+                    "closed:N (clients)")
+    mg.add_argument("--seed", type=int, metavar="S", help=f"seed of the poisson arrivals and generated data "
+                    f"(default {defaults.seed})")
+    mg.add_argument("--slo-ttft", type=float, metavar="S", help="goodput counts requests with TTFT <= S seconds")
+    mg.add_argument("--slo-ttfa", type=float, metavar="S", help="goodput counts requests with TTFA <= S seconds")
+    mg.add_argument("--html", type=Path, metavar="OUT.html",
+                    help="write the HTML report (and its JSON next to it unless --json is given)")
+    mg.add_argument("--metrics-port", type=int, metavar="PORT",
+                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port)")
+    mg.add_argument("--max-new-tokens", type=int, metavar="N",
+                    help=f"tokens generated per request (default {defaults.max_new_tokens})")
     return parser
 
 
@@ -95,7 +141,19 @@ def _warn_malformed(trace) -> None:
         print(f"  ... and {trace.malformed - _SHOWN_ERRORS} more", file=sys.stderr)
 
 
-def replay_command(args) -> int:
+def _given(args, defaults: dict, dests) -> list[str]:
+    """The options among ``dests`` set to something other than their default, as flags."""
+    return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) != defaults[d]]
+
+
+def replay_command(args, defaults: dict) -> int:
+    """``defaults``: the replay options' defaults, to tell which options were given."""
+    if args.target in catalog.MODEL_WORKLOADS:
+        if misused := _given(args, defaults, TEXT_ONLY):
+            return _fail(f"{', '.join(misused)}: only for trace replays, not for model workload {args.target!r}")
+        return model_replay_command(args)
+    if misused := _given(args, defaults, MODEL_ONLY):
+        return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(catalog.MODEL_WORKLOADS)})")
     if args.in_flight < 1:
         return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
     if args.prefill_rate <= 0 or args.tpot < 0:
@@ -141,10 +199,103 @@ def replay_command(args) -> int:
     return 0
 
 
+def _options(args) -> ModelWorkloadOptions:
+    """The workload options the command line sets; the rest keep ``ModelWorkloadOptions``' defaults."""
+    given = {"data": catalog.model_data(args.target, args.data), "model": args.model, "limit": args.limit,
+             "seed": args.seed, "page_size": args.page_size, "max_new_tokens": args.max_new_tokens}
+    return ModelWorkloadOptions(**{k: v for k, v in given.items() if v is not None})
+
+
+def _model_folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a model folder, or None."""
+    if not path.is_dir():
+        return "no such folder" if not path.exists() else "not a folder"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return "permission denied"
+    config = path / "config.json"
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "no config.json (not a save_pretrained folder)"
+    except (OSError, ValueError) as e:
+        return f"cannot read {config}: {e}"
+    return None
+
+
+def model_replay_command(args) -> int:
+    """Serve a model workload cache off, then on (``serving.compare``); print the table, write the reports."""
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--page-size", args.page_size),
+                        ("--slo-ttft", args.slo_ttft), ("--slo-ttfa", args.slo_ttfa)):
+        if value is not None and not value > 0:
+            return _fail(f"{flag} must be > 0, got {value}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        return _fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    try:
+        schedule = Schedule.parse(args.schedule or "trace", seed=args.seed or 0)
+    except ValueError as e:
+        return _fail(str(e))
+    if args.model is not None and (problem := _model_folder_problem(args.model)):
+        return _fail(f"--model {args.model}: {problem}")
+    slo = SLO(ttft_s=args.slo_ttft, ttfa_s=args.slo_ttfa)
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()  # per-shard bars on every load; our own progress line suffices
+    threads = torch.get_num_threads()
+    if args.model is None:  # tiny models: one intra-op thread is fastest; a spinning pool only adds contention
+        torch.set_num_threads(1)
+    try:
+        return _serve_model_workload(args, schedule, slo)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _serve_model_workload(args, schedule: Schedule, slo: SLO) -> int:
+    name = args.target
+    started = time.perf_counter()
+    try:
+        options = _options(args)
+        if name == "mixed":
+            names, missing = mixed.available()
+            print(f"mixed: {', '.join(names) or 'no component'}"
+                  + "".join(f"\n  skipped {n}: {why}" for n, why in missing.items()))
+        make = catalog.model_factory(name, options)
+    except catalog.UnknownWorkload as e:
+        return _fail(str(e))
+    except (MmcacheError, OSError, ValueError) as e:  # bad data (file:line), or a model folder transformers refuses
+        where = f" with --model {args.model}" if args.model is not None else ""
+        return _fail(f"cannot build workload {name!r}{where}: {str(e).strip().splitlines()[0]}")
+    source = "embedded default" if options.data is None else options.data / catalog.MODEL_WORKLOADS[name].data_path
+    print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
+          f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
+          f"{time.perf_counter() - started:.1f} s); cache off, then on")
+    exporter = None
+    if args.metrics_port is not None:
+        exporter = Exporter()
+        try:
+            port = exporter.serve(args.metrics_port)
+        except OSError as e:
+            return _fail(f"--metrics-port {args.metrics_port}: {e}")
+        print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    try:
+        off, on = compare(make, schedule, observer=exporter, progress=not args.no_progress and sys.stderr.isatty())
+    finally:
+        if exporter is not None:
+            exporter.close()
+    print(summary_table(off, on, slo))
+    print(f"total {time.perf_counter() - started:.1f} s")
+    if args.html:
+        paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
+        print("wrote " + " and ".join(map(str, paths)))
+    elif args.json:
+        args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "replay":
-        return replay_command(args)
+        return replay_command(args, vars(parser.parse_args(["replay"])))
     return _fail(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it first)
 
 
