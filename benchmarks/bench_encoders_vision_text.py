@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from encoders.text import CachedPromptEncoder  # noqa: E402
 from encoders.vision import CachedVisionEncoder  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
+from workloads.image_gen import t5_style_tokenizer  # noqa: E402
 
 WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
                 "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，"
@@ -98,31 +99,6 @@ def images(data: Path, n: int) -> list[bytes]:
     return found
 
 
-def sentencepiece_tokenizer(folder: Path):
-    """Mistral's 32k SentencePiece BPE (mistral_common) as a fast tokenizer with T5's conventions (``</s>``
-    appended, a ``<pad>`` token), saved and loaded back. Merges are recovered from the vocabulary the way
-    transformers' SentencePieceExtractor does, which needs protobuf; byte fallback keeps it lossless."""
-    import mistral_common
-    import sentencepiece
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    spm = sentencepiece.SentencePieceProcessor(model_file=os.path.join(
-        os.path.dirname(mistral_common.__file__), "data", "mistral_instruct_tokenizer_240323.model.v3"))
-    vocab = {spm.id_to_piece(i): i for i in range(spm.get_piece_size())}
-    merges = sorted((vocab[p], vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p in vocab for k in range(1, len(p))
-                    if p[:k] in vocab and p[k:] in vocab)
-    bpe = Tokenizer(models.BPE({**vocab, "<pad>": len(vocab)}, [m[3:] for m in merges], unk_token="<unk>",
-                               byte_fallback=True, fuse_unk=True))
-    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    bpe.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>", pad_token="<pad>"
-                            ).save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
-
-
 def umt5(size: str, folder: Path):
     from transformers import UMT5Config, UMT5EncoderModel
     torch.manual_seed(0)
@@ -158,7 +134,7 @@ def run(args, tmp: Path) -> None:
     print(row([f"CLIP ViT-B/16 224px ({len(pics[0]) >> 10} KiB PNG)", f"{forward * 1e3:.1f}",
                f"{uncached * 1e3:.1f}", f"{hit * 1e3:.3f}", f"{hit / forward:.3%}"]))
 
-    tokenizer = sentencepiece_tokenizer(tmp / "tokenizer")
+    tokenizer = t5_style_tokenizer(tmp / "tokenizer")
     prompts = [json.loads(line)["prompt"] for line in open(args.data / "diffusiondb" / "diffusiondb_5k.jsonl")]
     base = umt5("base", tmp / "umt5-base")
     fingerprint = None

@@ -31,13 +31,7 @@ MODES = [(dtype, attn) for dtype in (torch.float32, torch.bfloat16) for attn in 
 IDS = [f"{str(d).removeprefix('torch.')}-{a}" for d, a in MODES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy 2-core box makes OpenMP barriers spin for milliseconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def text_config():

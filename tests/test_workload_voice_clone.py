@@ -21,13 +21,7 @@ from workloads.serving import Clock, Schedule, compare
 FRAMES = 8  # ModelWorkloadOptions.max_new_tokens: frames per request
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; a busy 2-core box makes OpenMP barriers spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
