@@ -77,3 +77,11 @@ def test_data_flag_resolves_the_shared_folder(tmp_path, monkeypatch, capsys):
     (tmp_path / "mmmu" / "mmmu_pro_tool_sample_questions.jsonl").write_text('{"question": 1}\n')
     assert main(["replay", "vlm-chat", "--data", str(tmp_path), "--no-progress"]) == 2
     assert "mmmu_pro_tool_sample_questions.jsonl:1: " in capsys.readouterr().err  # the file and line
+
+
+def test_pool_and_store_sizes_reach_the_workload_options():
+    from workloads.cli import _options, build_parser
+
+    args = build_parser().parse_args(["replay", "vlm-chat", "--pool-pages", "512", "--encoder-bytes", "64M"])
+    options = _options(args)
+    assert options.pool_pages == 512 and options.encoder_bytes == 64 << 20

@@ -4,7 +4,7 @@
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
-                   [--metrics-port PORT] [--page-size P] [--max-new-tokens N]
+                   [--metrics-port PORT] [--page-size P] [--max-new-tokens N] [--pool-pages N] [--encoder-bytes SIZE]
 
 Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.catalog``), a Mooncake
 JSONL file, or a folder of mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a
@@ -47,7 +47,8 @@ DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
 TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot")
-MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "max_new_tokens")
+MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "max_new_tokens",
+              "pool_pages", "encoder_bytes")
 
 
 def _sizes(text: str) -> list[int | None]:
@@ -123,7 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port)")
     mg.add_argument("--max-new-tokens", type=int, metavar="N",
                     help=f"tokens generated per request (default {defaults.max_new_tokens})")
+    mg.add_argument("--pool-pages", type=int, metavar="N",
+                    help=f"KV pages in the prefix cache's pool (default {defaults.pool_pages}); size it to the "
+                         f"model: pages x layers x 2 x page size x kv heads x head dim x dtype bytes")
+    mg.add_argument("--encoder-bytes", type=_size_bytes, metavar="SIZE",
+                    help=f"bytes of each encoder store, e.g. 256M, 2G (default {defaults.encoder_bytes >> 20}M)")
     return parser
+
+
+def _size_bytes(text: str) -> int:
+    """A finite byte size such as 256M or 2G (binary units), for argparse."""
+    try:
+        size = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size is None:
+        raise argparse.ArgumentTypeError("an encoder store needs a finite size")
+    return size
 
 
 def _fail(message: str) -> int:
@@ -202,7 +219,8 @@ def replay_command(args, defaults: dict) -> int:
 def _options(args) -> ModelWorkloadOptions:
     """The workload options the command line sets; the rest keep ``ModelWorkloadOptions``' defaults."""
     given = {"data": catalog.model_data(args.target, args.data), "model": args.model, "limit": args.limit,
-             "seed": args.seed, "page_size": args.page_size, "max_new_tokens": args.max_new_tokens}
+             "seed": args.seed, "page_size": args.page_size, "max_new_tokens": args.max_new_tokens,
+             "pool_pages": args.pool_pages, "encoder_bytes": args.encoder_bytes}
     return ModelWorkloadOptions(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -225,6 +243,7 @@ def _model_folder_problem(path: Path) -> str | None:
 def model_replay_command(args) -> int:
     """Serve a model workload cache off, then on (``serving.compare``); print the table, write the reports."""
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--page-size", args.page_size),
+                        ("--pool-pages", args.pool_pages), ("--encoder-bytes", args.encoder_bytes),
                         ("--slo-ttft", args.slo_ttft), ("--slo-ttfa", args.slo_ttfa)):
         if value is not None and not value > 0:
             return _fail(f"{flag} must be > 0, got {value}")
