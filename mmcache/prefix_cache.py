@@ -251,7 +251,7 @@ class PrefixCache:
                 raise
             self._touch(idx)
             fresh = self.pool.alloc(gap + rec.offloaded)
-            rec.pages = idx.tolist() + fresh[:gap] + fresh[gap:] + rec.pages
+            rec.pages = idx.tolist() + fresh + rec.pages  # the gap, then the offloaded positions, then kept pages
             rec.first_page, rec.suspended, rec.offloaded = 0, False, 0
             rec.matched = idx.size * P
             if gap:
