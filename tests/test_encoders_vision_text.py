@@ -4,7 +4,6 @@ bit, hits skip decode and forward (counted with forward hooks and a decode spy),
 entry, bad media and wrong-shaped outputs leave the store as it was."""
 
 import io
-import json
 
 import numpy as np
 import pytest
@@ -89,34 +88,13 @@ def towers(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def wan(tmp_path_factory):
-    """A tiny WanPipeline (umT5 encoder, T5 tokenizer trained offline, tiny transformer and VAE), saved and loaded."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+    """The tiny WanPipeline the image-gen workload builds (umT5 encoder, a real 32k vocabulary in T5 form, tiny
+    transformer and VAE), saved and loaded back through from_pretrained."""
+    from diffusers import WanPipeline
 
-    corpus = [NEGATIVE, "a portrait of a female robot made from code, very intricate details, octane render",
-              "a cat walking on grass at sunset, cinematic lighting, 4k", "色调艳丽，过曝，静态，细节模糊不清，字幕"]
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
-    unigram.train_from_iterator(corpus, trainers.UnigramTrainer(
-        vocab_size=120, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>"))
-    tokenizer = T5Tokenizer(vocab=[tuple(v) for v in json.loads(unigram.to_str())["model"]["vocab"]], extra_ids=0)
-    torch.manual_seed(0)
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, num_layers=2,
-                                                 num_heads=4, d_kv=8, relative_attention_num_buckets=8)),
-        transformer=WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
-        vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                             temperal_downsample=[False, True, True]),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
-    folder = tmp_path_factory.mktemp("wan")
-    pipe.save_pretrained(folder)
-    pipe = WanPipeline.from_pretrained(folder)
-    return pipe
+    from workloads.image_gen import build_tiny_pipeline
+
+    return WanPipeline.from_pretrained(build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-wan"))
 
 
 def reference(model, processor, image: Image.Image) -> torch.Tensor:
