@@ -14,17 +14,9 @@ import time
 import numpy as np
 
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
-from mmcache.names import as_tokens, chain, chain_root
+from mmcache.names import chain, chain_root
+from timing import best  # benchmarks/timing.py, beside this script
 
-
-def best_of(fn, repeat: int) -> float:
-    """Best wall time of ``repeat`` calls (seconds): the least disturbed by the other core's load."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def vllm_style_names(tokens: list[int], page: int) -> list[bytes]:
@@ -62,12 +54,12 @@ def main(argv=None) -> None:
     # 1. names: tokens per second on one core
     toks = rng.integers(0, 32000, size=args.tokens, dtype=np.int32)
     root = chain_root(fp)
-    t_ours = best_of(lambda: chain(root, toks, P), args.repeat)
+    t_ours = best(lambda: chain(root, toks, P), args.repeat)
     base_toks = toks[: args.tokens // 8].tolist()
-    t_base = best_of(lambda: vllm_style_names(base_toks, P), max(1, args.repeat // 2)) * 8
+    t_base = best(lambda: vllm_style_names(base_toks, P), max(1, args.repeat // 2)) * 8
     rows.append(("page names, tokens/s (P=%d)" % P, f"{args.tokens / t_ours / 1e6:,.0f} M/s",
                  f"{args.tokens / t_base / 1e6:,.1f} M/s (SHA-256 of pickle, vLLM default)", t_base / t_ours))
-    t_list = best_of(lambda: page_names(fp, base_toks), args.repeat) * 8
+    t_list = best(lambda: page_names(fp, base_toks), args.repeat) * 8
     rows.append(("  same, from a Python list", f"{args.tokens / t_list / 1e6:,.0f} M/s", "(includes list->int32)",
                  t_base / t_list))
 
@@ -101,7 +93,7 @@ def main(argv=None) -> None:
     index = {n: i for i, n in enumerate(names)}
     page_tokens = {i: plist[i * P:(i + 1) * P] for i in range(k)}
     counts = [1] * k
-    t_loop = best_of(lambda: python_loop_lookup(index, page_tokens, counts, names, plist, P), max(20, args.repeat))
+    t_loop = best(lambda: python_loop_lookup(index, page_tokens, counts, names, plist, P), max(20, args.repeat))
     rows.append((f"lookup, {k}-page hit (probe+verify+retain)", f"{t_hit * 1e6:,.0f} us",
                  f"{t_loop * 1e6:,.0f} us (per-page Python loop, nano-vllm style)", t_loop / t_hit))
 

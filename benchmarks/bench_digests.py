@@ -9,7 +9,6 @@ import argparse
 import io
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +16,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import digests  # noqa: E402
+from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
 
-
-def best(fn, repeats: int, inner: int = 1) -> float:
-    """Best-of-``repeats`` seconds per call, each repeat averaging ``inner`` calls."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t) / inner)
-    return min(times)
 
 
 def synthetic(fmt: str, side: int, noise: float) -> bytes:

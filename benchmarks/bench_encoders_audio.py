@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from encoders.audio import CachedAudioEncoder  # noqa: E402
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder, SpeakerEncoderConfig  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
+from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
 
 RATE = 24000
 
@@ -50,16 +51,6 @@ def wav(seed: int, seconds: float) -> bytes:
         w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
     return buf.getvalue()
 
-
-def best_s(fn, repeats: int, inner: int = 1) -> float:
-    """Best of ``repeats`` of the mean seconds per call of ``inner`` calls: the cost without other tenants' noise."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t) / inner)
-    return min(times)
 
 
 def whisper_base(folder: Path):
@@ -91,14 +82,14 @@ def hit_row(name: str, label: str, make, data: bytes, repeats: int) -> str:
     off, on = make(None), make(warm_store(256 << 20))
     features = off.features(off.mono(*off.decode(data)))
     with torch.inference_mode():
-        forward = best_s(lambda: off.encode(features), repeats)
-    uncached = best_s(lambda: off(data), repeats)
+        forward = best(lambda: off.encode(features), repeats)
+    uncached = best(lambda: off(data), repeats)
     assert torch.equal(on(data), off(data))  # the miss stores, then every call below is a hit
     inner = 200
-    hit = best_s(lambda: on(data), repeats, inner)
-    key = best_s(lambda: on.key(data), repeats, inner)
+    hit = best(lambda: on(data), repeats, inner)
+    key = best(lambda: on.key(data), repeats, inner)
     k = on.key(data)
-    get = best_s(lambda: on.store.get(k), repeats, inner)
+    get = best(lambda: on.store.get(k), repeats, inner)
     assert on.store.stats()["misses"] == 1
     return (f"{name:<15}{label:<18}{forward * 1e3:>11.1f}{uncached * 1e3:>11.1f}{hit * 1e3:>9.3f}"
             f"{key * 1e3:>11.3f}{get * 1e3:>9.3f}{hit / forward:>11.3%}")

@@ -1,12 +1,15 @@
-"""Helpers shared by the encoder wrappers: the fingerprint that names what a module computes."""
+"""Helpers shared by the encoder wrappers: the fingerprint that names what a module computes, and reading media."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import xxhash
 from torch import nn
 
 import digests
+from mmcache.errors import InvalidMedia
 
 
 def module_fingerprint(module: nn.Module) -> str:
@@ -32,3 +35,19 @@ def module_fingerprint(module: nn.Module) -> str:
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # via uint8: bfloat16 has no numpy dtype
     p = next(module.parameters())
     return f"{type(module).__name__}/{h.hexdigest()}/{str(p.dtype).removeprefix('torch.')}/{p.device.type}"
+
+
+def media_bytes(data, kind: str) -> bytes | None:
+    """``data`` as immutable bytes, a path read exactly once (the same bytes are then digested and decoded, so a file
+    rewritten in between can never store one input's output under another's digest); None if it is neither."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, (str, os.PathLike)):
+        try:
+            with open(data, "rb") as f:
+                return f.read()
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+            raise InvalidMedia(f"cannot read {kind} file {os.fspath(data)!r}: {e}") from e
+    return None

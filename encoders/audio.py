@@ -11,7 +11,6 @@ pass of the hash over its bytes, one lookup and one gather: no decode, no resamp
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torchaudio
@@ -22,7 +21,7 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
 
-from ._common import module_fingerprint
+from ._common import media_bytes, module_fingerprint
 
 # Passed to torchaudio.functional.resample verbatim and digested with the features: they are what runs.
 RESAMPLE = {"lowpass_filter_width": 6, "rolloff": 0.99, "resampling_method": "sinc_interp_hann"}
@@ -138,14 +137,9 @@ class CachedAudioEncoder(CachedWavEncoder):
 
 def _load(wav):
     """``wav`` as immutable bytes (a path read once) or the ``(waveform, sample_rate)`` pair; InvalidMedia otherwise."""
-    if isinstance(wav, bytes) or isinstance(wav, tuple) and len(wav) == 2:
+    if isinstance(wav, tuple) and len(wav) == 2:
         return wav
-    if isinstance(wav, (bytearray, memoryview)):
-        return bytes(wav)
-    if isinstance(wav, (str, os.PathLike)):
-        try:
-            with open(wav, "rb") as f:
-                return f.read()
-        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-            raise InvalidMedia(f"cannot read WAV file {os.fspath(wav)!r}: {e}") from e
-    raise InvalidMedia(f"cannot encode {type(wav).__qualname__}: expected WAV bytes, a path or (waveform, rate)")
+    data = media_bytes(wav, "WAV")
+    if data is None:
+        raise InvalidMedia(f"cannot encode {type(wav).__qualname__}: expected WAV bytes, a path or (waveform, rate)")
+    return data

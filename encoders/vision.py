@@ -22,7 +22,6 @@ so a file changed between the two can never store one image's features under ano
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -33,7 +32,7 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
 
-from ._common import module_fingerprint
+from ._common import media_bytes, module_fingerprint
 
 
 class CachedVisionEncoder:
@@ -92,16 +91,9 @@ class CachedVisionEncoder:
 
 def _load(image):
     """``image`` as bytes (read once from a path) or the PIL image itself; InvalidMedia for anything else."""
-    if isinstance(image, bytes):
-        return image
-    if isinstance(image, (bytearray, memoryview)):
-        return bytes(image)
-    if isinstance(image, (str, os.PathLike)):
-        try:
-            with open(image, "rb") as f:
-                return f.read()
-        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-            raise InvalidMedia(f"cannot read image file {os.fspath(image)!r}: {e}") from e
+    data = media_bytes(image, "image")
+    if data is not None:
+        return data
     pil = sys.modules.get("PIL.Image")
     if pil is not None and isinstance(image, pil.Image):
         return image

@@ -17,7 +17,6 @@ prefix is never read, decoded, preprocessed or encoded.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Hashable, Sequence
 
@@ -25,9 +24,10 @@ import torch
 
 import digests
 from mmcache.encoder_store import EncoderStore
-from mmcache.errors import EncoderOutputError, InvalidMedia
+from mmcache.errors import EncoderOutputError
 
 from . import prefill
+from ._common import media_bytes
 from .paged_kv import PagedKVCache
 from .vision import CachedVisionEncoder
 
@@ -71,8 +71,8 @@ class LlavaPrefill:
             if isinstance(part, VlmPrompt):
                 images += [(len(tokens) + off, data) for off, data in part.images]
                 tokens += part.token_ids
-            elif isinstance(part, (bytes, bytearray, memoryview, str, os.PathLike)):
-                images.append((len(tokens), _read(part)))
+            elif (data := media_bytes(part, "image")) is not None:
+                images.append((len(tokens), data))
                 tokens += [self.image_token_id] * self.tokens_per_image
             else:
                 tokens += [int(t) for t in part]
@@ -122,12 +122,3 @@ class LlavaPrefill:
                                      f"{self.tokens_per_image} placeholders")
         return features
 
-
-def _read(image) -> bytes:
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        return bytes(image)
-    try:
-        with open(image, "rb") as f:
-            return f.read()
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        raise InvalidMedia(f"cannot read image file {os.fspath(image)!r}: {e}") from e

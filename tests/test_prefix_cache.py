@@ -1,6 +1,5 @@
 import threading
 
-import numpy as np
 import pytest
 import torch
 

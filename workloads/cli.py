@@ -39,7 +39,7 @@ from .ordering import ORDERS
 from .prometheus import Exporter
 from .report import report_json, write_report
 from .serving import Schedule, compare
-from .sizes import format_size, parse_size, parse_sizes
+from .sizes import parse_size, parse_sizes
 from .sweep import format_table, run_sweep, sweep_json
 from .text_replay import ServiceModel
 
@@ -127,20 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--pool-pages", type=int, metavar="N",
                     help=f"KV pages in the prefix cache's pool (default {defaults.pool_pages}); size it to the "
                          f"model: pages x layers x 2 x page size x kv heads x head dim x dtype bytes")
-    mg.add_argument("--encoder-bytes", type=_size_bytes, metavar="SIZE",
+    mg.add_argument("--encoder-bytes", type=_count, metavar="SIZE",
                     help=f"bytes of each encoder store, e.g. 256M, 2G (default {defaults.encoder_bytes >> 20}M)")
     return parser
 
-
-def _size_bytes(text: str) -> int:
-    """A finite byte size such as 256M or 2G (binary units), for argparse."""
-    try:
-        size = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if size is None:
-        raise argparse.ArgumentTypeError("an encoder store needs a finite size")
-    return size
 
 
 def _fail(message: str) -> int:
