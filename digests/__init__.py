@@ -5,10 +5,10 @@ encoders. Decoded inputs (a PIL image, an array, a waveform) are digested from t
 ``decoded`` marker, so they never equal the digest of a file.
 """
 
-from .canonical import Canonical, canonical
-from .decode import load_wav, open_image
-from .digest import ALGORITHMS, DEFAULT, Digest
-from .media import audio, image, prompt, video
+from digests.canonical import Canonical, canonical
+from digests.decode import load_wav, open_image
+from digests.digest import ALGORITHMS, DEFAULT, Digest
+from digests.media import audio, image, prompt, video
 
 __all__ = ["ALGORITHMS", "DEFAULT", "Canonical", "Digest", "audio", "canonical", "image", "load_wav", "open_image",
            "prompt", "video"]

@@ -17,8 +17,8 @@ import numpy as np
 
 from mmcache.errors import InvalidMedia
 
-from .canonical import canonical
-from .digest import DEFAULT, Digest, compute
+from digests.canonical import canonical
+from digests.digest import DEFAULT, Digest, compute
 
 _VERSION = 1
 

@@ -21,7 +21,7 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
 
-from ._common import media_bytes, module_fingerprint
+from encoders.base import media_bytes, module_fingerprint
 
 # Passed to torchaudio.functional.resample verbatim and digested with the features: they are what runs.
 RESAMPLE = {"lowpass_filter_width": 6, "rolloff": 0.99, "resampling_method": "sinc_interp_hann"}
@@ -62,7 +62,7 @@ class CachedWavEncoder:
         data = _load(wav)
         if self.store is None:
             return self.compute(data)
-        return self.store.get_or_compute(self._key(data), lambda: self.compute(data)).to(self.device)
+        return self.store.get_or_compute(self._key(data), lambda: self.compute(data)).value.to(self.device)
 
     def key(self, wav) -> EncoderKey:
         """The store key of ``wav`` (for ``store.pin``); reads and hashes it, decodes nothing."""

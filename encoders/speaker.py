@@ -36,7 +36,7 @@ from torchaudio.compliance import kaldi
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
 
-from .audio import CachedWavEncoder
+from encoders.audio import CachedWavEncoder
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 

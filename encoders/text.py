@@ -34,7 +34,7 @@ import digests
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 
-from ._common import module_fingerprint
+from encoders.base import module_fingerprint
 
 
 class CachedPromptEncoder:
@@ -73,7 +73,7 @@ class CachedPromptEncoder:
         if self.store is None:
             rows = self.compute(ids, mask)
         else:
-            rows = self.store.get_or_compute(self._key(ids, mask), lambda: self.compute(ids, mask)).to(self.device)
+            rows = self.store.get_or_compute(self._key(ids, mask), lambda: self.compute(ids, mask)).value.to(self.device)
         return torch.cat([rows, rows.new_zeros(self.max_sequence_length - rows.size(0), rows.size(1))])[None]
 
     def encode_prompt(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *,

@@ -32,7 +32,7 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
 
-from ._common import media_bytes, module_fingerprint
+from encoders.base import media_bytes, module_fingerprint
 
 
 class CachedVisionEncoder:
@@ -65,7 +65,7 @@ class CachedVisionEncoder:
         data = _load(image)
         if self.store is None:
             return self.compute(data)
-        return self.store.get_or_compute(self._key(data), lambda: self.compute(data)).to(self.device)
+        return self.store.get_or_compute(self._key(data), lambda: self.compute(data)).value.to(self.device)
 
     def features_for(self, images) -> list[torch.Tensor]:
         """One output per image, one forward per image: the simplest schedule whose outputs do not depend on which

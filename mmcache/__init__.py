@@ -5,15 +5,15 @@ Public API: ``Fingerprint``, ``page_names``, ``PagePool``, ``PrefixCache``, ``Re
 errors in ``mmcache.errors`` (``OutOfPages`` re-exported here).
 """
 
-from .encoder_key import EncoderKey
-from .encoder_store import EncoderPin, EncoderStore
-from .engine_allocator import PagedAllocator, Reloaded
-from .errors import AllocationFailed, OutOfPages
-from .host_pool import HostPagePool
-from .names import Fingerprint, page_names
-from .pool import PagePool
-from .prefix_cache import PrefixCache, RequestState
-from .shadow import ShadowIndex, ShadowMatch
+from mmcache.encoder_key import EncoderKey
+from mmcache.encoder_store import EncoderPin, EncoderStore, Lookup
+from mmcache.paged_allocator import PagedAllocator, Reloaded
+from mmcache.errors import AllocationFailed, OutOfPages
+from mmcache.host_pool import HostPagePool
+from mmcache.names import Fingerprint, page_names
+from mmcache.pool import PagePool
+from mmcache.prefix_cache import PrefixCache, RequestState
+from mmcache.shadow import ShadowIndex, ShadowMatch
 
-__all__ = ["AllocationFailed", "HostPagePool", "PagedAllocator", "Reloaded", "EncoderKey", "EncoderPin", "EncoderStore", "Fingerprint", "OutOfPages", "PagePool", "PrefixCache", "RequestState", "ShadowIndex", "ShadowMatch",
+__all__ = ["AllocationFailed", "HostPagePool", "PagedAllocator", "Reloaded", "EncoderKey", "EncoderPin", "EncoderStore", "Lookup", "Fingerprint", "OutOfPages", "PagePool", "PrefixCache", "RequestState", "ShadowIndex", "ShadowMatch",
            "page_names"]

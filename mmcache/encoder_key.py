@@ -7,7 +7,7 @@ from typing import Hashable
 
 import numpy as np
 
-from .errors import InvalidRequest
+from mmcache.errors import InvalidRequest
 
 
 @dataclasses.dataclass(frozen=True)

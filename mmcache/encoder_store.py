@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .encoder_key import EncoderKey
-from .errors import EncoderOutputError, OutOfPages, PageOwnershipError
-from .pool import PagePool
+from mmcache.encoder_key import EncoderKey
+from mmcache.errors import EncoderOutputError, OutOfPages, PageOwnershipError
+from mmcache.pool import PagePool
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,21 @@ class _Flight:
     error: BaseException | None = None
     tree: Any = None
     leaves: list | None = None  # a private copy of the leader's value; each joiner clones it again
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lookup:
+    """One ``get_or_compute``: a private copy of the value, and where it came from: ``"store"`` (a hit),
+    ``"joined"`` (another caller's concurrent miss on the same key computed it) or ``"computed"`` (``fn`` ran for
+    this caller)."""
+
+    value: Any
+    source: str
+
+    @property
+    def hit(self) -> bool:
+        """The encoder did not run for this caller (a stored value, or a joined concurrent miss)."""
+        return self.source != "computed"
 
 
 class EncoderPin:
@@ -214,8 +229,9 @@ class EncoderStore:
             raise
         return True
 
-    def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]):
-        """The stored value for ``key``, else ``fn()`` stored and returned; one query either way.
+    def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]) -> Lookup:
+        """The stored value for ``key``, else ``fn()`` stored and returned, as a ``Lookup`` that says which; one
+        query either way.
 
         Concurrent misses on one key run ``fn`` once: the first caller computes, the others wait (each counted as a
         join) and get private copies of its result, or the same exception re-raised; a failure stores nothing, so a
@@ -235,14 +251,14 @@ class EncoderStore:
                     self._count(key.modality, collisions=1)
                     flight = None
         if entry is not None:
-            return self._gather(entry)
+            return Lookup(self._gather(entry), "store")
         if flight is None:
-            return self._compute(key, fn)
+            return Lookup(self._compute(key, fn), "computed")
         if not lead:
             flight.done.wait()
             if flight.error is not None:
                 raise flight.error
-            return _unflatten(flight.tree, (t.clone() for t in flight.leaves))
+            return Lookup(_unflatten(flight.tree, (t.clone() for t in flight.leaves)), "joined")
         try:
             value = self._compute(key, fn)
             with self._lock:
@@ -258,7 +274,7 @@ class EncoderStore:
             raise
         finally:
             flight.done.set()
-        return value
+        return Lookup(value, "computed")
 
     def pin(self, key: EncoderKey) -> EncoderPin | None:
         """Add one owner to ``key``'s entry so it cannot be evicted while a request uses it; None when not stored.

@@ -12,7 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .pool import PagePool
+from mmcache.pool import PagePool
 
 
 class HostPagePool(PagePool):

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
-from .errors import InvalidRequest
+from mmcache.errors import InvalidRequest
 
 TOKEN_DTYPE = np.int32
 _TOKEN_LIMIT = np.iinfo(TOKEN_DTYPE).max

@@ -13,7 +13,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from .errors import OutOfPages, PageOwnershipError
+from mmcache.errors import OutOfPages, PageOwnershipError
 
 
 class PagePool:

@@ -25,9 +25,9 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
-from .names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
-from .pool import PagePool
+from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
+from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.pool import PagePool
 
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
 

@@ -13,8 +13,8 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from .errors import DuplicateRequest, InvalidRequest, UnknownRequest
-from .names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
+from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

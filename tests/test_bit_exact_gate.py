@@ -19,9 +19,9 @@ from PIL import Image
 from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, DynamicCache, LlamaConfig, LlamaForCausalLM,
                           LlavaConfig, LlavaForConditionalGeneration)
 
-from encoders.paged_kv import PagedKVCache
-from encoders.prefill import chunk_spans, generate, replay, serve
-from encoders.vlm import LlavaPrefill
+from mmcache.hf.paged_kv import PagedKVCache
+from mmcache.hf.runner import chunk_spans, generate, replay, serve
+from mmcache.hf.llava import LlavaPrefill
 from mmcache.encoder_store import EncoderStore
 
 P = 4  # page size; also the prefill chunk

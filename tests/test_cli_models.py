@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from workloads import catalog
+from workloads import registry
 from workloads.cli import main
 
 
@@ -52,7 +52,7 @@ def test_clear_errors(argv, message, capsys):
 def test_unknown_workload_lists_the_model_workloads(capsys):
     assert main(["replay", "no-such-workload"]) == 2
     err = capsys.readouterr().err
-    assert all(name in err for name in catalog.MODEL_WORKLOADS)
+    assert all(name in err for name in registry.MODEL_WORKLOADS)
 
 
 def test_unreadable_model_folder(tmp_path, capsys):

@@ -88,7 +88,7 @@ def test_roundtrip_bit_exact(name):
     assert store.put(key(), value)
     got = store.get(key())
     assert_same(got, value)
-    assert_same(store.get_or_compute(key(), lambda: pytest.fail("hit must not compute")), value)
+    assert_same(store.get_or_compute(key(), lambda: pytest.fail("hit must not compute")).value, value)
 
 
 @settings(max_examples=60, deadline=None)
@@ -121,7 +121,7 @@ def test_values_come_back_as_fresh_copies():
     for page in range(store.pool.num_pages):  # a returned tensor never aliases the pool
         assert not (store.pool.data[page].data_ptr() <= second.data_ptr() < store.pool.data[page].data_ptr() + PB)
 
-    computed = store.get_or_compute(key(1), lambda: floats(40, 1))
+    computed = store.get_or_compute(key(1), lambda: floats(40, 1)).value
     computed.zero_()  # the miss's caller mutates its value
     assert_same(store.get(key(1)), floats(40, 1))
     with store.pin(key(1)) as pin:
@@ -165,7 +165,7 @@ def test_pinned_entries_are_never_evicted_and_full_pins_bypass():
     pins.append(store.pin(key(9)))
     before = store.pool.counts.copy()
     assert not store.put(key(10), floats(16, 10))  # no room: bypassed, nothing evicted, nothing raised
-    assert_same(store.get_or_compute(key(11), lambda: floats(16, 11)), floats(16, 11))
+    assert_same(store.get_or_compute(key(11), lambda: floats(16, 11)).value, floats(16, 11))
     assert (store.pool.counts == before).all()
     s = store.stats()
     assert (s["bypasses"], s["evictions"], s["entries"]) == (3, 1, 4)
@@ -200,7 +200,7 @@ def test_too_large_output_is_bypassed_with_one_warning(caplog):
     store.put(key(modality="audio", ids=[1]), floats(4))
     with caplog.at_level(logging.WARNING, logger="mmcache.encoder_store"):
         assert store.put(key(modality="audio", ids=[2]), big) is False
-        assert_same(store.get_or_compute(key(1, modality="audio"), lambda: big), big)
+        assert_same(store.get_or_compute(key(1, modality="audio"), lambda: big).value, big)
     assert len(caplog.records) == 2
     assert all("audio" in r.getMessage() and "260" in r.getMessage() for r in caplog.records)
     s = store.stats()
@@ -235,7 +235,7 @@ def test_concurrent_misses_compute_once_and_get_private_copies():
         time.sleep(0.01)
         return {"emb": floats(300, 7), "mask": torch.ones(300, dtype=torch.bool)}
 
-    results = run_together(n, lambda: store.get_or_compute(key(modality="text"), encode))
+    results = run_together(n, lambda: store.get_or_compute(key(modality="text"), encode).value)
     assert len(calls) == 1
     expected = {"emb": floats(300, 7), "mask": torch.ones(300, dtype=torch.bool)}
     for r in results:
@@ -258,15 +258,15 @@ def test_failing_compute_reaches_every_waiter_and_stores_nothing():
         wait_for(lambda: store.stats()["joins"] == n - 1)
         raise RuntimeError("CUDA out of memory (simulated)")
 
-    errors = run_together(n, lambda: store.get_or_compute(key(), broken))
+    errors = run_together(n, lambda: store.get_or_compute(key(), broken).value)
     assert len(calls) == 1
     assert all(e is errors[0] for e in errors) and isinstance(errors[0], RuntimeError)
     assert len(store) == 0 and all_free(store) and not store._flights
-    assert_same(store.get_or_compute(key(), lambda: floats(10)), floats(10))  # a later call retries
+    assert_same(store.get_or_compute(key(), lambda: floats(10)).value, floats(10))  # a later call retries
     assert key() in store
 
     with pytest.raises(EncoderOutputError):  # a refused output is a failure too: raised, nothing stored
-        store.get_or_compute(key(1), lambda: "not a tensor")
+        store.get_or_compute(key(1), lambda: "not a tensor").value
     assert key(1) not in store and not store._flights
 
 
@@ -282,9 +282,9 @@ def test_in_flight_name_with_other_ids_is_not_joined():
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(store.get_or_compute, a, slow_a)
         assert started.wait(10)
-        assert_same(store.get_or_compute(b, lambda: floats(8, 2)), floats(8, 2))  # never a's value
+        assert_same(store.get_or_compute(b, lambda: floats(8, 2)).value, floats(8, 2))  # never a's value
         go.set()
-        assert_same(fut.result(), floats(8, 1))
+        assert_same(fut.result().value, floats(8, 1))
     assert store.stats()["collisions"] == 1 and store.stats()["joins"] == 0
     assert_same(store.get(a), floats(8, 1))
 
@@ -300,7 +300,7 @@ def test_threads_hammering_a_small_pool_keep_values_and_counts_exact():
         for _ in range(300):
             i, op = rng.randrange(len(keys)), rng.random()
             if op < 0.6:
-                assert_same(store.get_or_compute(keys[i], lambda: value(i)), value(i))
+                assert_same(store.get_or_compute(keys[i], lambda: value(i)).value, value(i))
             elif op < 0.8:
                 got = store.get(keys[i])
                 assert got is None or torch.equal(got, value(i))
@@ -336,7 +336,7 @@ def test_verifying_ids_mismatch_is_a_miss_and_a_collision():
     s = store.stats()["by_modality"]["text"]
     assert (s["queries"], s["hits"], s["misses"], s["collisions"]) == (3, 1, 2, 3)
     other = key(modality="text", ids=np.array([9], dtype=np.int32))
-    assert_same(store.get_or_compute(other, lambda: floats(3, 1)), floats(3, 1))  # replaces the colliding entry
+    assert_same(store.get_or_compute(other, lambda: floats(3, 1)).value, floats(3, 1))  # replaces the colliding entry
     assert store.get(prompt) is None and store.get(other) is not None
 
 
@@ -379,7 +379,7 @@ def test_expected_output_spec():
         with pytest.raises(EncoderOutputError, match="does not match the expected"):
             store.put(key(), wrong)
         with pytest.raises(EncoderOutputError):
-            store.get_or_compute(key(1), lambda: wrong)
+            store.get_or_compute(key(1), lambda: wrong).value
     assert_same(store.get(key()), floats(24, dtype=torch.bfloat16).view(3, 8)) and key(1) not in store
 
     by_len = EncoderStore(8192, page_bytes=PB, expect=(
@@ -415,10 +415,10 @@ def test_counters_by_modality_and_time_saved():
         time.sleep(0.02)
         return v
 
-    store.get_or_compute(key(0, modality="image"), lambda: slow(floats(16)))
+    store.get_or_compute(key(0, modality="image"), lambda: slow(floats(16))).value
     for _ in range(3):
-        store.get_or_compute(key(0, modality="image"), lambda: pytest.fail("hit"))
-    store.get_or_compute(key(0, modality="speaker"), lambda: floats(4))
+        store.get_or_compute(key(0, modality="image"), lambda: pytest.fail("hit")).value
+    store.get_or_compute(key(0, modality="speaker"), lambda: floats(4)).value
     assert store.get(key(5, modality="speaker")) is None
     s = store.stats()
     img, spk = s["by_modality"]["image"], s["by_modality"]["speaker"]
@@ -516,7 +516,7 @@ class StoreMachine(RuleBasedStateMachine):
     def get_or_compute(self, k, nel, seed):
         value = make_value(nel, seed, torch.float32)
         was = self.last.get(k) if k in self.store else None
-        got = self.store.get_or_compute(k, lambda: value)
+        got = self.store.get_or_compute(k, lambda: value).value
         assert_same(got, value if was is None else was)
         if was is None:
             self.last[k] = value if k in self.store else None

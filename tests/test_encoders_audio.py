@@ -12,7 +12,7 @@ import torch
 from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
 from transformers.modeling_outputs import BaseModelOutput
 
-from encoders._common import module_fingerprint
+from encoders.base import module_fingerprint
 from encoders.audio import CachedAudioEncoder
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder, SpeakerEncoderConfig
 from mmcache.encoder_store import EncoderStore

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 import digests
-from encoders._common import module_fingerprint
+from encoders.base import module_fingerprint
 from encoders.text import CachedPromptEncoder
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
@@ -92,7 +92,7 @@ def wan(tmp_path_factory):
     transformer and VAE), saved and loaded back through from_pretrained."""
     from diffusers import WanPipeline
 
-    from workloads.image_gen import build_tiny_pipeline
+    from workloads.models.image_gen import build_tiny_pipeline
 
     return WanPipeline.from_pretrained(build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-wan"))
 

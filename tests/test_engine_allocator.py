@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
-from mmcache.engine_allocator import PagedAllocator
+from mmcache.paged_allocator import PagedAllocator
 from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, UnknownRequest
 from mmcache.host_pool import HostPagePool
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig
 
-from encoders.paged_kv import PagedKVCache, kv_page_shape
-from encoders.prefill import chunk_spans, replay, serve
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.hf.runner import chunk_spans, replay, serve
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest, OutOfPages
 

@@ -9,10 +9,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_serving import make_media, tiny_factory, tiny_model
-from workloads.prometheus import Exporter
-from workloads.serving import Schedule, compare
+from workloads.harness.prometheus import Exporter
+from workloads.harness.serving import Schedule, compare
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "workloads" / "grafana" / "mmcache_dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "workloads" / "harness" / "grafana" / "mmcache_dashboard.json"
 
 model = pytest.fixture(scope="module", name="model")(tiny_model)
 

@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 
 from test_serving import make_media, tiny_factory, tiny_model
-from workloads.metrics import SLO, summarize, summary_rows
-from workloads.report import savings, write_report
-from workloads.serving import Schedule, compare
+from workloads.harness.metrics import SLO, summarize, summary_rows
+from workloads.harness.report import savings, write_report
+from workloads.harness.serving import Schedule, compare
 
 CHROMIUM = Path("/usr/bin/chromium")
 DATA_PNG = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')

@@ -18,8 +18,8 @@ from torch import nn
 
 import digests
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
-from workloads.metrics import SLO, RequestRecord, RequestResult, RunResult, percentiles, summarize, summary_table
-from workloads.serving import Request, Schedule, compare, replay
+from workloads.harness.metrics import SLO, RequestRecord, RequestResult, RunResult, percentiles, summarize, summary_table
+from workloads.harness.serving import Request, Schedule, compare, replay
 
 P = 16          # tokens per page
 WIDTH = 384     # hidden size: prefill costs ~1.2 MFLOP per uncached token
@@ -127,7 +127,7 @@ class TinyChat:
         digest = digests.image(path) if modality == "image" else digests.audio(path)
         key = EncoderKey(digest, f"tiny-{modality}", modality)
         hit = key in self.store
-        return self.store.get_or_compute(key, lambda: self.model.encode(modality, path)), hit, digest
+        return self.store.get_or_compute(key, lambda: self.model.encode(modality, path)).value, hit, digest
 
     def serve(self, req: Request, cached: bool, clock) -> RequestResult:
         turn, media, features, items, hits = req.payload, [], [], {}, {}

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from mmcache.errors import TraceError
-from workloads.catalog import embedded_slice
-from workloads.mooncake import BLOCK_TOKENS, load_mooncake
-from workloads.ordering import schedule
-from workloads.text_replay import ServiceModel, pool_pages_for, replay
-from workloads.text_trace import CallInfo
+from workloads.registry import embedded_slice
+from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
+from workloads.sizing.ordering import schedule
+from workloads.sizing.replay import ServiceModel, pool_pages_for, replay
+from workloads.traces.text_trace import CallInfo
 
 P = BLOCK_TOKENS
 
@@ -159,7 +159,7 @@ def test_real_mooncake_ceiling_and_small_pool(data_dir):
 def _swe_agent(data_dir, limit):
     pytest.importorskip("sentencepiece")
     pytest.importorskip("mistral_common")
-    from workloads.swe_agent import load_swe_agent
+    from workloads.traces.swe_agent import load_swe_agent
     return load_swe_agent(data_dir / "mini-swe-agent" / "trajs", limit=limit)
 
 
@@ -192,7 +192,7 @@ def test_real_swe_agent_replay(data_dir):
 def test_swe_agent_skips_bad_files(tmp_path):
     pytest.importorskip("sentencepiece")
     pytest.importorskip("mistral_common")
-    from workloads.swe_agent import load_swe_agent
+    from workloads.traces.swe_agent import load_swe_agent
     good = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "task"},
                          {"role": "assistant", "content": "ls", "extra": {"response": {"created": 100}}},
                          {"role": "user", "content": "a b c"},

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mmcache.errors import TraceError
-from workloads.image_gen import (DEFAULT_REQUESTS, NEGATIVE_PROMPT, Generation, factory, generate_prompts,
+from workloads.models.image_gen import (DEFAULT_REQUESTS, NEGATIVE_PROMPT, Generation, factory, generate_prompts,
                                  load_pipeline, load_prompts)
-from workloads.metrics import summarize
-from workloads.model_options import ModelWorkloadOptions
-from workloads.serving import Clock, Schedule, compare
+from workloads.harness.metrics import summarize
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Clock, Schedule, compare
 
 TRACE = Schedule.parse("trace")
 

@@ -13,10 +13,10 @@ import torch
 
 import digests
 from mmcache.errors import InvalidRequest, TraceError
-from workloads import voice_clone as vc
-from workloads.metrics import summarize
-from workloads.model_options import ModelWorkloadOptions
-from workloads.serving import Clock, Schedule, compare
+from workloads.models import voice_clone as vc
+from workloads.harness.metrics import summarize
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Clock, Schedule, compare
 
 FRAMES = 8  # ModelWorkloadOptions.max_new_tokens: frames per request
 

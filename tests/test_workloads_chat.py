@@ -13,11 +13,12 @@ import pytest
 from PIL import Image
 
 from mmcache.errors import TraceError
-from workloads import agent_model, vlm_chat
-from workloads.metrics import summarize
-from workloads.mixed import Mixed
-from workloads.model_options import ModelWorkloadOptions
-from workloads.serving import Schedule, compare
+from workloads.models import agent
+from workloads.models import vlm_chat
+from workloads.harness.metrics import summarize
+from workloads.models.mixed import Mixed
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Schedule, compare
 
 NEW = 4  # tokens generated per request
 
@@ -143,7 +144,7 @@ def test_vlm_chat_malformed_data_names_file_and_line(tmp_path, model_dir):
 # ---------------------------------------------------------------------------------------------------- agent-model
 @pytest.fixture(scope="module")
 def agent_factory(model_dir):
-    return agent_model.factory(options(model_dir, limit=5))  # session 0's 4 calls, session 1's first call
+    return agent.factory(options(model_dir, limit=5))  # session 0's 4 calls, session 1's first call
 
 
 def test_agent_model_reuses_the_history_exactly(agent_factory):
@@ -159,10 +160,10 @@ def test_agent_model_reuses_the_history_exactly(agent_factory):
 
 
 def test_mooncake_model_keeps_the_shared_prefix_structure(model_dir):
-    off, on, wl_off, wl_on = compare_keeping(agent_model.mooncake_factory(options(model_dir, limit=12)))
+    off, on, wl_off, wl_on = compare_keeping(agent.mooncake_factory(options(model_dir, limit=12)))
     s = summarize(on)
     assert s["completed"] == 12 and s["hit_rate"]["prefix"] > 0 and s["of_ceiling"] == pytest.approx({"prefix": 1})
-    assert max(r.result.prompt_tokens for r in on.records) <= agent_model.MOONCAKE_BLOCKS * 2 * wl_on.page_size
+    assert max(r.result.prompt_tokens for r in on.records) <= agent.MOONCAKE_BLOCKS * 2 * wl_on.page_size
     assert_exact(off, on, wl_off, wl_on)
 
 

@@ -1,12 +1,10 @@
-"""workloads: real trace loaders, the replay engine, reports and the ``mmcache`` command line.
+"""workloads: replay real traffic through mmcache, grouped by job.
 
-Text replay (prefix reuse on real traces): ``text_trace`` (request/session types), ``mooncake`` and ``swe_agent``
-(loaders), ``ordering`` (timestamp / round-robin), ``text_replay`` (one replay through a PrefixCache), ``sweep``
-(pool-size sweep, table, JSON), ``sweep_plot`` (PNG), ``catalog`` (workload names and paths), ``cli``.
-
-Model replay (real models, cache off vs on): ``serving`` (workload protocol, schedules, replay, compare),
-``metrics`` (TTFT/TTFA/ITL, goodput, hit rates), ``report`` (HTML and JSON), ``prometheus`` (live metrics),
-``model_options`` (what every model workload is built from), and the workloads: ``vlm_chat`` (``vlm-chat``),
-``agent_model`` (``agent-model``, ``mooncake-model``, and the text-LM serving core ``vlm_chat`` shares),
-``image_gen`` (``image-gen``), ``voice_clone`` (``voice-clone``), ``mixed`` (their blend).
+- ``traces``: trace loaders (Mooncake JSONL, mini-swe-agent trajectories) and their request types;
+- ``sizing``: the pool-size sweep: replay a text trace through a metadata-only prefix cache at several pool sizes;
+- ``harness``: the serving harness for model workloads: schedules, the cache-off/on replay, metrics, the HTML report,
+  Prometheus metrics and the Grafana dashboard;
+- ``models``: the model workloads (``vlm-chat``, ``agent-model``, ``mooncake-model``, ``image-gen``, ``voice-clone``,
+  ``mixed``), each holding only its data and its accounting;
+- ``registry`` (workload names), ``options`` (what a model workload is built from), ``cli`` (``mmcache``).
 """

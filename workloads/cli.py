@@ -6,7 +6,7 @@
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
                    [--metrics-port PORT] [--page-size P] [--max-new-tokens N] [--pool-pages N] [--encoder-bytes SIZE]
 
-Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.catalog``), a Mooncake
+Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.registry``), a Mooncake
 JSONL file, or a folder of mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a
 metadata-only prefix cache at several pool sizes, no model involved.
 
@@ -32,16 +32,18 @@ import torch
 
 from mmcache.errors import MmcacheError, TraceError
 
-from . import catalog, mixed
-from .metrics import SLO, summary_table
-from .model_options import ModelWorkloadOptions
-from .ordering import ORDERS
-from .prometheus import Exporter
-from .report import report_json, write_report
-from .serving import Schedule, compare
-from .sizes import parse_size, parse_sizes
-from .sweep import format_table, run_sweep, sweep_json
-from .text_replay import ServiceModel
+from workloads import registry
+
+from workloads.models import mixed
+from workloads.harness.metrics import SLO, summary_table
+from workloads.options import ModelWorkloadOptions
+from workloads.sizing.ordering import ORDERS
+from workloads.harness.prometheus import Exporter
+from workloads.harness.report import report_json, write_report
+from workloads.harness.serving import Schedule, compare
+from workloads.sizes import parse_size, parse_sizes
+from workloads.sizing.sweep import format_table, run_sweep, sweep_json
+from workloads.sizing.replay import ServiceModel
 
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
@@ -72,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
                                      "serving: measure it on real traces.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    names = ", ".join(sorted(catalog.WORKLOADS))
-    models = ", ".join(catalog.MODEL_WORKLOADS)
+    names = ", ".join(sorted(registry.WORKLOADS))
+    models = ", ".join(registry.MODEL_WORKLOADS)
     defaults = ModelWorkloadOptions()
     epilog = "model workloads:\n" + "\n".join(f"  {w.name:15} {w.description}"
-                                              for w in catalog.MODEL_WORKLOADS.values())
+                                              for w in registry.MODEL_WORKLOADS.values())
     rp = sub.add_parser("replay", help="replay a trace through the prefix cache, or a model workload cache off vs on",
                         epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Replay a trace through a metadata-only prefix cache at several pool sizes "
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"text workload name ({names}), Mooncake JSONL file, or folder of mini-swe-agent "
                     f"trajectories (default: the embedded Mooncake slice); or a model workload ({models})")
     rp.add_argument("--data", metavar="PATH", nargs="?", const="",
-                    help=f"shared data folder for workload names (default: ${catalog.DATA_ENV}, else "
+                    help=f"shared data folder for workload names (default: ${registry.DATA_ENV}, else "
                     "../shared/data); a model workload runs its embedded default unless --data is given")
     rp.add_argument("--page-size", type=int, metavar="P",
                     help=f"tokens per page (Mooncake: 512, fixed by its block ids; text: {TEXT_PAGE_SIZE}; "
@@ -155,19 +157,19 @@ def _given(args, defaults: dict, dests) -> list[str]:
 
 def replay_command(args, defaults: dict) -> int:
     """``defaults``: the replay options' defaults, to tell which options were given."""
-    if args.target in catalog.MODEL_WORKLOADS:
+    if args.target in registry.MODEL_WORKLOADS:
         if misused := _given(args, defaults, TEXT_ONLY):
             return _fail(f"{', '.join(misused)}: only for trace replays, not for model workload {args.target!r}")
         return model_replay_command(args)
     if misused := _given(args, defaults, MODEL_ONLY):
-        return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(catalog.MODEL_WORKLOADS)})")
+        return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
     if args.in_flight < 1:
         return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
     if args.prefill_rate <= 0 or args.tpot < 0:
         return _fail("--prefill-rate must be > 0 and --tpot >= 0")
     try:
-        kind, path = catalog.resolve(args.target, args.data)
-    except catalog.UnknownWorkload as e:
+        kind, path = registry.resolve(args.target, args.data)
+    except registry.UnknownWorkload as e:
         return _fail(str(e))
     if kind == "mooncake" and args.page_size not in (None, 512):
         return _fail(f"Mooncake traces fix the page size at 512 (one hash id per 512-token block); "
@@ -176,7 +178,7 @@ def replay_command(args, defaults: dict) -> int:
         return _fail(f"--page-size must be >= 1, got {args.page_size}")
     started = time.perf_counter()
     try:
-        trace = catalog.load(kind, path, limit=args.limit)
+        trace = registry.load(kind, path, limit=args.limit)
     except TraceError as e:
         return _fail(str(e))
     _warn_malformed(trace)
@@ -200,7 +202,7 @@ def replay_command(args, defaults: dict) -> int:
         args.json.write_text(json.dumps(sweep_json(sweep), indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        from .sweep_plot import plot_sweeps
+        from workloads.sizing.plot import plot_sweeps
         plot_sweeps([sweep], args.plot)
         print(f"wrote {args.plot}")
     return 0
@@ -208,7 +210,7 @@ def replay_command(args, defaults: dict) -> int:
 
 def _options(args) -> ModelWorkloadOptions:
     """The workload options the command line sets; the rest keep ``ModelWorkloadOptions``' defaults."""
-    given = {"data": catalog.model_data(args.target, args.data), "model": args.model, "limit": args.limit,
+    given = {"data": registry.model_data(args.target, args.data), "model": args.model, "limit": args.limit,
              "seed": args.seed, "page_size": args.page_size, "max_new_tokens": args.max_new_tokens,
              "pool_pages": args.pool_pages, "encoder_bytes": args.encoder_bytes}
     return ModelWorkloadOptions(**{k: v for k, v in given.items() if v is not None})
@@ -266,13 +268,13 @@ def _serve_model_workload(args, schedule: Schedule, slo: SLO) -> int:
             names, missing = mixed.available()
             print(f"mixed: {', '.join(names) or 'no component'}"
                   + "".join(f"\n  skipped {n}: {why}" for n, why in missing.items()))
-        make = catalog.model_factory(name, options)
-    except catalog.UnknownWorkload as e:
+        make = registry.model_factory(name, options)
+    except registry.UnknownWorkload as e:
         return _fail(str(e))
     except (MmcacheError, OSError, ValueError) as e:  # bad data (file:line), or a model folder transformers refuses
         where = f" with --model {args.model}" if args.model is not None else ""
         return _fail(f"cannot build workload {name!r}{where}: {str(e).strip().splitlines()[0]}")
-    source = "embedded default" if options.data is None else options.data / catalog.MODEL_WORKLOADS[name].data_path
+    source = "embedded default" if options.data is None else options.data / registry.MODEL_WORKLOADS[name].data_path
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
           f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")

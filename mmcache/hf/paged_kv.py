@@ -28,7 +28,7 @@ from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache, RequestState
 
-from ._common import module_fingerprint
+from encoders.base import module_fingerprint
 
 _MIN_CAPACITY = 256  # staging positions allocated at least, so short chats never regrow it
 

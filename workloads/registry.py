@@ -9,7 +9,7 @@ A target is resolved in this order:
 Anything else is an error naming the known workloads.
 
 Model-backed workloads (``MODEL_WORKLOADS``: ``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``,
-``mooncake-model``, ``mixed``) run real models with the cache off and on (``workloads.serving.compare``). Each names
+``mooncake-model``, ``mixed``) run real models with the cache off and on (``workloads.harness.serving.compare``). Each names
 the module and function that build it (``factory(options) -> Callable[[], Workload]``), imported only when asked
 for, so a workload whose module or dependencies are missing fails alone, with ``UnknownWorkload`` saying why. Without
 ``--data`` a model workload runs its embedded default; with it, ``model_data`` resolves the shared data folder as for
@@ -25,9 +25,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from .mooncake import load_mooncake
-from .swe_agent import load_swe_agent
-from .text_trace import TextTrace
+from workloads.traces.mooncake import load_mooncake
+from workloads.traces.swe_agent import load_swe_agent
+from workloads.traces.text_trace import TextTrace
 
 DATA_ENV = "MMCACHE_DATA"
 
@@ -62,17 +62,17 @@ class ModelWorkload:
 
 
 MODEL_WORKLOADS: dict[str, ModelWorkload] = {w.name: w for w in (
-    ModelWorkload("vlm-chat", "workloads.vlm_chat", "factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
+    ModelWorkload("vlm-chat", "workloads.models.vlm_chat", "factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
                   "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)"),
-    ModelWorkload("image-gen", "workloads.image_gen", "factory", "diffusiondb/diffusiondb_5k.jsonl",
+    ModelWorkload("image-gen", "workloads.models.image_gen", "factory", "diffusiondb/diffusiondb_5k.jsonl",
                   "text-to-image requests with a shared negative prompt (DiffusionDB prompts)"),
-    ModelWorkload("voice-clone", "workloads.voice_clone", "factory", "seedtts/meta.lst",
+    ModelWorkload("voice-clone", "workloads.models.voice_clone", "factory", "seedtts/meta.lst",
                   "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)"),
-    ModelWorkload("agent-model", "workloads.agent_model", "factory", "mini-swe-agent/trajs",
+    ModelWorkload("agent-model", "workloads.models.agent", "factory", "mini-swe-agent/trajs",
                   "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
-    ModelWorkload("mooncake-model", "workloads.agent_model", "mooncake_factory", "mooncake/conversation_trace.jsonl",
+    ModelWorkload("mooncake-model", "workloads.models.agent", "mooncake_factory", "mooncake/conversation_trace.jsonl",
                   "Mooncake conversation trace, scaled to 4 blocks per request (tiny Llama)"),
-    ModelWorkload("mixed", "workloads.mixed", "factory", "",
+    ModelWorkload("mixed", "workloads.models.mixed", "factory", "",
                   "vlm-chat, agent-model, image-gen and voice-clone interleaved by arrival time"),
 )}
 

@@ -32,11 +32,11 @@ from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .errors import AllocationFailed, DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
-from .host_pool import can_hold, copy_pages
-from .names import as_tokens
-from .pool import PagePool
-from .prefix_cache import PrefixCache, RequestState
+from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
+from mmcache.host_pool import can_hold, copy_pages
+from mmcache.names import as_tokens
+from mmcache.pool import PagePool
+from mmcache.prefix_cache import PrefixCache, RequestState
 
 _ENDED_MEMORY = 65536  # removed ids remembered only to say "already removed" rather than "never added"
 _NO_PROMPT = (0,)      # a label admitted without a prompt: one placeholder token, so nothing can match ((1-1)//P = 0)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .sizes import format_size
-from .sweep import Sweep
+from workloads.sizes import format_size
+from workloads.sizing.sweep import Sweep
 
 
 def label_of(sweep: Sweep) -> str:

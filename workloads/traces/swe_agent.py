@@ -29,7 +29,7 @@ import numpy as np
 
 from mmcache.errors import TraceError
 
-from .text_trace import CallInfo, TextRequest, TextTrace
+from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
 
 TOKENIZER_FILES = ("mistral_instruct_tokenizer_240323.model.v3", "mistral_instruct_tokenizer_241114.model.v7",
                    "tokenizer.model.v1")

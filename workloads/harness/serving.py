@@ -35,8 +35,8 @@ import numpy as np
 
 from mmcache.errors import MmcacheError
 
-from .metrics import RequestRecord, RequestResult, RunResult
-from .progress import Progress
+from workloads.harness.metrics import RequestRecord, RequestResult, RunResult
+from workloads.harness.progress import Progress
 
 SCHEDULES = ("trace", "poisson", "closed")
 

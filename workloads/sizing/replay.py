@@ -37,10 +37,10 @@ import time
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 
-from .ordering import schedule
-from .progress import Progress
-from .sizes import format_size
-from .text_trace import TextRequest, TextTrace
+from workloads.sizing.ordering import schedule
+from workloads.harness.progress import Progress
+from workloads.sizes import format_size
+from workloads.traces.text_trace import TextRequest, TextTrace
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache
 
 from mmcache.errors import InvalidRequest
 
-from .paged_kv import PagedKVCache
+from mmcache.hf.paged_kv import PagedKVCache
 
 Embed = Callable[[int, int], torch.Tensor]  # (start, end) -> inputs_embeds [1, end - start, hidden]
 
@@ -56,7 +56,7 @@ def serve(model, kv: PagedKVCache, rid: Hashable, token_ids, *, max_new_tokens: 
     page), decode ``max_new_tokens`` greedily, and finish (written pages go to the index). Any error aborts the
     request, so no page of a failed request is ever indexed.
 
-    ``embed`` feeds ``inputs_embeds`` for prefill chunks instead of ``input_ids`` (VLMs, see ``encoders.vlm``);
+    ``embed`` feeds ``inputs_embeds`` for prefill chunks instead of ``input_ids`` (VLMs, see ``mmcache.hf.llava``);
     ``arrival`` is the ``time.perf_counter()`` the request arrived at (default: now), from which ``ttft_s`` counts.
     """
     arrival = time.perf_counter() if arrival is None else arrival

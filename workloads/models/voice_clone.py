@@ -60,17 +60,17 @@ from transformers.models.csm.configuration_csm import CsmDepthDecoderConfig
 from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook
 
 import digests
-from encoders._common import module_fingerprint
+from encoders.base import module_fingerprint
 from encoders.audio import CachedWavEncoder
-from encoders.paged_kv import PagedKVCache, kv_page_shape
-from encoders.prefill import chunk_spans
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.hf.runner import chunk_spans
 from mmcache import EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
 from mmcache.errors import EncoderOutputError, InvalidMedia, InvalidRequest, TraceError
 
-from .metrics import RequestResult
-from .model_options import ModelWorkloadOptions
-from .serving import Clock, Request
-from .swe_agent import load_tokenizer
+from workloads.harness.metrics import RequestResult
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Clock, Request
+from workloads.traces.swe_agent import load_tokenizer
 
 NAME = "voice-clone"
 TINY_MODEL = "csm-tiny"         # folder under options.model_dir (suffixed with the seed it was built with)
@@ -365,7 +365,7 @@ class VoiceClone:
             if cached:
                 key = self.codec.key(data)
                 hit = key in self.store
-                ref = self.store.get_or_compute(key, lambda: self.codec.compute(data)).to(self.codec.device)
+                ref = self.store.get_or_compute(key, lambda: self.codec.compute(data)).value.to(self.codec.device)
             else:
                 ref, hit = self.codec.compute(data), False
         audio = [ref, *(o.codes for o in earlier)]

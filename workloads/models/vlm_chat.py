@@ -16,7 +16,7 @@ Requests are listed session by session; ``options.limit`` keeps the first ones (
 Serving: the tiny LLaVA (a CLIP tower, projector and Llama, hidden 64, 2 layers; or ``options.model``) prefills
 ``inputs_embeds``: token embeddings with each image's projected features in its placeholder rows. Cache off: every
 request decodes, preprocesses and encodes every image it holds and prefills every token. Cache on: a
-``PagedKVCache`` whose page names carry the images' digests (``encoders.vlm``) and an ``EncoderStore``; only images
+``PagedKVCache`` whose page names carry the images' digests (``mmcache.hf.llava``) and an ``EncoderStore``; only images
 with a placeholder past the matched prefix are encoded, through the store. Stages: ``image`` (digests and encoder),
 ``prefill``; ``Clock.token()`` at each generated token. A turn whose image file is missing raises ``InvalidMedia``;
 a follow-up of a failed turn raises ``InvalidRequest`` (it has no history to re-send).
@@ -46,19 +46,19 @@ from PIL import Image, ImageDraw
 from transformers import (AutoImageProcessor, AutoModelForImageTextToText, CLIPImageProcessorPil, CLIPVisionConfig,
                           LlamaConfig, LlavaConfig)
 
-from encoders.paged_kv import PagedKVCache, kv_page_shape
-from encoders.prefill import Embed
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.hf.runner import Embed
 from encoders.vision import CachedVisionEncoder
-from encoders.vlm import LlavaPrefill, VlmPrompt
+from mmcache.hf.llava import LlavaPrefill, VlmPrompt
 from mmcache import EncoderStore, ShadowIndex
 from mmcache.errors import EncoderOutputError, InvalidMedia, InvalidRequest, TraceError
 
-from . import catalog
-from .agent_model import (check_vocab, load_model, prefix_ceiling, serve_request, text_tokenizer, tiny_llama_config,
+from workloads import registry
+from workloads.models.agent import (check_vocab, load_model, prefix_ceiling, serve_request, text_tokenizer, tiny_llama_config,
                           trace_order)
-from .metrics import RequestResult
-from .model_options import ModelWorkloadOptions
-from .serving import Clock, Request
+from workloads.harness.metrics import RequestResult
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Clock, Request
 
 SYSTEM = ("You are a careful assistant. You answer questions about the images the user shows, citing what you see "
           "in them, and you give the letter of the option you choose.")
@@ -341,7 +341,7 @@ def factory(options: ModelWorkloadOptions) -> Callable[[], VlmChat]:
     if options.data is None:
         items = embedded_items(options.seed)
     else:
-        path = Path(options.data) / catalog.MODEL_WORKLOADS["vlm-chat"].data_path
+        path = Path(options.data) / registry.MODEL_WORKLOADS["vlm-chat"].data_path
         items = [[q] * REAL_USERS for q in load_mmmu(path)]
     reqs = sessions(items, lambda text: tok.encode([text])[0], tok.bos_id())[:options.limit]
     vocab = model.config.get_text_config(decoder=True).vocab_size

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import catalog
-from .metrics import RequestResult
-from .model_options import ModelWorkloadOptions
-from .serving import Clock, Request, Workload
+from workloads import registry
+from workloads.harness.metrics import RequestResult
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Clock, Request, Workload
 
 COMPONENTS = ("vlm-chat", "agent-model", "image-gen", "voice-clone")
 
@@ -28,9 +28,9 @@ def available() -> tuple[list[str], dict[str, str]]:
     names, missing = [], {}
     for name in COMPONENTS:
         try:
-            catalog.import_model_module(name)
+            registry.import_model_module(name)
             names.append(name)
-        except catalog.UnknownWorkload as e:
+        except registry.UnknownWorkload as e:
             missing[name] = str(e)
     return names, missing
 
@@ -92,10 +92,10 @@ class Mixed:
 
 
 def factory(options: ModelWorkloadOptions) -> Callable[[], Mixed]:
-    """Build every importable component's factory once (``catalog.UnknownWorkload`` if none imports); each call
+    """Build every importable component's factory once (``registry.UnknownWorkload`` if none imports); each call
     returns a ``Mixed`` of fresh component workloads."""
     names, missing = available()
     if not names:
-        raise catalog.UnknownWorkload("workload 'mixed' has no component: " + "; ".join(missing.values()))
-    makers = {name: catalog.model_factory(name, options) for name in names}
+        raise registry.UnknownWorkload("workload 'mixed' has no component: " + "; ".join(missing.values()))
+    makers = {name: registry.model_factory(name, options) for name in names}
     return lambda: Mixed({name: make() for name, make in makers.items()})

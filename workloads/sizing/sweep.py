@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from .sizes import format_size
-from .text_replay import ReplayRun, ServiceModel, replay
-from .text_trace import TextTrace
+from workloads.sizes import format_size
+from workloads.sizing.replay import ReplayRun, ServiceModel, replay
+from workloads.traces.text_trace import TextTrace
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterator, Sequence
 
-from .text_trace import Session
+from workloads.traces.text_trace import Session
 
 ORDERS = ("timestamp", "round-robin")
 

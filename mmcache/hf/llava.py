@@ -26,10 +26,10 @@ import digests
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
 
-from . import prefill
-from ._common import media_bytes
-from .paged_kv import PagedKVCache
-from .vision import CachedVisionEncoder
+from mmcache.hf import runner
+from encoders.base import media_bytes
+from mmcache.hf.paged_kv import PagedKVCache
+from encoders.vision import CachedVisionEncoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class LlavaPrefill:
         """The ``(offset, digest)`` marks ``PrefixCache.admit`` folds into the page names."""
         return [(off, self.encoder.key(data).digest) for off, data in prompt.images]
 
-    def embedder(self, prompt: VlmPrompt) -> prefill.Embed:
+    def embedder(self, prompt: VlmPrompt) -> runner.Embed:
         """``embed(start, end)``: the prompt's ``inputs_embeds`` rows ``[start, end)``. An image's features are
         computed (or gathered from the store) the first time a call covers one of its rows, then kept for the
         request."""
@@ -103,16 +103,16 @@ class LlavaPrefill:
         return embed
 
     def serve(self, rid: Hashable, prompt: VlmPrompt, *, max_new_tokens: int = 16, chunk_tokens: int | None = None,
-              salt: bytes = b"", names: Sequence[int] | None = None) -> prefill.Served:
-        """``prefill.serve`` on ``self.kv`` with the image digests in the chain; TTFT includes digesting."""
+              salt: bytes = b"", names: Sequence[int] | None = None) -> runner.Served:
+        """``runner.serve`` on ``self.kv`` with the image digests in the chain; TTFT includes digesting."""
         arrival = time.perf_counter()
-        return prefill.serve(self.model, self.kv, rid, prompt.token_ids, max_new_tokens=max_new_tokens,
+        return runner.serve(self.model, self.kv, rid, prompt.token_ids, max_new_tokens=max_new_tokens,
                              chunk_tokens=chunk_tokens, media=self.media(prompt), names=names, salt=salt,
                              embed=self.embedder(prompt), arrival=arrival)
 
     def generate(self, rid: Hashable, prompt: VlmPrompt, *, salt: bytes = b"", **generate_kwargs):
-        """``prefill.generate`` (``model.generate`` on ``self.kv``) with the image digests in the chain."""
-        return prefill.generate(self.model, self.kv, rid, prompt.token_ids, media=self.media(prompt), salt=salt,
+        """``runner.generate`` (``model.generate`` on ``self.kv``) with the image digests in the chain."""
+        return runner.generate(self.model, self.kv, rid, prompt.token_ids, media=self.media(prompt), salt=salt,
                                 embed=self.embedder(prompt), **generate_kwargs)
 
     def _features(self, data: bytes) -> torch.Tensor:

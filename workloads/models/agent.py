@@ -1,8 +1,8 @@
 """Model-backed text workloads, and the serving core that ``vlm_chat`` shares.
 
-Workloads (each ``factory(options) -> Callable[[], Workload]``, see ``workloads.model_options``):
+Workloads (each ``factory(options) -> Callable[[], Workload]``, see ``workloads.options``):
 - ``agent-model`` (``factory``): agent sessions whose every call re-sends the whole history. Real data: the
-  mini-swe-agent trajectories under ``<data>/mini-swe-agent/trajs`` (``workloads.swe_agent``: the history holds the
+  mini-swe-agent trajectories under ``<data>/mini-swe-agent/trajs`` (``workloads.traces.swe_agent``: the history holds the
   recorded replies). Embedded default: generated sessions of the same shape (a shared system prompt, a task, then
   command / tool-output turns), tokenized with the same SentencePiece model.
 - ``mooncake-model`` (``mooncake_factory``): the Mooncake conversation trace
@@ -41,20 +41,20 @@ import torch
 import xxhash
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from encoders import prefill
-from encoders._common import module_fingerprint
-from encoders.paged_kv import PagedKVCache, kv_page_shape
-from encoders.prefill import chunk_spans
+from mmcache.hf import runner
+from encoders.base import module_fingerprint
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.hf.runner import chunk_spans
 from mmcache import ShadowIndex
 from mmcache.errors import InvalidRequest, TraceError
 
-from . import catalog
-from .metrics import RequestResult
-from .model_options import ModelWorkloadOptions
-from .mooncake import load_mooncake
-from .serving import Clock, Request
-from .swe_agent import Trajectory, load_swe_agent, load_tokenizer, render
-from .text_trace import CallInfo
+from workloads import registry
+from workloads.harness.metrics import RequestResult
+from workloads.options import ModelWorkloadOptions
+from workloads.traces.mooncake import load_mooncake
+from workloads.harness.serving import Clock, Request
+from workloads.traces.swe_agent import Trajectory, load_swe_agent, load_tokenizer, render
+from workloads.traces.text_trace import CallInfo
 
 CALLS_PER_SESSION = 4
 DEFAULT_LIMIT = 12            # requests of agent-model (its real prompts run to tens of thousands of tokens)
@@ -138,11 +138,11 @@ def check_vocab(requests: Sequence[Request], ids: Callable[[Request], Sequence[i
 # ------------------------------------------------------------------------------------------------------- serving core
 @torch.inference_mode()
 def generate(model, cache, token_ids, spans: list[tuple[int, int]], max_new_tokens: int, clock: Clock,
-             embed: prefill.Embed | None = None) -> list[int]:
+             embed: runner.Embed | None = None) -> list[int]:
     """Prefill ``spans`` on ``cache`` (stage ``prefill``), then decode greedily one token per forward, calling
     ``clock.token()`` as each token is chosen; the last token is returned, never fed."""
     with clock.stage("prefill"):
-        logits = prefill.replay(model, cache, token_ids, spans, embed=embed).logits[-1]
+        logits = runner.replay(model, cache, token_ids, spans, embed=embed).logits[-1]
     out: list[int] = []
     for step in range(max_new_tokens):
         out.append(int(logits.argmax()))
@@ -154,7 +154,7 @@ def generate(model, cache, token_ids, spans: list[tuple[int, int]], max_new_toke
 
 
 def serve_request(model, kv: PagedKVCache | None, rid: str, token_ids, page_size: int, *, max_new_tokens: int,
-                  clock: Clock, media: Sequence = (), prepare: Callable[[int], prefill.Embed | None] = lambda m: None
+                  clock: Clock, media: Sequence = (), prepare: Callable[[int], runner.Embed | None] = lambda m: None
                   ) -> tuple[list[int], int]:
     """``(output ids, matched tokens)`` of one request, prefilled in chunks of ``page_size`` (``chunk_spans``).
 
@@ -295,7 +295,7 @@ def _agent_requests(options: ModelWorkloadOptions) -> list[Request]:
         trajs = [_trajectory(f"gen-{s}", _agent_messages(rng, CALLS_PER_SESSION), tok, 1.5 * s, 6.0)
                  for s in range(sessions)]
     else:
-        trace = load_swe_agent(Path(options.data) / catalog.MODEL_WORKLOADS["agent-model"].data_path,
+        trace = load_swe_agent(Path(options.data) / registry.MODEL_WORKLOADS["agent-model"].data_path,
                                limit=sessions, tokenizer=tok)
         if trace.errors:
             raise trace.errors[0]
@@ -326,8 +326,8 @@ def scaled_prompt(hash_ids: Sequence[int], input_length: int, block: int, vocab:
 def mooncake_factory(options: ModelWorkloadOptions) -> Callable[[], TextWorkload]:
     """``mooncake-model``: the Mooncake conversation trace (or its embedded slice), scaled down, through a tiny
     Llama (or ``options.model``); each 512-token block becomes ``2 * page_size`` tokens."""
-    path = (catalog.embedded_slice() if options.data is None
-            else Path(options.data) / catalog.MODEL_WORKLOADS["mooncake-model"].data_path)
+    path = (registry.embedded_slice() if options.data is None
+            else Path(options.data) / registry.MODEL_WORKLOADS["mooncake-model"].data_path)
 
     def requests(vocab: int) -> list[Request]:
         trace = load_mooncake(path, limit=options.limit or MOONCAKE_DEFAULT_LIMIT)

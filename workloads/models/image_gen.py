@@ -45,9 +45,9 @@ import xxhash
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import TraceError
 
-from .metrics import RequestResult
-from .model_options import ModelWorkloadOptions
-from .serving import Clock, Request
+from workloads.harness.metrics import RequestResult
+from workloads.options import ModelWorkloadOptions
+from workloads.harness.serving import Clock, Request
 
 DIFFUSIONDB = Path("diffusiondb") / "diffusiondb_5k.jsonl"
 DEFAULT_REQUESTS = 200  # generated requests when neither data nor a limit is given
@@ -152,7 +152,7 @@ def t5_style_tokenizer(folder: Path):
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from .swe_agent import tokenizer_path
+    from workloads.traces.swe_agent import tokenizer_path
 
     spm = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path()))
     vocab = {spm.id_to_piece(i): i for i in range(spm.get_piece_size())}
@@ -315,14 +315,14 @@ def factory(options: ModelWorkloadOptions) -> Callable[[], ImageGen]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m workloads.image_gen [--data PATH] [--limit N] [--schedule trace] [--slo-ms MS] [--threads N]``:
+    """``python -m workloads.models.image_gen [--data PATH] [--limit N] [--schedule trace] [--slo-ms MS] [--threads N]``:
     the cache off, then on, and their summary table."""
     import argparse
 
-    from .metrics import SLO, stage_seconds, summary_table
-    from .serving import Schedule, compare
+    from workloads.harness.metrics import SLO, stage_seconds, summary_table
+    from workloads.harness.serving import Schedule, compare
 
-    ap = argparse.ArgumentParser(prog="python -m workloads.image_gen", description=main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m workloads.models.image_gen", description=main.__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, help="shared data folder or DiffusionDB JSONL (default: generated prompts)")
     ap.add_argument("--model", type=Path, help="a local WanPipeline folder (default: the tiny one)")
     ap.add_argument("--limit", type=int)

@@ -27,7 +27,7 @@ import xxhash
 
 from mmcache.errors import TraceError
 
-from .text_trace import CallInfo, TextRequest, TextTrace
+from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
 
 BLOCK_TOKENS = 512
 _NAME_ROOT = xxhash.xxh64_intdigest(b"mmcache/mooncake-hash-ids")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import LATENCIES, SLO, RunResult, hit_rate_series, stage_seconds, summarize, summary_rows
+from workloads.harness.metrics import LATENCIES, SLO, RunResult, hit_rate_series, stage_seconds, summarize, summary_rows
 
 _STYLE = {False: dict(color="C3", label="cache off"), True: dict(color="C0", label="cache on")}
 
