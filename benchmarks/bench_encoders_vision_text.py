@@ -159,7 +159,7 @@ def run(args, tmp: Path) -> None:
     on_text = CachedPromptEncoder(tokenizer, base, EncoderStore(1 << 30), max_sequence_length=512,
                                   fingerprint=fingerprint)
     guard(f"{args.guard_prompts} distinct prompts, umT5-base 512", list(dict.fromkeys(prompts))[:args.guard_prompts],
-          uncached_text.encode, on_text, lambda p: on_text.compute(*on_text.tokenize(p)), on_text.encode)
+          uncached_text.encode, on_text, lambda p: on_text.compute(on_text.tokenize(p)), on_text.encode)
 
     # -- 3. DiffusionDB replay -----------------------------------------------------------------------------------
     model = umt5(args.replay_model, tmp / f"umt5-{args.replay_model}")

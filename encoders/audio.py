@@ -17,18 +17,17 @@ import torchaudio
 from torch import nn
 
 import digests
-from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
 
-from encoders.base import media_bytes, module_fingerprint
+from encoders.base import CachedEncoder, media_bytes, module_fingerprint
 
 # Passed to torchaudio.functional.resample verbatim and digested with the features: they are what runs.
 RESAMPLE = {"lowpass_filter_width": 6, "rolloff": 0.99, "resampling_method": "sinc_interp_hann"}
 DOWNMIX = "mean"  # channels are averaged before resampling
 
 
-class CachedWavEncoder:
+class CachedWavEncoder(CachedEncoder):
     """``encoder(wav)``: the output of ``encode(features(mono(decode(wav))))``, through ``store`` when given.
 
     ``wav`` is WAV bytes, a path to a WAV file, or ``(waveform, sample_rate)`` with float samples in [-1, 1) shaped
@@ -44,29 +43,31 @@ class CachedWavEncoder:
     ``decode``, ``mono``, ``features`` and ``encode`` are the stages a hit skips; each is an overridable method.
     """
 
-    modality: str
     output_shape: tuple[int, ...]
+    media_kind = "WAV"
 
     def __init__(self, module: nn.Module, store: EncoderStore | None, params, rate: int, *,
                  fingerprint: str | None = None, salt: bytes = b""):
         self.module = module.eval()
-        self.store = store
         self.rate = int(rate)
         self.params = digests.canonical({"features": params, "resample": RESAMPLE, "downmix": DOWNMIX})
-        self.fingerprint = module_fingerprint(module) if fingerprint is None else fingerprint
-        self.salt = salt
         p = next(module.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        super().__init__(store, module_fingerprint(module) if fingerprint is None else fingerprint, salt=salt,
+                         device=p.device, dtype=p.dtype)
 
-    def __call__(self, wav) -> torch.Tensor:
-        data = _load(wav)
-        if self.store is None:
-            return self.compute(data)
-        return self.store.get_or_compute(self._key(data), lambda: self.compute(data)).value.to(self.device)
+    def read(self, wav):
+        """``wav`` as immutable bytes (a path read once) or the ``(waveform, sample_rate)`` pair; InvalidMedia
+        otherwise."""
+        if isinstance(wav, tuple) and len(wav) == 2:
+            return wav
+        data = media_bytes(wav, "WAV")
+        if data is None:
+            raise InvalidMedia(f"cannot encode {type(wav).__qualname__}: expected WAV bytes, a path or (waveform, "
+                               f"rate)")
+        return data
 
-    def key(self, wav) -> EncoderKey:
-        """The store key of ``wav`` (for ``store.pin``); reads and hashes it, decodes nothing."""
-        return self._key(_load(wav))
+    def digest(self, data) -> digests.Digest:
+        return digests.audio(data, self.params)
 
     def compute(self, data) -> torch.Tensor:
         """The uncached pipeline on WAV bytes or ``(waveform, rate)``: decode, downmix + resample, features, encoder,
@@ -94,9 +95,6 @@ class CachedWavEncoder:
         x = x[None] if x.dim() == 1 else x
         x = x.mean(0, keepdim=True) if x.shape[0] > 1 else x
         return x if rate == self.rate else torchaudio.functional.resample(x, rate, self.rate, **RESAMPLE)
-
-    def _key(self, data) -> EncoderKey:
-        return EncoderKey(digests.audio(data, self.params), self.fingerprint, self.modality, self.salt)
 
     def features(self, mono: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -134,12 +132,3 @@ class CachedAudioEncoder(CachedWavEncoder):
     def encode(self, features: torch.Tensor) -> torch.Tensor:
         return self.module(features.to(self.device, self.dtype)).last_hidden_state
 
-
-def _load(wav):
-    """``wav`` as immutable bytes (a path read once) or the ``(waveform, sample_rate)`` pair; InvalidMedia otherwise."""
-    if isinstance(wav, tuple) and len(wav) == 2:
-        return wav
-    data = media_bytes(wav, "WAV")
-    if data is None:
-        raise InvalidMedia(f"cannot encode {type(wav).__qualname__}: expected WAV bytes, a path or (waveform, rate)")
-    return data

@@ -31,14 +31,15 @@ from diffusers.utils.torch_utils import get_module_execution_device
 from torch import nn
 
 import digests
-from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 
-from encoders.base import module_fingerprint
+from encoders.base import CachedEncoder, module_fingerprint
 
 
-class CachedPromptEncoder:
-    """``encode(prompt)`` / ``encode_prompt(prompt, negative_prompt)`` for a Wan-family pipeline, through ``store``.
+class CachedPromptEncoder(CachedEncoder):
+    """``encode(prompt)`` / ``encode_prompt(prompt, negative_prompt)`` for a Wan-family pipeline, through ``store``;
+    ``lookup(prompt)`` gives the n real rows [n, D] as a ``Lookup`` that says whether it hit, ``pad`` the
+    ``prompt_embeds`` [1, L, D] of those rows.
 
     Invariants: a hit equals the miss that stored it bit for bit, and both equal the pipeline's own encode of that one
     prompt; the CFG negative prompt, the same on nearly every request, is encoded once and hit from then on; outputs
@@ -47,19 +48,18 @@ class CachedPromptEncoder:
     ``max_sequence_length`` must be the one given to the pipeline (``WanPipeline.__call__`` defaults to 512).
     """
 
-    modality = "text"
+    modality, media_kind = "text", "prompt"
 
     def __init__(self, tokenizer, text_encoder: nn.Module, store: EncoderStore | None, *,
                  max_sequence_length: int = 512, fingerprint: str | None = None, salt: bytes = b"",
                  device: str | torch.device | None = None):
-        self.tokenizer, self.text_encoder, self.store = tokenizer, text_encoder.eval(), store
+        self.tokenizer, self.text_encoder = tokenizer, text_encoder.eval()
         self.max_sequence_length = int(max_sequence_length)
         self.params = digests.canonical({"tokenizer": tokenizer, "max_length": self.max_sequence_length,
                                          "padding_side": tokenizer.padding_side, "pad": tokenizer.pad_token_id})
-        self.fingerprint = module_fingerprint(text_encoder) if fingerprint is None else fingerprint
-        self.salt = salt
-        self.device = torch.device(device) if device is not None else get_module_execution_device(text_encoder)
-        self.dtype = text_encoder.dtype
+        super().__init__(store, module_fingerprint(text_encoder) if fingerprint is None else fingerprint, salt=salt,
+                         device=device if device is not None else get_module_execution_device(text_encoder),
+                         dtype=text_encoder.dtype)
 
     @classmethod
     def from_pipeline(cls, pipe, store: EncoderStore | None, **kwargs) -> CachedPromptEncoder:
@@ -67,13 +67,12 @@ class CachedPromptEncoder:
         kwargs.setdefault("device", pipe._execution_device)
         return cls(pipe.tokenizer, pipe.text_encoder, store, **kwargs)
 
-    def encode(self, prompt: str) -> torch.Tensor:
+    def encode(self, prompt: str, *, salt: bytes | None = None) -> torch.Tensor:
         """``prompt_embeds`` [1, max_sequence_length, D] of one prompt: its n real rows, then zeros."""
-        ids, mask = self.tokenize(prompt)
-        if self.store is None:
-            rows = self.compute(ids, mask)
-        else:
-            rows = self.store.get_or_compute(self._key(ids, mask), lambda: self.compute(ids, mask)).value.to(self.device)
+        return self.pad(self(prompt, salt=salt))
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """[n, D] real rows -> ``prompt_embeds`` [1, max_sequence_length, D], zero-padded as the pipeline pads."""
         return torch.cat([rows, rows.new_zeros(self.max_sequence_length - rows.size(0), rows.size(1))])[None]
 
     def encode_prompt(self, prompt: str | list[str], negative_prompt: str | list[str] | None = None, *,
@@ -91,9 +90,11 @@ class CachedPromptEncoder:
             raise ValueError(f"negative_prompt has batch size {len(negative)}, prompt has {len(prompts)}")
         return embeds, self._batch(negative, num_videos_per_prompt)
 
-    def key(self, prompt: str) -> EncoderKey:
-        """The store key of ``prompt`` (for ``store.pin``); tokenizes, runs no encoder."""
-        return self._key(*self.tokenize(prompt))
+    def read(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt is read by tokenizing it (``tokenize``)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt must be a str, got {type(prompt).__qualname__}")
+        return self.tokenize(prompt)
 
     def tokenize(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, attention_mask)`` [1, max_sequence_length] of the cleaned prompt, as the pipeline makes
@@ -103,18 +104,21 @@ class CachedPromptEncoder:
                                 return_tensors="pt")
         return inputs.input_ids, inputs.attention_mask
 
-    def compute(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The uncached encode of ``tokenize``'s output: the first n rows [n, D] of the encoder's output, n the real
-        tokens in ``mask``, cast as the pipeline casts them."""
+    def compute(self, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The uncached encode of ``tokenize``'s ``(ids, mask)``: the first n rows [n, D] of the encoder's output, n
+        the real tokens in ``mask``, cast as the pipeline casts them."""
+        ids, mask = data
         device = get_module_execution_device(self.text_encoder)
         with torch.inference_mode():
             hidden = self.text_encoder(ids.to(device), mask.to(device)).last_hidden_state
         return hidden.to(dtype=self.dtype, device=self.device)[0, :int(mask.gt(0).sum())]
 
-    def _key(self, ids: torch.Tensor, mask: torch.Tensor) -> EncoderKey:
-        real = ids[0][mask[0].gt(0)]  # with L and the padding side in params, these fix the padded ids and mask
-        return EncoderKey(digests.prompt(real, self.params), self.fingerprint, self.modality, self.salt,
-                          verify_ids=real)
+    def digest(self, data) -> digests.Digest:
+        return digests.prompt(self.verify_ids(data), self.params)
+
+    def verify_ids(self, data) -> torch.Tensor:
+        ids, mask = data  # the real ids: with L and the padding side in params, they fix the padded ids and mask
+        return ids[0][mask[0].gt(0)]
 
     def _batch(self, prompts: list[str], num_videos_per_prompt: int) -> torch.Tensor:
         """One forward per prompt, stacked and repeated per video as the pipeline repeats them."""

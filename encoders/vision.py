@@ -28,15 +28,15 @@ import torch
 from torch import nn
 
 import digests
-from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
 
-from encoders.base import media_bytes, module_fingerprint
+from encoders.base import CachedEncoder, media_bytes, module_fingerprint
 
 
-class CachedVisionEncoder:
-    """``encoder(image)``: the features of one image (bytes, a path or a PIL image), through ``store`` when given.
+class CachedVisionEncoder(CachedEncoder):
+    """``encoder(image)``: the features of one image (bytes, a path or a PIL image), through ``store`` when given;
+    ``encoder.lookup(image, digest=..., salt=...)`` says whether it hit (``encoders.base.CachedEncoder``).
 
     Invariants: a hit equals the miss that stored it bit for bit, and a miss equals running ``processor`` and
     ``model`` by hand on the decoded image (one image per forward); a corrupt or truncated file raises
@@ -45,36 +45,38 @@ class CachedVisionEncoder:
     ``LlavaProcessor``) is reduced to its ``image_processor``.
     """
 
-    modality = "image"
+    modality, media_kind = "image", "image"
 
     def __init__(self, model: nn.Module, processor, store: EncoderStore | None, *, fingerprint: str | None = None,
                  salt: bytes = b""):
         self.model = model.eval()
         self.processor = getattr(processor, "image_processor", processor)
-        self.store = store
         backend = type(self.processor)
         self.params = digests.canonical({"processor": self.processor,
                                          "backend": f"{backend.__module__}.{backend.__qualname__}"})
-        self.fingerprint = module_fingerprint(model) if fingerprint is None else fingerprint
-        self.salt = salt
         p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        super().__init__(store, module_fingerprint(model) if fingerprint is None else fingerprint, salt=salt,
+                         device=p.device, dtype=p.dtype)
         self._projected = callable(getattr(model, "get_image_features", None))
-
-    def __call__(self, image) -> torch.Tensor:
-        data = _load(image)
-        if self.store is None:
-            return self.compute(data)
-        return self.store.get_or_compute(self._key(data), lambda: self.compute(data)).value.to(self.device)
 
     def features_for(self, images) -> list[torch.Tensor]:
         """One output per image, one forward per image: the simplest schedule whose outputs do not depend on which
         other images share the call, so cached and uncached runs agree bit for bit."""
         return [self(image) for image in images]
 
-    def key(self, image) -> EncoderKey:
-        """The store key of ``image`` (for ``store.pin``); reads and hashes it, decodes nothing."""
-        return self._key(_load(image))
+    def read(self, image):
+        """``image`` as bytes (read once from a path) or the PIL image itself; InvalidMedia for anything else."""
+        data = media_bytes(image, "image")
+        if data is not None:
+            return data
+        pil = sys.modules.get("PIL.Image")
+        if pil is not None and isinstance(image, pil.Image):
+            return image
+        raise InvalidMedia(f"cannot encode {type(image).__qualname__} as an image: expected bytes, a path or a PIL "
+                           f"image")
+
+    def digest(self, data) -> digests.Digest:
+        return digests.image(data, self.params)
 
     def compute(self, data) -> torch.Tensor:
         """The uncached pipeline on image bytes or a PIL image: decode, preprocess, forward one image."""
@@ -84,17 +86,3 @@ class CachedVisionEncoder:
             if self._projected:
                 return self.model.get_image_features(pixel_values=pixels).pooler_output[0]
             return self.model(pixel_values=pixels).last_hidden_state[0]
-
-    def _key(self, data) -> EncoderKey:
-        return EncoderKey(digests.image(data, self.params), self.fingerprint, self.modality, self.salt)
-
-
-def _load(image):
-    """``image`` as bytes (read once from a path) or the PIL image itself; InvalidMedia for anything else."""
-    data = media_bytes(image, "image")
-    if data is not None:
-        return data
-    pil = sys.modules.get("PIL.Image")
-    if pil is not None and isinstance(image, pil.Image):
-        return image
-    raise InvalidMedia(f"cannot encode {type(image).__qualname__} as an image: expected bytes, a path or a PIL image")
