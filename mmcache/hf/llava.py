@@ -10,15 +10,16 @@ page of its first placeholder on.
 Features enter the model as ``inputs_embeds``: token embeddings with the image's projected features copied into its
 placeholder rows by position, which is what ``LlavaModel`` does with ``masked_scatter``, value for value, without
 ``pixel_values`` or per-chunk placeholder counting. Features are fetched (through the ``EncoderStore`` when one is
-given) only when a forward call covers one of the image's rows, so an image whose placeholders all lie in the matched
-prefix is never read, decoded, preprocessed or encoded.
+given, under the request's salt, so tenants never share an image's features) only for images with a row past the
+matched prefix, so an image whose placeholders all lie in the matched prefix is never decoded, preprocessed or
+encoded. Each image is hashed once per request: the digest that names its page is the one its encoder key uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -30,6 +31,8 @@ from mmcache.hf import runner
 from encoders.base import media_bytes
 from mmcache.hf.paged_kv import PagedKVCache
 from encoders.vision import CachedVisionEncoder
+
+_SAME = object()  # serve(kv=...) default: the prefill's own cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +55,14 @@ class LlavaPrefill:
 
     ``kv=None`` and ``store=None`` give the uncached pipeline (tower on every image, no KV reuse) with the same
     prompts and embeddings, for baselines and the bit-exact gate. One image per tower forward, so features never
-    depend on which other images share a call.
+    depend on which other images share a call. ``fingerprint``: the vision encoder's, when already taken.
     """
 
-    def __init__(self, model, processor, kv: PagedKVCache | None = None, store: EncoderStore | None = None):
+    def __init__(self, model, processor, kv: PagedKVCache | None = None, store: EncoderStore | None = None, *,
+                 fingerprint: str | None = None):
         self.model = model.eval()
         self.kv = kv
-        self.encoder = CachedVisionEncoder(model, processor, store)
+        self.encoder = CachedVisionEncoder(model, processor, store, fingerprint=fingerprint)
         self.image_token_id = model.config.image_token_id
         self.tokens_per_image = num_image_tokens(model.config)
 
@@ -79,46 +83,78 @@ class LlavaPrefill:
         return VlmPrompt(tuple(tokens), tuple(images))
 
     def media(self, prompt: VlmPrompt) -> list[tuple[int, digests.Digest]]:
-        """The ``(offset, digest)`` marks ``PrefixCache.admit`` folds into the page names."""
-        return [(off, self.encoder.key(data).digest) for off, data in prompt.images]
+        """The ``(offset, digest)`` marks ``PrefixCache.admit`` folds into the page names (one hash per image, the
+        one its encoder key uses too)."""
+        return [(off, self.encoder.digest(data)) for off, data in prompt.images]
 
-    def embedder(self, prompt: VlmPrompt) -> runner.Embed:
-        """``embed(start, end)``: the prompt's ``inputs_embeds`` rows ``[start, end)``. An image's features are
-        computed (or gathered from the store) the first time a call covers one of its rows, then kept for the
-        request."""
+    def features(self, prompt: VlmPrompt, matched: int = 0, *, media: Sequence | None = None,
+                 salt: bytes = b"") -> tuple[dict[int, torch.Tensor], int]:
+        """``({offset: features}, hits)`` of the images with a placeholder past ``matched``, looked up under
+        ``salt`` (``media``: their digests from ``self.media``, so nothing is hashed twice); ``hits`` counts the
+        prompt's images the tower did not run for (stored, joined, or entirely inside the matched prefix)."""
+        digest = dict(media or ())
+        T, features, computed = self.tokens_per_image, {}, 0
+        for off, data in prompt.images:
+            if off + T > matched:
+                found = self.encoder.lookup(data, digest=digest.get(off), salt=salt)
+                if found.value.shape[0] != T:
+                    raise EncoderOutputError(f"the vision encoder gave {found.value.shape[0]} rows for an image of "
+                                             f"{T} placeholders")
+                features[off], computed = found.value, computed + (not found.hit)
+        return features, len(prompt.images) - computed
+
+    def embedder(self, prompt: VlmPrompt, matched: int = 0, *, media: Sequence | None = None,
+                 salt: bytes = b"") -> runner.Embed:
+        """``embed(start, end)``: the prompt's ``inputs_embeds`` rows ``[start, end)`` for ``start >= matched``,
+        the images' features (``features``) fetched now."""
+        return self.rows(prompt, self.features(prompt, matched, media=media, salt=salt)[0])
+
+    def rows(self, prompt: VlmPrompt, features: dict[int, torch.Tensor]) -> runner.Embed:
+        """``embed(start, end)``: token embeddings of ``prompt`` with each image's ``features`` copied into its
+        placeholder rows (what ``LlavaModel`` scatters); only rows of images in ``features`` may be asked for."""
         table = self.model.get_input_embeddings()
         ids = torch.tensor(prompt.token_ids, device=table.weight.device)[None]
-        T, features = self.tokens_per_image, {}
+        T = self.tokens_per_image
 
+        @torch.inference_mode()
         def embed(start: int, end: int) -> torch.Tensor:
             rows = table(ids[:, start:end])
-            for off, data in prompt.images:
+            for off, f in features.items():
                 lo, hi = max(start, off), min(end, off + T)
                 if lo < hi:
-                    if off not in features:
-                        features[off] = self._features(data)
-                    rows[0, lo - start:hi - start] = features[off][lo - off:hi - off]
+                    rows[0, lo - start:hi - start] = f[lo - off:hi - off]
             return rows
 
         return embed
 
     def serve(self, rid: Hashable, prompt: VlmPrompt, *, max_new_tokens: int = 16, chunk_tokens: int | None = None,
-              salt: bytes = b"", names: Sequence[int] | None = None) -> runner.Served:
-        """``runner.serve`` on ``self.kv`` with the image digests in the chain; TTFT includes digesting."""
+              salt: bytes = b"", names: Sequence[int] | None = None, kv=_SAME, index_output: bool = True,
+              on_token: Callable[[int, list], None] | None = None,
+              stage: runner.Stage = runner.no_stage) -> runner.Served:
+        """``runner.serve`` on ``kv`` (default ``self.kv``; None: the uncached run) with the image digests in the
+        chain and the features under ``salt``; TTFT includes digesting, ``stage("image")`` times digests and
+        encoder, ``Served.encoder_hits`` counts the images the tower did not run for."""
         arrival = time.perf_counter()
-        return runner.serve(self.model, self.kv, rid, prompt.token_ids, max_new_tokens=max_new_tokens,
-                             chunk_tokens=chunk_tokens, media=self.media(prompt), names=names, salt=salt,
-                             embed=self.embedder(prompt), arrival=arrival)
+        kv = self.kv if kv is _SAME else kv
+        with stage("image"):
+            media = self.media(prompt) if kv is not None else ()
+        hits = 0
+
+        def prepare(matched: int) -> runner.Embed:
+            nonlocal hits
+            with stage("image"):
+                features, hits = self.features(prompt, matched, media=media, salt=salt)
+            return self.rows(prompt, features)
+
+        served = runner.serve(self.model, kv, rid, prompt.token_ids, max_new_tokens=max_new_tokens,
+                              chunk_tokens=chunk_tokens, media=media, names=names, salt=salt, prepare=prepare,
+                              arrival=arrival, index_output=index_output, on_token=on_token, stage=stage)
+        served.encoder_hits = hits
+        return served
 
     def generate(self, rid: Hashable, prompt: VlmPrompt, *, salt: bytes = b"", **generate_kwargs):
         """``runner.generate`` (``model.generate`` on ``self.kv``) with the image digests in the chain."""
-        return runner.generate(self.model, self.kv, rid, prompt.token_ids, media=self.media(prompt), salt=salt,
-                                embed=self.embedder(prompt), **generate_kwargs)
-
-    def _features(self, data: bytes) -> torch.Tensor:
-        features = self.encoder(data)
-        if features.shape[0] != self.tokens_per_image:
-            raise EncoderOutputError(f"the vision encoder gave {features.shape[0]} rows for an image of "
-                                     f"{self.tokens_per_image} placeholders")
-        return features
-
+        media = self.media(prompt)
+        return runner.generate(self.model, self.kv, rid, prompt.token_ids, media=media, salt=salt,
+                               prepare=lambda m: self.embedder(prompt, m, media=media, salt=salt),
+                               **generate_kwargs)
