@@ -167,7 +167,8 @@ def test_seedtts_meta_errors_name_the_file_and_line(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- options, reuse
 def test_limit_and_the_saved_model_is_reused(made, options):
-    folder = options.model_dir / f"{vc.TINY_MODEL}-s{options.seed}"
+    folder = made.folder
+    assert folder.parent == options.model_dir
     before = (folder / "model.safetensors").stat().st_mtime_ns
     limited = vc.factory(dataclasses.replace(options, limit=3))
     assert [r.rid for r in limited.requests] == [r.rid for r in made.requests[:3]]

@@ -5,9 +5,8 @@ Model: ``CsmForConditionalGeneration`` (Sesame's Conversational Speech Model as 
 backbone over a prompt of text tokens and audio frames predicts codebook 0 of the next frame, a small depth decoder
 predicts codebooks 1..K-1 from the backbone's last hidden state, and the Mimi codec turns frames into 24 kHz audio.
 With ``options.model`` the workload loads a real checkpoint (e.g. sesame/csm-1b) and its tokenizer from that folder;
-otherwise a tiny random-weight CSM is built from config, saved under ``options.model_dir`` with ``save_pretrained``
-(reused when present) and loaded back with ``from_pretrained``, with the Mistral SentencePiece tokenizer that ships
-in ``mistral_common``.
+otherwise the tiny CSM of ``workloads.fixtures`` with the Mistral SentencePiece tokenizer. The prompt template, row
+embedding and frame step are ``mmcache.hf.csm``; the request lifecycle and decode loop ``mmcache.hf.runner``.
 
 Prompt (CSM's chat template, speaker 0 throughout): one segment per line, ``bos "[0]" text eos``, followed for a line
 with audio by one ``audio_token`` per frame and one ``audio_eos_token``. A request's lines are the reference
@@ -27,7 +26,7 @@ whole prompt prefilled, on a ``DynamicCache``, every time.
 
 Invariants:
 - exact: with the cache on, every request's frames and audio chunks equal the cache-off run's bit for bit. Every
-  prompt position is computed in a forward over the same page-aligned span in both runs (``prefill.chunk_spans``
+  prompt position is computed in a forward over the same page-aligned span in both runs (``runner.chunk_spans``
   with one page per chunk, so a cached page was computed by the chunk of exactly that page), from rows embedded by
   the same calls: an audio segment is always embedded whole;
 - only full prompt pages are indexed (``finish`` with no output ids): generated frames enter the index when the next
@@ -46,34 +45,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
-import os
-import shutil
 import wave
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, CsmConfig, CsmForConditionalGeneration, DynamicCache, MimiConfig
-from transformers.cache_utils import Cache
-from transformers.models.csm.configuration_csm import CsmDepthDecoderConfig
-from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook
 
 import digests
 from encoders.base import module_fingerprint
-from encoders.audio import CachedWavEncoder
+from encoders.codec import CachedCodecEncoder
+from mmcache.hf import runner
+from mmcache.hf.csm import CsmSpeech, Template, frames_digest
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
-from mmcache.hf.runner import chunk_spans
 from mmcache import EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
-from mmcache.errors import EncoderOutputError, InvalidMedia, InvalidRequest, TraceError
+from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
 
+from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Request
-from workloads.traces.swe_agent import load_tokenizer
 
 NAME = "voice-clone"
-TINY_MODEL = "csm-tiny"         # folder under options.model_dir (suffixed with the seed it was built with)
 AUDIO_CHUNK_FRAMES = 2          # Mimi frames per audio chunk: 160 ms at 12.5 frames/s
 SESSION = "voice"               # session id of the voice-session turns
 SESSION_TURNS = 4
@@ -82,118 +75,6 @@ SEEDTTS = "seedtts/meta.lst"    # under options.data
 _WORDS = ("the", "a", "quiet", "river", "light", "morning", "voice", "carries", "over", "green", "hills", "we",
           "found", "seven", "small", "boats", "near", "old", "harbor", "wind", "turns", "slowly", "before", "rain",
           "every", "story", "begins", "with", "one", "clear", "sound", "and", "ends", "far", "away", "today")
-
-
-# ---------------------------------------------------------------------------------------------------------- model
-def tiny_config() -> CsmConfig:
-    """A CSM small enough for a CPU test: 8 codebooks of 64 codes, a 2-layer backbone over the 32,768-piece Mistral
-    vocabulary, a 1-layer depth decoder and a narrow Mimi with the real frame rate (12.5 Hz at 24 kHz)."""
-    k, codes, hidden = 8, 64, 64
-    mimi = MimiConfig(hidden_size=32, num_filters=4, codebook_size=codes, codebook_dim=16, num_quantizers=k,
-                      vector_quantization_hidden_dimension=16, upsample_groups=32, num_hidden_layers=1,
-                      intermediate_size=64, num_attention_heads=2, num_key_value_heads=2)
-    depth = CsmDepthDecoderConfig(num_codebooks=k, backbone_hidden_size=hidden, vocab_size=codes, hidden_size=32,
-                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                  num_key_value_heads=1, max_position_embeddings=k + 1)
-    # audio tokens: two control pieces of the Mistral vocabulary ([control_12], [control_13]) that text never yields
-    return CsmConfig(num_codebooks=k, vocab_size=codes, text_vocab_size=32768, hidden_size=hidden,
-                     intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     codebook_pad_token_id=codes - 1, codebook_eos_token_id=0, audio_token_id=14,
-                     audio_eos_token_id=15, bos_token_id=1, pad_token_id=0, depth_decoder_config=depth.to_dict(),
-                     codec_config=mimi.to_dict())
-
-
-def build_tiny(folder: Path, seed: int) -> None:
-    """Save a random-weight ``tiny_config()`` CSM to ``folder``. Mimi initialises its codebooks to zeros (every
-    frame would quantize to code 0), so they are drawn at random. Written to a temporary folder and renamed, so a
-    concurrent builder never sees half a model."""
-    torch.manual_seed(seed)
-    model = CsmForConditionalGeneration(tiny_config())
-    for book in model.codec_model.modules():
-        if isinstance(book, MimiEuclideanCodebook):
-            book.embed_sum.normal_()
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    try:
-        tmp.rename(folder)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp)
-
-
-@dataclasses.dataclass(frozen=True)
-class Template:
-    """CSM's prompt template over a tokenizer: ``encode(text)`` gives ids without special tokens."""
-
-    encode: Callable[[str], Sequence[int]]
-    bos: int
-    eos: int
-    audio: int
-    audio_eos: int
-
-    def layout(self, lines: Sequence[tuple[str, int | None]]) -> tuple[list[int], list[int]]:
-        """Token ids of ``lines`` (text, audio frames or None) and the offset of each audio segment's first frame."""
-        ids, offsets = [], []
-        for text, frames in lines:
-            ids += [self.bos, *self.encode(f"[0]{text}"), self.eos]
-            if frames is not None:
-                offsets.append(len(ids))
-                ids += [self.audio] * frames + [self.audio_eos]
-        return ids, offsets
-
-
-def load_model(options: ModelWorkloadOptions) -> tuple[CsmForConditionalGeneration, Template]:
-    """The model in eval mode and its prompt template: ``options.model`` with its own tokenizer, else the tiny model
-    (built on first use) with the Mistral SentencePiece tokenizer."""
-    if options.model is not None:
-        model = CsmForConditionalGeneration.from_pretrained(options.model).eval()
-        tok = AutoTokenizer.from_pretrained(options.model)
-        encode, bos, eos = (lambda s: tok(s, add_special_tokens=False).input_ids), tok.bos_token_id, tok.eos_token_id
-    else:
-        folder = Path(options.model_dir) / f"{TINY_MODEL}-s{options.seed}"
-        if not (folder / "config.json").is_file():
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            build_tiny(folder, options.seed)
-        model = CsmForConditionalGeneration.from_pretrained(folder).eval()
-        sp = load_tokenizer()
-        encode, bos, eos = sp.encode, sp.bos_id(), sp.eos_id()
-    c = model.config
-    return model, Template(encode, bos, eos, c.audio_token_id, c.audio_eos_token_id)
-
-
-class CachedCodecEncoder(CachedWavEncoder):
-    """A reference WAV -> Mimi codes [frames, num_codebooks] (int64), keyed under modality "audio".
-
-    The codec takes the raw mono waveform at its sampling rate as ``[1, 1, samples]`` (what CSM's feature extractor
-    hands it), so the digest params are the codec's rate and codebook count (plus the base's resampler and downmix).
-    Invariant: the output has exactly ``frames(samples)`` rows, so a prompt's layout follows from the WAV alone.
-    """
-
-    modality = "audio"
-
-    def __init__(self, codec, store: EncoderStore | None, *, fingerprint: str | None = None):
-        c = codec.config
-        self.num_codebooks = c.num_quantizers
-        super().__init__(codec, store, {"codec": "mimi", "input": "waveform", "num_quantizers": c.num_quantizers},
-                         c.sampling_rate, fingerprint=fingerprint)
-
-    def frames(self, samples: int) -> int:
-        """Codec frames of ``samples`` mono samples at the codec's rate."""
-        return int(self.module.get_encoded_length(torch.tensor(samples)))
-
-    def reference_frames(self, data: bytes) -> int:
-        """Frames the codes of WAV bytes ``data`` will have (decodes and resamples, runs no codec)."""
-        return self.frames(self.mono(*self.decode(data)).shape[-1])
-
-    def compute(self, data) -> torch.Tensor:
-        waveform, rate = data if isinstance(data, tuple) else self.decode(data)
-        mono = self.mono(waveform, rate)
-        with torch.inference_mode():
-            codes = self.module.encode(mono[None].to(self.device, self.dtype)).audio_codes[0].T
-        want = (self.frames(mono.shape[-1]), self.num_codebooks)
-        if tuple(codes.shape) != want or codes.dtype != torch.long:
-            raise EncoderOutputError(f"the codec gave {tuple(codes.shape)} {codes.dtype} codes, expected {want} "
-                                     f"torch.int64")
-        return codes.contiguous()
 
 
 # ------------------------------------------------------------------------------------------------------- requests
@@ -303,12 +184,13 @@ class VoiceCloneFactory:
     """What ``factory`` loads once: the model, its template, the requests and both fingerprints. Calling it gives a
     fresh ``VoiceClone`` whose caches start empty."""
 
-    model: CsmForConditionalGeneration
+    model: object           # CsmForConditionalGeneration
     template: Template
     requests: tuple[Request, ...]
     options: ModelWorkloadOptions
     fingerprint: str        # the whole model: backbone, embeddings, depth decoder and codec (the codes a page holds)
     codec_fingerprint: str
+    folder: Path            # where the model was loaded from
 
     def __call__(self) -> VoiceClone:
         return VoiceClone(self)
@@ -320,9 +202,9 @@ def factory(options: ModelWorkloadOptions) -> VoiceCloneFactory:
     if options.max_new_tokens < 1:
         raise ValueError(f"voice-clone generates max_new_tokens frames per request: need >= 1, got "
                          f"{options.max_new_tokens}")
-    model, template = load_model(options)
-    made = VoiceCloneFactory(model, template, tuple(load_requests(options)), options, module_fingerprint(model),
-                             module_fingerprint(model.codec_model))
+    model, tokenizer, folder = fixtures.load_csm(options)
+    made = VoiceCloneFactory(model, Template.for_model(model, tokenizer), tuple(load_requests(options)), options,
+                             module_fingerprint(model), module_fingerprint(model.codec_model), Path(folder))
     warm = dataclasses.replace(made, requests=tuple(embedded_requests(options.seed, speakers=1)[:1]))()
     for cached in (False, True):
         warm.serve(warm.requests()[0], cached, Clock())
@@ -345,10 +227,10 @@ class VoiceClone:
                          page_size=opts.page_size)
         self.kv = PagedKVCache(PrefixCache(pool, fp, vocab_size=cfg.text_vocab_size), cfg)
         self.store = EncoderStore(capacity_bytes=opts.encoder_bytes, page_bytes=4096)
-        self.codec = CachedCodecEncoder(self.model.codec_model, self.store, fingerprint=made.codec_fingerprint)
-        with torch.inference_mode():
-            eos = torch.full((1, 1, cfg.num_codebooks), cfg.codebook_eos_token_id, device=p.device)
-            self._eos_row = self.model.backbone_model.embed_tokens(eos)[0]
+        self.codecs = {cached: CachedCodecEncoder(self.model.codec_model, self.store if cached else None,
+                                                  fingerprint=made.codec_fingerprint) for cached in (False, True)}
+        self.codec = self.codecs[True]
+        self.speech = CsmSpeech(self.model)
         self.outputs: dict[str, VoiceOutput] = {}
 
     def requests(self) -> list[Request]:
@@ -360,92 +242,38 @@ class VoiceClone:
         if None in earlier:
             raise InvalidRequest(f"turn {req.rid!r} follows {turn.history[earlier.index(None)][0]!r}, which did not "
                                  f"complete")
-        data = _read(turn.reference)
+        codec = self.codecs[cached]
+        data = codec.read(turn.reference)
         with clock.stage("audio"):
-            if cached:
-                key = self.codec.key(data)
-                hit = key in self.store
-                ref = self.store.get_or_compute(key, lambda: self.codec.compute(data)).value.to(self.codec.device)
-            else:
-                ref, hit = self.codec.compute(data), False
+            digest = codec.digest(data) if cached else None
+            found = codec.lookup(data, digest=digest)
+        ref = found.value
         audio = [ref, *(o.codes for o in earlier)]
         ids, offsets = self.template.layout([(turn.reference_text, len(ref)),
                                              *((text, len(o.codes)) for (_, text), o in zip(turn.history, earlier)),
                                              (turn.text, None)])
-        matched = 0
-        if cached:
-            marks = [(offsets[0], key.digest), *((off, _frames_digest(a)) for off, a in zip(offsets[1:], audio[1:]))]
-            matched = self.kv.admit(req.rid, ids, media=marks).matched_tokens
-        try:
-            out = self._generate(ids, list(zip(offsets, audio)), matched,
-                                 self.kv if cached else DynamicCache(config=self.model.config), clock)
-        except BaseException:
-            if cached:
-                self.kv.abort(req.rid)
-            raise
-        if cached:
-            self.kv.finish(req.rid)
-        self.outputs[req.rid] = out
-        P, n = self.page_size, len(ids)
+        marks = [(offsets[0], digest), *((off, frames_digest(a)) for off, a in zip(offsets[1:], audio[1:]))] \
+            if cached else ()
+        chunks: list[torch.Tensor] = []
+
+        def on_frame(step: int, frames: list) -> None:
+            clock.token()
+            if (step + 1) % AUDIO_CHUNK_FRAMES == 0 or step + 1 == self.frames_per_request:
+                with clock.stage("vocode"):
+                    chunks.append(self.speech.vocode(frames[len(chunks) * AUDIO_CHUNK_FRAMES:]))
+                clock.audio_chunk()
+
+        # only prompt pages are indexed (see the module docstring): the lease's output_ids stay empty
+        with runner.request(self.kv if cached else None, req.rid, ids, config=self.model.config,
+                            media=marks) as lease:
+            frames = self.speech.generate(lease.cache, ids, list(zip(offsets, audio)), lease.matched_tokens,
+                                          frames=self.frames_per_request, chunk_tokens=self.page_size,
+                                          on_frame=on_frame, stage=clock.stage)
+        out = self.outputs[req.rid] = VoiceOutput(torch.stack(frames), tuple(chunks))
+        P, n, matched = self.page_size, len(ids), lease.matched_tokens
         return RequestResult(prompt_tokens=n, hit_tokens=matched, prompt_pages=n // P, hit_pages=matched // P,
                              output_tokens=len(out.codes), encoder_items={"audio": 1},
-                             encoder_hits={"audio": int(hit)})
-
-    @torch.inference_mode()
-    def _generate(self, ids: list[int], audio: list[tuple[int, torch.Tensor]], start: int, cache: Cache,
-                  clock: Clock) -> VoiceOutput:
-        """Prefill ``ids[start:]`` (the cache holds the first ``start``) in page-aligned chunks, then decode frames
-        and audio chunks."""
-        m = self.model
-        x = self._embed(ids, audio, start)
-        with clock.stage("prefill"):
-            for a, b in chunk_spans(start, len(ids), self.page_size):
-                # a fresh tensor per chunk: the same alignment in both runs, whatever ``start`` is
-                h = m.backbone_model(inputs_embeds=x[:, a - start:b - start].clone(), cache=cache,
-                                     use_cache=True).last_hidden_state[:, -1]
-        frames, chunks = [], []
-        for i in range(self.frames_per_request):
-            with clock.stage("decode"):
-                frames.append(self._frame(h))
-            clock.token()
-            if (i + 1) % AUDIO_CHUNK_FRAMES == 0 or i + 1 == self.frames_per_request:
-                with clock.stage("vocode"):
-                    codes = torch.stack(frames[len(chunks) * AUDIO_CHUNK_FRAMES:])
-                    chunks.append(m.codec_model.decode(codes.T[None]).audio_values[0, 0])
-                clock.audio_chunk()
-            if i + 1 < self.frames_per_request:  # the last frame is returned, never fed
-                with clock.stage("decode"):
-                    step = m.backbone_model.embed_tokens(frames[-1][None, None])
-                    h = m.backbone_model(inputs_embeds=step, cache=cache, use_cache=True).last_hidden_state[:, -1]
-        return VoiceOutput(torch.stack(frames), tuple(chunks))
-
-    def _embed(self, ids: list[int], audio: list[tuple[int, torch.Tensor]], start: int) -> torch.Tensor:
-        """``inputs_embeds`` [1, len(ids) - start, hidden] of prompt rows ``[start, len(ids))``. An audio segment that
-        reaches past ``start`` is embedded whole (frames, then the audio-eos row), so its rows never depend on
-        ``start``."""
-        m = self.model
-        x = m.embed_text_tokens(torch.tensor(ids[start:], device=m.device)[None])
-        for off, codes in audio:
-            end = off + len(codes) + 1
-            if end > start:
-                rows = torch.cat([m.backbone_model.embed_tokens(codes[None])[0], self._eos_row])
-                lo = max(off, start)
-                x[0, lo - start:end - start] = rows[lo - off:]
-        return x
-
-    def _frame(self, hidden: torch.Tensor) -> torch.Tensor:
-        """One frame's K codes, greedy, from the backbone's last hidden state [1, hidden]: codebook 0 from ``lm_head``,
-        codebooks 1..K-1 from the depth decoder fed [placeholder, code 0] with the hidden state in the placeholder's
-        row, then one code per step (as ``CsmForConditionalGeneration.generate`` does)."""
-        m = self.model
-        code = m.lm_head(hidden).argmax(-1, keepdim=True)
-        ids, codes = torch.cat([torch.zeros_like(code), code], 1), [code]
-        cache, first = DynamicCache(config=m.depth_decoder.config), {"backbone_last_hidden_state": hidden}
-        for _ in range(m.config.num_codebooks - 1):
-            logits = m.depth_decoder(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **first).logits
-            ids, first = logits[:, -1].argmax(-1, keepdim=True), {}
-            codes.append(ids)
-        return torch.cat(codes, 1)[0]
+                             encoder_hits={"audio": int(found.hit)})
 
     def cache_stats(self) -> dict:
         return {"prefix": self.kv.prefix.stats(), "encoder": self.store.stats()}
@@ -469,8 +297,8 @@ class VoiceClone:
         for req in self.requests():
             turn: VoiceTurn = req.payload
             try:
-                data = _read(turn.reference)
-                digest = self.codec.key(data).digest
+                data = self.codec.read(turn.reference)
+                digest = self.codec.digest(data)
                 if digest in frames:
                     hits += 1
                 else:
@@ -491,16 +319,3 @@ class VoiceClone:
         return ({"prefix": matched / prompt if prompt else 0.0, "audio": hits / items if items else 0.0},
                 {"prefix": prompt, "audio": items})
 
-
-def _frames_digest(codes: torch.Tensor) -> digests.Digest:
-    """The name of generated frames [frames, K] in a later turn's page chain."""
-    return digests.prompt(codes.reshape(-1), {"csm_frames": list(codes.shape)})
-
-
-def _read(reference: bytes | Path) -> bytes:
-    if isinstance(reference, bytes):
-        return reference
-    try:
-        return Path(reference).read_bytes()
-    except OSError as e:
-        raise InvalidMedia(f"cannot read reference WAV {os.fspath(reference)!r}: {e}") from e
