@@ -13,7 +13,9 @@ reply, then a follow-up question.
 Text is tokenized with the SentencePiece model of ``mistral_common`` (or the tokenizer of ``options.model``).
 Requests are listed session by session; ``options.limit`` keeps the first ones (whole sessions first).
 
-Serving: the tiny LLaVA (a CLIP tower, projector and Llama, hidden 64, 2 layers; or ``options.model``) prefills
+Serving: one request goes workload -> ``LlavaPrefill.serve`` (digests each image once, looks its features up under
+the request's salt) -> ``runner.serve`` -> ``PagedKVCache`` -> the core, and back once. The tiny LLaVA of
+``workloads.fixtures`` (a CLIP tower, projector and Llama, hidden 64, 2 layers; or ``options.model``) prefills
 ``inputs_embeds``: token embeddings with each image's projected features in its placeholder rows. Cache off: every
 request decodes, preprocesses and encodes every image it holds and prefills every token. Cache on: a
 ``PagedKVCache`` whose page names carry the images' digests (``mmcache.hf.llava``) and an ``EncoderStore``; only images
@@ -24,7 +26,7 @@ a follow-up of a failed turn raises ``InvalidRequest`` (it has no history to re-
 Invariants:
 - exactness: cache on and off generate the same tokens bit for bit (``outputs`` holds them per request id): every
   indexed page is a prompt page written by the page-sized prefill chunk the cache-off run also computes it with
-  (``agent_model.serve_request``), and features come from the store as they were computed;
+  (``mmcache.hf.runner.serve`` without ``index_output``), and features come from the store as they were computed;
 - ``encoder_items["image"]`` counts the images in the prompt, ``encoder_hits["image"]`` those the vision tower did
   not run for (found in the store, or entirely inside the matched prefix); the ``image`` ceiling is the share of
   image occurrences seen in an earlier request, which unbounded caches avoid exactly.
@@ -41,24 +43,18 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
-from transformers import (AutoImageProcessor, AutoModelForImageTextToText, CLIPImageProcessorPil, CLIPVisionConfig,
-                          LlamaConfig, LlavaConfig)
 
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
-from mmcache.hf.runner import Embed
-from encoders.vision import CachedVisionEncoder
 from mmcache.hf.llava import LlavaPrefill, VlmPrompt
 from mmcache import EncoderStore, ShadowIndex
-from mmcache.errors import EncoderOutputError, InvalidMedia, InvalidRequest, TraceError
+from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
 
-from workloads import registry
-from workloads.models.agent import (check_vocab, load_model, prefix_ceiling, serve_request, text_tokenizer, tiny_llama_config,
-                          trace_order)
+from workloads import fixtures, registry
 from workloads.harness.metrics import RequestResult
 from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Request
+from workloads.models.text import check_vocab, prefix_ceiling, timed, trace_order
 
 SYSTEM = ("You are a careful assistant. You answer questions about the images the user shows, citing what you see "
           "in them, and you give the letter of the option you choose.")
@@ -70,7 +66,6 @@ FOLLOW_UPS = ("Why is that option correct? Point to the part of the image that s
 REAL_USERS = 2
 EMBEDDED_IMAGES, EMBEDDED_USERS = 4, 3
 SESSION_GAP_S, TURN_GAP_S = 2.0, 6.0  # arrivals: session k starts at k * SESSION_GAP_S, turns TURN_GAP_S apart
-IMAGE_PX, PATCH_PX = 64, 8            # tiny CLIP tower: 64 placeholders per image
 ENCODER_PAGE_BYTES = 1 << 14
 
 Part = str | Path | bytes  # text, an image file, or image bytes
@@ -209,13 +204,12 @@ class VlmChat:
     name = "vlm-chat"
 
     def __init__(self, plain: LlavaPrefill, processor, requests: list[Request], options: ModelWorkloadOptions):
-        model = plain.model
+        model, fingerprint = plain.model, plain.encoder.fingerprint
         self.plain, self._requests = plain, requests
         self.page_size, self.max_new_tokens = options.page_size, options.max_new_tokens
-        fingerprint = plain.encoder.fingerprint
         self.kv = PagedKVCache.for_model(model, options.pool_pages, options.page_size, fingerprint=fingerprint)
         self.store = EncoderStore(options.encoder_bytes, ENCODER_PAGE_BYTES)
-        self.encoder = CachedVisionEncoder(model, processor, self.store, fingerprint=fingerprint)
+        self.llava = LlavaPrefill(model, processor, self.kv, self.store, fingerprint=fingerprint)
         self.outputs: dict[str, list[int]] = {}
         self._history: dict[str, _Done] = {}
         self._ceilings: tuple[dict, dict] | None = None
@@ -237,33 +231,15 @@ class VlmChat:
 
     def serve(self, req: Request, cached: bool, clock: Clock) -> RequestResult:
         prompt = self.prompt(req, self._history)
-        n, P, T = len(prompt.token_ids), self.page_size, self.plain.tokens_per_image
-        encoder, media = self.plain.encoder, ()
-        if cached:
-            encoder = self.encoder
-            with clock.stage("image"):
-                media = [(off, encoder.key(data).digest) for off, data in prompt.images]
-        misses = self._misses()
-
-        def prepare(matched: int) -> Embed:
-            with clock.stage("image"):
-                features = {off: encoder(data) for off, data in prompt.images if off + T > matched}
-            if any(f.shape[0] != T for f in features.values()):
-                raise EncoderOutputError(f"the vision encoder gave {[f.shape[0] for f in features.values()]} rows "
-                                         f"for images of {T} placeholders")
-            return _embedder(self.plain.model, prompt, features, T)
-
-        out, matched = serve_request(self.plain.model, self.kv if cached else None, req.rid, prompt.token_ids, P,
-                                     max_new_tokens=self.max_new_tokens, clock=clock, media=media, prepare=prepare)
+        n, P = len(prompt.token_ids), self.page_size
+        served = (self.llava if cached else self.plain).serve(
+            req.rid, prompt, max_new_tokens=self.max_new_tokens, chunk_tokens=P, index_output=False, **timed(clock))
+        out, matched = served.output_ids, served.matched_tokens
         self.outputs[req.rid] = out
         self._history[req.session] = _Done(req.payload.turn, prompt, out)
-        images = len(prompt.images)
         return RequestResult(prompt_tokens=n, hit_tokens=matched, prompt_pages=n // P, hit_pages=matched // P,
-                             output_tokens=len(out), encoder_items={"image": images},
-                             encoder_hits={"image": images - (self._misses() - misses) if cached else 0})
-
-    def _misses(self) -> int:
-        return self.store.stats()["by_modality"].get("image", {}).get("misses", 0)
+                             output_tokens=len(out), encoder_items={"image": len(prompt.images)},
+                             encoder_hits={"image": served.encoder_hits})
 
     def cache_stats(self) -> dict:
         return {"prefix": self.kv.prefix.stats(), "encoder": self.store.stats()}
@@ -287,7 +263,7 @@ class VlmChat:
                 prompt = self.prompt(req, history)
             except (InvalidMedia, InvalidRequest):
                 continue
-            digests = [self.encoder.key(data).digest for _, data in prompt.images]
+            digests = [d for _, d in self.llava.media(prompt)]
             images += len(digests)
             for d in digests:
                 repeats += d in seen
@@ -301,43 +277,12 @@ class VlmChat:
         return self._ceilings
 
 
-@torch.inference_mode()
-def _embedder(model, prompt: VlmPrompt, features: dict[int, torch.Tensor], T: int) -> Embed:
-    """``embed(start, end)``: ``inputs_embeds`` rows of ``prompt``, each image's ``features`` in its ``T`` placeholder
-    rows (what ``LlavaModel`` scatters); only rows of images in ``features`` may be asked for."""
-    table = model.get_input_embeddings()
-    ids = torch.tensor(prompt.token_ids, device=table.weight.device)[None]
-
-    def embed(start: int, end: int) -> torch.Tensor:
-        rows = table(ids[:, start:end])
-        for off, f in features.items():
-            lo, hi = max(start, off), min(end, off + T)
-            if lo < hi:
-                rows[0, lo - start:hi - start] = f[lo - off:hi - off]
-        return rows
-
-    return embed
-
-
-def tiny_llava_config(vocab_size: int) -> LlavaConfig:
-    """CLIP tower (hidden 32, 2 layers, 64 x 64 px in 8 px patches) + projector + tiny Llama; the image token is the
-    last id, past the text vocabulary."""
-    text: LlamaConfig = tiny_llama_config(vocab_size + 1)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              patch_size=PATCH_PX, image_size=IMAGE_PX)
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_id=vocab_size)
-
-
 def factory(options: ModelWorkloadOptions) -> Callable[[], VlmChat]:
     """Load the model (tiny LLaVA unless ``options.model``), its image processor and the sessions once; each call
     returns a fresh ``VlmChat`` (empty prefix cache and encoder store)."""
-    tok = text_tokenizer(options.model)
-    processor = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_PX},
-                                      crop_size={"height": IMAGE_PX, "width": IMAGE_PX})
-    model, folder = load_model(AutoModelForImageTextToText, options, "tiny-llava", tiny_llava_config(32768),
-                               processor.save_pretrained, model_types=("llava",))
+    tok = fixtures.text_tokenizer(options.model)
+    model, processor, _ = fixtures.load_llava(options)
     kv_page_shape(model.config, options.page_size)  # ValueError now, for a model whose KV pages cannot stand for
-    processor = AutoImageProcessor.from_pretrained(folder)
     if options.data is None:
         items = embedded_items(options.seed)
     else:
