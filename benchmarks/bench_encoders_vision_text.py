@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from encoders.text import CachedPromptEncoder  # noqa: E402
 from encoders.vision import CachedVisionEncoder  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
-from workloads.models.image_gen import t5_style_tokenizer  # noqa: E402
+from workloads.fixtures import t5_style_tokenizer  # noqa: E402
 
 WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
                 "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，"

@@ -92,9 +92,9 @@ def wan(tmp_path_factory):
     transformer and VAE), saved and loaded back through from_pretrained."""
     from diffusers import WanPipeline
 
-    from workloads.models.image_gen import build_tiny_pipeline
+    from workloads import fixtures
 
-    return WanPipeline.from_pretrained(build_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny-wan"))
+    return WanPipeline.from_pretrained(fixtures.tiny_wan(tmp_path_factory.mktemp("models")))
 
 
 def reference(model, processor, image: Image.Image) -> torch.Tensor:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mmcache.errors import TraceError
+from workloads import fixtures
 from workloads.models.image_gen import (DEFAULT_REQUESTS, NEGATIVE_PROMPT, Generation, factory, generate_prompts,
-                                 load_pipeline, load_prompts)
+                                 load_prompts)
 from workloads.harness.metrics import summarize
 from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Schedule, compare
@@ -98,9 +99,9 @@ def test_the_images_equal_the_pipelines_own_bit_for_bit(embedded):
 
 
 def test_the_saved_tiny_pipeline_is_reused(embedded, options):
-    index = options.model_dir / "tiny-wan" / "model_index.json"
+    index = fixtures.tiny_wan(options.model_dir) / "model_index.json"
     before = index.stat().st_mtime_ns
-    load_pipeline(options)
+    fixtures.load_wan(options)
     assert index.stat().st_mtime_ns == before
 
 

@@ -20,9 +20,8 @@ queueing. Each request is its own session (DiffusionDB's user ids are not in the
 their simulated user.
 
 Models: ``options.model`` is a local folder of a Wan 2.x text-to-video pipeline (``WanPipeline.from_pretrained``);
-without it a tiny Wan pipeline is built from configs with random weights (``build_tiny_pipeline``), saved under
-``options.model_dir / "tiny-wan"`` and loaded back (a folder already there is reused as is). The pipeline runs on
-CUDA when available, else on the CPU.
+without it the tiny Wan pipeline of ``workloads.fixtures`` (``tiny_wan``). The pipeline runs on CUDA when available,
+else on the CPU.
 
 Bad data: a missing file or a line that is not a JSON object with a string ``prompt`` raises ``TraceError`` naming
 the file and line while loading, before anything is served; blank lines are skipped.
@@ -33,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +42,7 @@ import xxhash
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import TraceError
 
+from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Request
@@ -143,82 +141,6 @@ def generate_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:
     return out[:n]
 
 
-def t5_style_tokenizer(folder: Path):
-    """A real 32k-piece SentencePiece vocabulary (Mistral's, shipped in ``mistral_common``) as a fast tokenizer with
-    T5's conventions (``</s>`` appended, a ``<pad>`` token), saved to ``folder`` and loaded back. Byte fallback keeps
-    it lossless, so distinct prompts never share token ids and hit rates are those of the text. Merges are recovered
-    from the vocabulary as transformers' SentencePieceExtractor does (which needs protobuf)."""
-    import sentencepiece
-    from tokenizers import Tokenizer, decoders, models, normalizers, processors
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    from workloads.traces.swe_agent import tokenizer_path
-
-    spm = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path()))
-    vocab = {spm.id_to_piece(i): i for i in range(spm.get_piece_size())}
-    merges = sorted((vocab[p], vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p in vocab for k in range(1, len(p))
-                    if p[:k] in vocab and p[k:] in vocab)
-    bpe = Tokenizer(models.BPE({**vocab, "<pad>": len(vocab)}, [m[3:] for m in merges], unk_token="<unk>",
-                               byte_fallback=True, fuse_unk=True))
-    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    bpe.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", vocab["</s>"])])
-    PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>", pad_token="<pad>"
-                            ).save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def build_tiny_pipeline(folder: str | Path) -> Path:
-    """Save a tiny ``WanPipeline`` with random weights (seeded, the global RNG untouched) to ``folder``: a 2-layer
-    umT5 encoder (d_model 32) behind the tokenizer of ``t5_style_tokenizer``, a 2-layer ``WanTransformer3DModel``,
-    a small ``AutoencoderKLWan`` and a flow-matching scheduler. Written to a temporary sibling and renamed, so a
-    concurrent builder never sees half a folder; returns ``folder``."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    folder = Path(folder)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = t5_style_tokenizer(tmp / "tokenizer")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        pipe = WanPipeline(
-            tokenizer=tokenizer,
-            text_encoder=UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, num_layers=2,
-                                                     num_heads=4, d_kv=8, relative_attention_num_buckets=8)),
-            transformer=WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-                text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
-            vae=AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                 temperal_downsample=[False, True, True]),
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
-    pipe.save_pretrained(tmp)
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process saved it first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (folder / "model_index.json").is_file():
-            raise
-    return folder
-
-
-def load_pipeline(options: ModelWorkloadOptions):
-    """``options.model``, else the tiny pipeline under ``options.model_dir`` (built on first use), on CUDA when
-    available, progress bars off."""
-    from diffusers import WanPipeline
-
-    folder = options.model
-    if folder is None:
-        folder = Path(options.model_dir) / "tiny-wan"
-        if not (folder / "model_index.json").is_file():
-            build_tiny_pipeline(folder)
-    pipe = WanPipeline.from_pretrained(folder).to("cuda" if torch.cuda.is_available() else "cpu")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def prompt_encoder(pipe, store: EncoderStore | None, fingerprint: str | None = None):
     """The pipeline's umT5 prompt encoder through ``store`` (``encoders.text.CachedPromptEncoder``; None: keys only)
     at ``MAX_SEQUENCE_LENGTH``. Imported here, as every diffusers import in this module: importing the module (the
@@ -249,15 +171,15 @@ class ImageGen:
     def generate(self, gen: Generation, cached: bool, clock: Clock) -> tuple[torch.Tensor, int]:
         """``(frames, text hits)``: the output [1, frames, 3, H, W] of ``gen``, and how many of its two prompt
         encodes the store served (0 with the cache off)."""
-        hits = self._text_hits()
         with clock.stage("text"):
             if cached:
-                embeds = self.encoder.encode_prompt(gen.prompt, NEGATIVE_PROMPT)
+                found = [self.encoder.lookup(p) for p in (gen.prompt, NEGATIVE_PROMPT)]
+                embeds, hits = [self.encoder.pad(f.value) for f in found], sum(f.hit for f in found)
             else:
                 with torch.no_grad():  # as WanPipeline.__call__ runs it
                     embeds = self.pipe.encode_prompt(gen.prompt, NEGATIVE_PROMPT,
                                                      max_sequence_length=MAX_SEQUENCE_LENGTH)
-        hits = self._text_hits() - hits
+                hits = 0
         with clock.stage("denoise"):
             frames = self.pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1],
                                generator=torch.Generator("cpu").manual_seed(gen.seed), **CALL).frames
@@ -282,9 +204,6 @@ class ImageGen:
         """What each ceiling is a share of (prompt encodes), so a blend of workloads can weigh them."""
         return {"text": 2 * len(self._requests)}
 
-    def _text_hits(self) -> int:
-        return self.store.stats()["by_modality"].get("text", {}).get("hits", 0)
-
 
 def _requests(options: ModelWorkloadOptions) -> list[Request]:
     """DiffusionDB prompts from ``options.data`` (the data folder, or the JSONL file itself), else generated ones."""
@@ -303,7 +222,7 @@ def factory(options: ModelWorkloadOptions) -> Callable[[], ImageGen]:
     both serving paths up (first-call costs would land on the cache-off run); each call of the result is a fresh
     ``ImageGen`` whose store is empty."""
     requests = _requests(options)
-    pipe = load_pipeline(options)
+    pipe = fixtures.load_wan(options)
     keys = prompt_encoder(pipe, None)
     distinct = {keys.key(NEGATIVE_PROMPT), *(keys.key(r.payload.prompt) for r in requests)}
     ceiling = 1 - len(distinct) / (2 * len(requests)) if requests else 0.0
