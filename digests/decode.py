@@ -45,16 +45,23 @@ def open_image(data):
 
 def load_wav(data):
     """``(waveform, sample_rate)`` of a PCM WAV (8/16/24/32-bit): a float32 torch tensor [channels, samples] in
-    [-1, 1). InvalidMedia if the file is missing, not PCM WAV, or truncated."""
+    [-1, 1). InvalidMedia if the file is missing, not PCM WAV, truncated, or its format chunk is inconsistent (bits
+    per sample not 8/16/24/32, block_align != channels * bytes per sample, byte rate != rate * block_align): the
+    stdlib reader trusts the bits and would read such data as other frames of noise."""
     import torch
 
     src = _source(data, "WAV")
+    f = open(src, "rb") if isinstance(src, str) else src
     try:
-        with wave.open(src, "rb") as w:
+        _check_format(f, data)
+        with wave.open(f, "rb") as w:
             channels, width, rate, frames = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             raw = w.readframes(frames)
     except (wave.Error, EOFError, struct.error, ValueError) as e:
         raise InvalidMedia(f"cannot decode WAV{_name(data)}: {e}") from e
+    finally:
+        if f is not src:
+            f.close()
     if channels < 1 or width not in (1, 2, 3, 4):
         raise InvalidMedia(f"unsupported WAV{_name(data)}: {channels} channel(s), {8 * width}-bit samples")
     if len(raw) != frames * channels * width:  # wave returns what is there, silently, when the data is cut short
@@ -68,6 +75,39 @@ def load_wav(data):
     else:
         x = np.frombuffer(raw, f"<i{width}") / np.float32(2 ** (8 * width - 1))
     return torch.from_numpy(np.ascontiguousarray(x.astype(np.float32).reshape(-1, channels).T)), rate
+
+
+def _check_format(f, data) -> None:
+    """InvalidMedia unless the RIFF ``fmt `` chunk of the open binary file ``f`` is self-consistent PCM; the file
+    position is restored. Files that are not RIFF/WAVE at all are left to ``wave`` to refuse."""
+    start = f.tell()
+    try:
+        head = f.read(12)
+        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+            return
+        while len(chunk := f.read(8)) == 8:
+            cid, size = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+            if cid != b"fmt ":
+                f.seek(size + (size & 1), os.SEEK_CUR)
+                continue
+            fmt = f.read(size)
+            if len(fmt) < 16:
+                raise InvalidMedia(f"bad WAV{_name(data)}: a format chunk of {len(fmt)} bytes")
+            tag, channels, rate, byte_rate, block_align, bits = struct.unpack("<HHIIHH", fmt[:16])
+            problems = []
+            if bits not in (8, 16, 24, 32):
+                problems.append(f"{bits} bits per sample (8, 16, 24 or 32 expected)")
+            if channels < 1 or rate < 1:
+                problems.append(f"{channels} channel(s) at {rate} Hz")
+            if block_align != channels * (bits // 8 or 1):
+                problems.append(f"block_align {block_align} for {channels} channel(s) of {bits} bits")
+            if byte_rate != rate * block_align:
+                problems.append(f"byte rate {byte_rate} for {rate} Hz x block_align {block_align}")
+            if problems:
+                raise InvalidMedia(f"inconsistent WAV header{_name(data)}: " + "; ".join(problems))
+            return
+    finally:
+        f.seek(start)
 
 
 def _name(data) -> str:

@@ -278,6 +278,35 @@ def test_bad_wavs_raise_invalid_media(tmp_path):
         digests.load_wav(tmp_path / "missing.wav")
 
 
+def _fmt(data: bytes, **fields) -> bytes:
+    """``data`` (a WAV as the stdlib writes it: the fmt chunk at byte 20) with fmt fields replaced."""
+    layout = {"tag": (20, 2), "channels": (22, 2), "rate": (24, 4), "byte_rate": (28, 4), "block_align": (32, 2),
+              "bits": (34, 2)}
+    out = bytearray(data)
+    for name, value in fields.items():
+        at, size = layout[name]
+        out[at:at + size] = value.to_bytes(size, "little")
+    return bytes(out)
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"bits": 7}, "7 bits per sample"),                                  # block_align 2 still: 8-bit frames of noise
+    ({"bits": 12}, "12 bits per sample"),
+    ({"block_align": 4}, "block_align 4 for 1 channel"),                 # 16-bit mono with 4-byte frames
+    ({"byte_rate": 12345}, "byte rate 12345"),
+    ({"channels": 2}, "block_align 2 for 2 channel"),
+])
+def test_inconsistent_wav_headers_raise_invalid_media(tmp_path, fields, problem):
+    good = wav_bytes(np.zeros((100, 1), int), 16000, 2)
+    assert digests.load_wav(good)[0].shape == (1, 100)
+    bad = _fmt(good, **fields)
+    with pytest.raises(InvalidMedia, match=f"inconsistent WAV header: .*{problem}"):
+        digests.load_wav(bad)
+    (tmp_path / "bad.wav").write_bytes(bad)
+    with pytest.raises(InvalidMedia, match="bad.wav"):
+        digests.load_wav(tmp_path / "bad.wav")
+
+
 # --- bad input ------------------------------------------------------------------------------------------------------
 
 def test_missing_path_names_it(tmp_path):

@@ -247,12 +247,17 @@ def truncated(data: bytes) -> bytes:
     return data[:len(data) - 1001]
 
 
+def seven_bits(data: bytes) -> bytes:
+    """The header says 7 bits per sample with block_align 2: read as 8-bit, twice the frames of noise."""
+    return data[:34] + (7).to_bytes(2, "little") + data[36:]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bad", [truncated(wav(13)), b"RIFF\x00\x00\x00\x00WAVEjunk", b"", b"not a wav at all",
                                  "/nonexistent/ref.wav", (torch.zeros(0), 16000), (torch.zeros(2, 2, 100), 16000),
-                                 (np.zeros(1600, np.int16), 16000)],
+                                 (np.zeros(1600, np.int16), 16000), seven_bits(wav(13))],
                          ids=["truncated", "bad header", "empty", "garbage", "missing path", "empty waveform",
-                              "3-d waveform", "int waveform"])
+                              "3-d waveform", "int waveform", "7-bit header"])
 def test_bad_input_raises_invalid_media_and_stores_nothing(make, kind, bad):
     enc = make(kind, new_store())
     good = enc(wav(14))
