@@ -34,3 +34,41 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- tiny models, built once per session through workloads.fixtures (one seeding rule, saved then loaded back) ------
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dir):
+    """The tiny Llama of the text workloads (eval mode)."""
+    from workloads import fixtures
+    from workloads.options import ModelWorkloadOptions
+
+    return fixtures.load_llama(ModelWorkloadOptions(model_dir=tiny_model_dir))[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tiny_model_dir):
+    """``(model, image processor)`` of the tiny LLaVA of vlm-chat."""
+    from workloads import fixtures
+    from workloads.options import ModelWorkloadOptions
+
+    model, processor, _ = fixtures.load_llava(ModelWorkloadOptions(model_dir=tiny_model_dir))
+    return model, processor
+
+
+def png_bytes(seed: int, size=(48, 40)) -> bytes:
+    """A small random RGB PNG, different per seed."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, "PNG")
+    return buf.getvalue()
