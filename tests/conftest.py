@@ -72,3 +72,15 @@ def png_bytes(seed: int, size=(48, 40)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(buf, "PNG")
     return buf.getvalue()
+
+
+def save_tiny(tmp_path_factory, kind: str, build, *extra) -> Path:
+    """A folder holding ``build()`` (a model built from a config) and ``extra`` (processors), saved by
+    ``workloads.fixtures.saved``: weights drawn under its seeding rule, never from the global RNG."""
+    from workloads import fixtures
+
+    def save(folder: Path) -> None:
+        for part in (build(), *extra):
+            part.save_pretrained(folder)
+
+    return fixtures.saved(tmp_path_factory.mktemp(kind), kind, kind, save)

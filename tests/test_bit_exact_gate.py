@@ -19,6 +19,7 @@ from PIL import Image
 from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, DynamicCache, LlamaConfig, LlamaForCausalLM,
                           LlavaConfig, LlavaForConditionalGeneration)
 
+from conftest import save_tiny
 from mmcache.hf.paged_kv import PagedKVCache
 from mmcache.hf.runner import chunk_spans, generate, replay, serve
 from mmcache.hf.llava import LlavaPrefill
@@ -41,17 +42,11 @@ def text_config():
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory):
-    torch.manual_seed(0)
-    built = {"llama": LlamaForCausalLM(text_config()),
-             "llava": LlavaForConditionalGeneration(LlavaConfig(
-                 vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                num_attention_heads=4, patch_size=8, image_size=PX),
-                 text_config=text_config(), image_token_id=IMAGE_TOKEN))}
-    out = {}
-    for name, model in built.items():
-        out[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(out[name])
-    return out
+    llava = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, patch_size=8, image_size=PX),
+                        text_config=text_config(), image_token_id=IMAGE_TOKEN)
+    return {"llama": save_tiny(tmp_path_factory, "llama", lambda: LlamaForCausalLM(text_config())),
+            "llava": save_tiny(tmp_path_factory, "llava", lambda: LlavaForConditionalGeneration(llava))}
 
 
 _loaded = {}

@@ -12,11 +12,13 @@ import torch
 from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from conftest import save_tiny
 from encoders.base import module_fingerprint
 from encoders.audio import CachedAudioEncoder
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder, SpeakerEncoderConfig
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
+from workloads import fixtures
 
 KINDS = ("audio", "speaker")
 D_MODEL, POSITIONS, SPK_DIM = 32, 400, 24  # Whisper: 8 s chunks -> 800 mel frames -> 400 positions
@@ -44,15 +46,12 @@ def wav(seed: int, seconds=1.0, rate=16000, channels=1, width=2) -> bytes:
 
 @pytest.fixture(scope="session")
 def whisper_dir(tmp_path_factory):
-    torch.manual_seed(0)
     config = WhisperConfig(d_model=D_MODEL, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
                            decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=64, num_mel_bins=80,
                            max_source_positions=POSITIONS, max_target_positions=16, vocab_size=64, pad_token_id=0,
                            bos_token_id=1, eos_token_id=2, decoder_start_token_id=3, begin_suppress_tokens=None)
-    folder = tmp_path_factory.mktemp("whisper")
-    WhisperModel(config).save_pretrained(folder)
-    WhisperFeatureExtractor(feature_size=80, chunk_length=8).save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory, "whisper", lambda: WhisperModel(config),
+                     WhisperFeatureExtractor(feature_size=80, chunk_length=8))
 
 
 @pytest.fixture(scope="session")
@@ -62,14 +61,8 @@ def whisper(whisper_dir):
 
 @pytest.fixture(scope="session")
 def speaker_dir(tmp_path_factory):
-    torch.manual_seed(1)
-    model = SpeakerEncoder(SpeakerEncoderConfig(channels=(48, 48, 48, 48, 96), embedding_dim=SPK_DIM))
-    with torch.no_grad():  # non-trivial BatchNorm statistics, so loading them is exercised
-        for layer in model.frames:
-            layer.norm.running_mean.uniform_(-0.5, 0.5), layer.norm.running_var.uniform_(0.5, 2.0)
-    folder = tmp_path_factory.mktemp("speaker")
-    model.save_pretrained(folder)
-    return folder
+    return fixtures.tiny_speaker_encoder(tmp_path_factory.mktemp("speaker"), channels=(48, 48, 48, 48, 96),
+                                         embedding_dim=SPK_DIM)[1]
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import digests
+from conftest import save_tiny
 from encoders.base import module_fingerprint
 from encoders.text import CachedPromptEncoder
 from encoders.vision import CachedVisionEncoder
@@ -63,24 +64,23 @@ def towers(tmp_path_factory):
     from transformers import (CLIPImageProcessorPil, CLIPVisionModel, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, SiglipImageProcessorPil, SiglipVisionConfig,
                               SiglipVisionModel)
-    torch.manual_seed(0)
     clip_proc = CLIPImageProcessorPil(size={"shortest_edge": PX}, crop_size={"height": PX, "width": PX})
     built = {
-        "clip": (CLIPVisionModel(tiny_clip_config()), clip_proc),
-        "siglip": (SiglipVisionModel(SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                         num_attention_heads=4, patch_size=8, image_size=PX)),
+        "clip": (lambda: CLIPVisionModel(tiny_clip_config()), clip_proc),
+        "siglip": (lambda: SiglipVisionModel(SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                                                num_hidden_layers=2, num_attention_heads=4,
+                                                                patch_size=8, image_size=PX)),
                    SiglipImageProcessorPil(size={"height": PX, "width": PX})),
-        "llava": (LlavaForConditionalGeneration(LlavaConfig(
+        "llava": (lambda: LlavaForConditionalGeneration(LlavaConfig(
             vision_config=tiny_clip_config(), image_token_id=99,
             text_config=LlamaConfig(vocab_size=100, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2))), clip_proc),
     }
+    classes = {"clip": CLIPVisionModel, "siglip": SiglipVisionModel, "llava": LlavaForConditionalGeneration}
     loaded = {}
-    for name, (model, proc) in built.items():
-        folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folder)
-        proc.save_pretrained(folder)
-        model = type(model).from_pretrained(folder).eval()
+    for name, (build, proc) in built.items():
+        folder = save_tiny(tmp_path_factory, name, build, proc)
+        model = classes[name].from_pretrained(folder).eval()
         hooked = (model.model.vision_tower, model.model.multi_modal_projector) if name == "llava" else (model,)
         loaded[name] = model, type(proc).from_pretrained(folder), hooked
     return loaded
@@ -220,8 +220,10 @@ def test_wrong_shaped_output_is_refused_and_stored_entries_stay(towers):
 
 def test_fingerprint_names_the_weights_not_the_object(tmp_path):
     from transformers import CLIPVisionModel
-    torch.manual_seed(1)
-    a = CLIPVisionModel(tiny_clip_config())
+    from workloads import fixtures
+
+    with fixtures.seeded(1):
+        a = CLIPVisionModel(tiny_clip_config())
     a.save_pretrained(tmp_path)
     again, fingerprint = CLIPVisionModel.from_pretrained(tmp_path), module_fingerprint(a)
     assert module_fingerprint(again) == fingerprint

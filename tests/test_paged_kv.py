@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig
 
+from conftest import save_tiny
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from mmcache.hf.runner import chunk_spans, replay, serve
 from mmcache import Fingerprint, PagePool, PrefixCache
@@ -20,12 +21,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
-    folder = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(folder)
-    return folder
+    return save_tiny(tmp_path_factory, "llama", lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)))
 
 
 @pytest.fixture(scope="session")
