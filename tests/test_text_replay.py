@@ -10,7 +10,7 @@ from mmcache.errors import TraceError
 from workloads.registry import embedded_slice
 from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
 from workloads.sizing.ordering import schedule
-from workloads.sizing.replay import ServiceModel, pool_pages_for, replay
+from workloads.sizing.replay import ServiceModel, pool_pages_for, replay_trace
 from workloads.traces.text_trace import CallInfo
 
 P = BLOCK_TOKENS
@@ -105,7 +105,7 @@ def test_replay_counts_expected_hits(tmp_path, order):
         row(200_000, 3 * P, [1, 2, 3]),       # all 3 blocks indexed, but the last token is always computed: 2 pages
     ])
     trace = load_mooncake(path)
-    run = replay(trace, page_size=P, pool_tokens=None, order=order, in_flight=1)
+    run = replay_trace(trace, page_size=P, pool_tokens=None, order=order, in_flight=1)
     assert (run.requests, run.prompt_tokens, run.hit_tokens) == (3, 9 * P + 64, 4 * P)
     assert run.evicted_pages == run.stalls == run.failed == 0
 
@@ -113,12 +113,12 @@ def test_replay_counts_expected_hits(tmp_path, order):
 def test_replay_rejects_other_page_size_for_mooncake(tmp_path):
     trace = load_mooncake(write_lines(tmp_path, [row(0, 10, [1])]))
     with pytest.raises(ValueError, match="512"):
-        replay(trace, page_size=128, pool_tokens=None)
+        replay_trace(trace, page_size=128, pool_tokens=None)
 
 
 def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
     path = write_lines(tmp_path, [row(0, 3 * P, [1, 2, 3], n_out=0), row(1, P, [1], n_out=0)])
-    run = replay(load_mooncake(path), page_size=P, pool_tokens=2 * P, order="round-robin", in_flight=2)
+    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=2 * P, order="round-robin", in_flight=2)
     assert run.failed == 1 and run.requests == 2 and run.prompt_tokens == 4 * P and run.hit_tokens == 0
 
 
@@ -126,7 +126,7 @@ def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
 def test_request_waits_for_live_ones_when_pool_is_full(tmp_path, order):
     # Two concurrent 2-page requests in a 3-page pool: the second waits for the first (one stall), then fits.
     path = write_lines(tmp_path, [row(0, 1000, [1, 2], n_out=10), row(0, 1000, [3, 4], n_out=10)])
-    run = replay(load_mooncake(path), page_size=P, pool_tokens=3 * P, order=order, in_flight=2)
+    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=3 * P, order=order, in_flight=2)
     assert run.stalls == 1 and run.failed == 0 and run.requests == 2
 
 
@@ -144,14 +144,14 @@ def test_unbounded_pool_fits_every_request_at_once(tmp_path):
 def test_real_mooncake_ceiling_and_small_pool(data_dir):
     trace = load_mooncake(data_dir / "mooncake" / "conversation_trace.jsonl", limit=1500)
     assert trace.malformed == 0
-    inf = replay(trace, page_size=P, pool_tokens=None, order="timestamp")
-    again = replay(trace, page_size=P, pool_tokens=None, order="timestamp")
+    inf = replay_trace(trace, page_size=P, pool_tokens=None, order="timestamp")
+    again = replay_trace(trace, page_size=P, pool_tokens=None, order="timestamp")
     assert inf.hit_tokens == again.hit_tokens > 0 and inf.evicted_pages == 0
     k = 4
-    ceiling = replay(trace, page_size=P, pool_tokens=None, order="round-robin", in_flight=k)
+    ceiling = replay_trace(trace, page_size=P, pool_tokens=None, order="round-robin", in_flight=k)
     biggest = max(c.prompt_len + c.output_len for s in trace.sessions for c in s.calls)
     pool = k * math.ceil(biggest / P) * P                      # holds K live contexts
-    small = replay(trace, page_size=P, pool_tokens=pool, order="round-robin", in_flight=k)
+    small = replay_trace(trace, page_size=P, pool_tokens=pool, order="round-robin", in_flight=k)
     assert small.stalls == 0 and small.failed == 0 and small.evicted_pages > 0
     assert 0 < small.hit_tokens <= ceiling.hit_tokens
 
@@ -181,11 +181,11 @@ def test_real_swe_agent_tokenized_once_and_consistent(data_dir):
 
 def test_real_swe_agent_replay(data_dir):
     trace = _swe_agent(data_dir, 3)
-    ceiling = replay(trace, page_size=128, pool_tokens=None, order="round-robin", in_flight=2)
+    ceiling = replay_trace(trace, page_size=128, pool_tokens=None, order="round-robin", in_flight=2)
     assert ceiling.hit_rate > 0.8  # agents re-send their whole history
-    small = replay(trace, page_size=128, pool_tokens=64 * 1024, order="round-robin", in_flight=2)
+    small = replay_trace(trace, page_size=128, pool_tokens=64 * 1024, order="round-robin", in_flight=2)
     assert small.hit_tokens <= ceiling.hit_tokens
-    ts = replay(trace, page_size=128, pool_tokens=None, order="timestamp")
+    ts = replay_trace(trace, page_size=128, pool_tokens=None, order="timestamp")
     assert ts.hit_tokens > 0 and ts.requests == ceiling.requests
 
 

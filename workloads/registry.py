@@ -33,7 +33,7 @@ DATA_ENV = "MMCACHE_DATA"
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class TraceWorkload:
     name: str
     kind: str                  # "mooncake" or "swe-agent" (text replays)
     data_path: str             # relative to the shared data folder
@@ -41,10 +41,10 @@ class Workload:
     aliases: tuple[str, ...] = ()
 
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("mooncake", "mooncake", "mooncake/conversation_trace.jsonl",
+WORKLOADS: dict[str, TraceWorkload] = {w.name: w for w in (
+    TraceWorkload("mooncake", "mooncake", "mooncake/conversation_trace.jsonl",
              "Mooncake FAST'25 conversation trace (12,031 requests, 512-token blocks)"),
-    Workload("agent", "swe-agent", "mini-swe-agent/trajs",
+    TraceWorkload("agent", "swe-agent", "mini-swe-agent/trajs",
              "mini-swe-agent SWE-bench trajectories (real agent text, tokenized)", ("swe-agent", "mini-swe-agent")),
 )}
 _BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}

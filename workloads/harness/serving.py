@@ -169,7 +169,7 @@ class Schedule:
         return requests, None
 
 
-def replay(workload_factory: Callable[[], Workload], schedule: Schedule, cached: bool, *,
+def serve_run(workload_factory: Callable[[], Workload], schedule: Schedule, cached: bool, *,
            observer: Observer | None = None, progress: bool = False) -> RunResult:
     """Serve every request of a fresh ``workload_factory()`` on ``schedule``, its caches on when ``cached``.
 
@@ -217,5 +217,5 @@ def replay(workload_factory: Callable[[], Workload], schedule: Schedule, cached:
 def compare(workload_factory: Callable[[], Workload], schedule: Schedule, *, observer: Observer | None = None,
             progress: bool = False) -> tuple[RunResult, RunResult]:
     """``(off, on)``: the cache off, then on, each with a fresh workload and the same ``schedule``."""
-    off = replay(workload_factory, schedule, False, observer=observer, progress=progress)
-    return off, replay(workload_factory, schedule, True, observer=observer, progress=progress)
+    off = serve_run(workload_factory, schedule, False, observer=observer, progress=progress)
+    return off, serve_run(workload_factory, schedule, True, observer=observer, progress=progress)

@@ -178,7 +178,7 @@ class _Replayer:
             self.finish_earliest()
 
 
-def replay(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
+def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
            in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False) -> ReplayRun:
     """Replay every call of ``trace`` through a fresh cache of ``pool_tokens`` (None: unbounded)."""
     if trace.page_size is not None and page_size != trace.page_size:
