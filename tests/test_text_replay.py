@@ -2,12 +2,14 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 
 from mmcache.errors import TraceError
 from workloads.registry import embedded_slice
+from workloads.traces.jsonl import load_jsonl
 from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
 from workloads.sizing.ordering import schedule
 from workloads.sizing.replay import ServiceModel, pool_pages_for, replay_trace
@@ -27,23 +29,33 @@ def write_lines(tmp_path, lines, name="trace.jsonl"):
 
 
 # ----------------------------------------------------------------------------------------------- Mooncake loader
-def test_mooncake_skips_malformed_lines_with_file_and_line(tmp_path):
-    path = write_lines(tmp_path, [
-        row(0, 1000, [1, 2]),
-        "{not json",
-        json.dumps({"timestamp": 5, "input_length": 10, "hash_ids": [1]}),  # no output_length
-        row(10, 1025, [1, 2]),                                              # needs 3 ids
-        "",                                                                 # blank: ignored, not an error
-        row(20, 512, [7]),
-    ])
-    trace = load_mooncake(path)
-    assert [s.name for s in trace.sessions] == ["mc-1", "mc-6"]
-    assert trace.malformed == 3
-    assert [e.line for e in trace.errors] == [2, 3, 4]
-    assert all(e.path == str(path) for e in trace.errors)
-    assert str(trace.errors[0]).startswith(f"{path}:2:") and "JSON" in str(trace.errors[0])
-    assert "output_length" in str(trace.errors[1])
-    assert "hash_ids" in str(trace.errors[2])
+@pytest.mark.parametrize("bad, reason", [
+    ("{not json", "not JSON"),
+    (json.dumps({"timestamp": 5, "input_length": 10, "hash_ids": [1]}), "output_length"),
+    (row(10, 1025, [1, 2]), "hash_ids"),                      # needs 3 ids
+    (row(-1, 512, [7]), "timestamp must be a finite number >= 0"),
+    (row(0, 512, [-7]), "hash_ids must be in [0, 2**63)"),
+    (row(0, 512, [1 << 63]), "hash_ids must be in [0, 2**63)"),
+    ("[1, 2]", "not a JSON object"),
+])
+def test_mooncake_malformed_line_raises_with_file_and_line(tmp_path, bad, reason):
+    path = write_lines(tmp_path, [row(0, 1000, [1, 2]), "", bad, row(20, 512, [7])])  # blank lines are not errors
+    with pytest.raises(TraceError, match=re.escape(reason)) as e:
+        load_mooncake(path)
+    assert e.value.path == str(path) and e.value.line == 3 and str(e.value).startswith(f"{path}:3: ")
+
+
+def test_jsonl_reader_policy(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n   \n{"a": 2}\n\xff\xfe\n')
+    assert load_jsonl(path, lambda v, n: (n, v["a"]), limit=2) == [(1, 1), (4, 2)]  # the bad line is never read
+    with pytest.raises(TraceError, match=r"x\.jsonl:5: not UTF-8"):
+        load_jsonl(path, lambda v, n: v)
+    with pytest.raises(TraceError, match=r"x\.jsonl:4: KeyError"):
+        load_jsonl(path, lambda v, n: v["b"] if n == 4 else v)
+    assert load_jsonl(path, lambda v, n: v, limit=0) == []
+    with pytest.raises(TraceError, match="not a file"):
+        load_jsonl(tmp_path, lambda v, n: v)
 
 
 def test_mooncake_missing_file_raises(tmp_path):
@@ -70,9 +82,9 @@ def test_embedded_slice_loads():
     assert trace.prompt_tokens > 0
 
 
-def test_mooncake_limit_counts_valid_requests(tmp_path):
-    path = write_lines(tmp_path, ["oops", row(0, 10, [1]), row(0, 10, [1]), row(0, 10, [1])])
-    assert load_mooncake(path, limit=2).num_requests == 2
+def test_mooncake_limit_stops_reading(tmp_path):
+    path = write_lines(tmp_path, [row(0, 10, [1]), "", row(0, 10, [1]), "oops"])
+    assert [s.name for s in load_mooncake(path, limit=2).sessions] == ["mc-1", "mc-3"]
 
 
 # ----------------------------------------------------------------------------------------------- ordering
