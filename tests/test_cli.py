@@ -104,7 +104,9 @@ def test_named_workload_resolves_through_data_env(tmp_path, monkeypatch, capsys)
     assert "conversation_trace.jsonl: 40 requests" in capsys.readouterr().out
     monkeypatch.setenv("MMCACHE_DATA", str(tmp_path / "elsewhere"))
     assert main(["replay", "agent", "--no-progress"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"no data for workload 'agent': looked for {tmp_path / 'elsewhere' / 'mini-swe-agent' / 'trajs'}" in err
+    assert "from $MMCACHE_DATA" in err and "no --data PATH" in err and "../shared/data" in err
 
 
 def test_subprocess_module_entry_point(tmp_path):

@@ -58,7 +58,7 @@ def test_html_is_self_contained_and_every_plot_is_a_real_png(report):
     assert "<script" not in page and not re.search(r'(?:src|href)="(?!data:)', page)
     assert "prefix hit rate (tokens)" in page and "s2t0" in page
     pngs = DATA_PNG.findall(page)
-    assert len(pngs) == 8  # hit rate, occupancy, savings + CDFs of TTFT, ITL, TTFA, E2E, queueing
+    assert len(pngs) == 9  # hit rate, occupancy, savings + CDFs of TTFT, ITL, TTFA, E2E, queueing, service
     for b64 in pngs:
         _assert_nonuniform_png(base64.b64decode(b64, validate=True))
 
