@@ -140,4 +140,5 @@ def test_quiet_third_party_progress(monkeypatch):
         quiet_third_party()
         assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and not tlog.is_progress_bar_enabled()
     finally:
+        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
         tlog.enable_progress_bar()
