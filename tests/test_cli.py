@@ -74,13 +74,10 @@ def test_replay_default_embedded_slice(capsys):
     assert "mooncake_slice.jsonl" in out and "300 requests" in out
 
 
-def test_malformed_lines_warn_with_file_and_line(tmp_path, capsys):
+def test_malformed_line_is_an_error_with_file_and_line(tmp_path, capsys):
     trace = mooncake_file(tmp_path, bad_lines=["{oops", '{"timestamp": 1}'])
-    out = tmp_path / "out.json"
-    assert main(["replay", str(trace), "--pool-tokens", "inf", "--json", str(out), "--no-progress"]) == 0
-    err = capsys.readouterr().err
-    assert "skipped 2 malformed" in err and f"{trace}:4:" in err and f"{trace}:5:" in err
-    assert json.loads(out.read_text())["malformed_lines"] == 2
+    assert main(["replay", str(trace), "--pool-tokens", "inf", "--no-progress"]) == 2
+    assert f"mmcache: error: {trace}:4: not JSON" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -107,7 +104,9 @@ def test_named_workload_resolves_through_data_env(tmp_path, monkeypatch, capsys)
     assert "conversation_trace.jsonl: 40 requests" in capsys.readouterr().out
     monkeypatch.setenv("MMCACHE_DATA", str(tmp_path / "elsewhere"))
     assert main(["replay", "agent", "--no-progress"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"no data for workload 'agent': looked for {tmp_path / 'elsewhere' / 'mini-swe-agent' / 'trajs'}" in err
+    assert "from $MMCACHE_DATA" in err and "no --data PATH" in err and "../shared/data" in err
 
 
 def test_subprocess_module_entry_point(tmp_path):

@@ -72,7 +72,8 @@ def test_unreadable_model_folder(tmp_path, capsys):
 def test_data_flag_resolves_the_shared_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MMCACHE_DATA", str(tmp_path))
     assert main(["replay", "vlm-chat", "--data", "--no-progress"]) == 2
-    assert f"expects {tmp_path / 'mmmu'}" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the same message as for trace workloads, naming the place looked
+    assert f"no data for workload 'vlm-chat': looked for {tmp_path / 'mmmu'}" in err and "from $MMCACHE_DATA" in err
     (tmp_path / "mmmu").mkdir()
     (tmp_path / "mmmu" / "mmmu_pro_tool_sample_questions.jsonl").write_text('{"question": 1}\n')
     assert main(["replay", "vlm-chat", "--data", str(tmp_path), "--no-progress"]) == 2

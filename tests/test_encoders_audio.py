@@ -15,7 +15,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from conftest import save_tiny
 from encoders.base import module_fingerprint
 from encoders.audio import CachedAudioEncoder
-from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder, SpeakerEncoderConfig
+from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
 from workloads import fixtures

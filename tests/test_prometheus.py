@@ -8,22 +8,18 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_serving import make_media, tiny_factory, tiny_model
 from workloads.harness.prometheus import Exporter
 from workloads.harness.serving import Schedule, compare
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "workloads" / "harness" / "grafana" / "mmcache_dashboard.json"
 
-model = pytest.fixture(scope="module", name="model")(tiny_model)
-
-
 @pytest.fixture(scope="module")
-def scraped(model, tmp_path_factory):
+def scraped(tiny_chat, tmp_path_factory):
     """Both runs of a replay observed by an exporter on a free loopback port, then one scrape over HTTP."""
     exporter = Exporter()
     port = exporter.serve(0)
     try:
-        factory = tiny_factory(model, make_media(tmp_path_factory.mktemp("media")), pool_pages=40,
+        factory = tiny_chat.factory(pool_pages=40,
                                missing=frozenset({"s1t0"}))
         off, on = compare(factory, Schedule(), observer=exporter)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from test_serving import make_media, tiny_factory, tiny_model
 from workloads.harness.metrics import SLO, summarize, summary_rows
 from workloads.harness.report import savings, write_report
 from workloads.harness.serving import Schedule, compare
@@ -19,13 +18,10 @@ CHROMIUM = Path("/usr/bin/chromium")
 DATA_PNG = re.compile(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 SLO_ = SLO(ttft_s=0.05, ttfa_s=0.1)
 
-model = pytest.fixture(scope="module", name="model")(tiny_model)
-
-
 @pytest.fixture(scope="module")
-def report(model, tmp_path_factory):
+def report(tiny_chat, tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
-    off, on = compare(tiny_factory(model, make_media(root), pool_pages=40, missing=frozenset({"s2t0"})),
+    off, on = compare(tiny_chat.factory(pool_pages=40, missing=frozenset({"s2t0"})),
                       Schedule())  # turns interleave across sessions: the small pool evicts live contexts
     html_path, json_path = write_report(off, on, root / "report.html", root / "report.json", SLO_)
     return off, on, html_path, json_path
@@ -62,7 +58,7 @@ def test_html_is_self_contained_and_every_plot_is_a_real_png(report):
     assert "<script" not in page and not re.search(r'(?:src|href)="(?!data:)', page)
     assert "prefix hit rate (tokens)" in page and "s2t0" in page
     pngs = DATA_PNG.findall(page)
-    assert len(pngs) == 8  # hit rate, occupancy, savings + CDFs of TTFT, ITL, TTFA, E2E, queueing
+    assert len(pngs) == 9  # hit rate, occupancy, savings + CDFs of TTFT, ITL, TTFA, E2E, queueing, service
     for b64 in pngs:
         _assert_nonuniform_png(base64.b64decode(b64, validate=True))
 

@@ -2,15 +2,17 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 
 from mmcache.errors import TraceError
 from workloads.registry import embedded_slice
+from workloads.traces.jsonl import load_jsonl
 from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
 from workloads.sizing.ordering import schedule
-from workloads.sizing.replay import ServiceModel, pool_pages_for, replay
+from workloads.sizing.replay import ServiceModel, pool_pages_for, replay_trace
 from workloads.traces.text_trace import CallInfo
 
 P = BLOCK_TOKENS
@@ -27,23 +29,33 @@ def write_lines(tmp_path, lines, name="trace.jsonl"):
 
 
 # ----------------------------------------------------------------------------------------------- Mooncake loader
-def test_mooncake_skips_malformed_lines_with_file_and_line(tmp_path):
-    path = write_lines(tmp_path, [
-        row(0, 1000, [1, 2]),
-        "{not json",
-        json.dumps({"timestamp": 5, "input_length": 10, "hash_ids": [1]}),  # no output_length
-        row(10, 1025, [1, 2]),                                              # needs 3 ids
-        "",                                                                 # blank: ignored, not an error
-        row(20, 512, [7]),
-    ])
-    trace = load_mooncake(path)
-    assert [s.name for s in trace.sessions] == ["mc-1", "mc-6"]
-    assert trace.malformed == 3
-    assert [e.line for e in trace.errors] == [2, 3, 4]
-    assert all(e.path == str(path) for e in trace.errors)
-    assert str(trace.errors[0]).startswith(f"{path}:2:") and "JSON" in str(trace.errors[0])
-    assert "output_length" in str(trace.errors[1])
-    assert "hash_ids" in str(trace.errors[2])
+@pytest.mark.parametrize("bad, reason", [
+    ("{not json", "not JSON"),
+    (json.dumps({"timestamp": 5, "input_length": 10, "hash_ids": [1]}), "output_length"),
+    (row(10, 1025, [1, 2]), "hash_ids"),                      # needs 3 ids
+    (row(-1, 512, [7]), "timestamp must be a finite number >= 0"),
+    (row(0, 512, [-7]), "hash_ids must be in [0, 2**63)"),
+    (row(0, 512, [1 << 63]), "hash_ids must be in [0, 2**63)"),
+    ("[1, 2]", "not a JSON object"),
+])
+def test_mooncake_malformed_line_raises_with_file_and_line(tmp_path, bad, reason):
+    path = write_lines(tmp_path, [row(0, 1000, [1, 2]), "", bad, row(20, 512, [7])])  # blank lines are not errors
+    with pytest.raises(TraceError, match=re.escape(reason)) as e:
+        load_mooncake(path)
+    assert e.value.path == str(path) and e.value.line == 3 and str(e.value).startswith(f"{path}:3: ")
+
+
+def test_jsonl_reader_policy(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n   \n{"a": 2}\n\xff\xfe\n')
+    assert load_jsonl(path, lambda v, n: (n, v["a"]), limit=2) == [(1, 1), (4, 2)]  # the bad line is never read
+    with pytest.raises(TraceError, match=r"x\.jsonl:5: not UTF-8"):
+        load_jsonl(path, lambda v, n: v)
+    with pytest.raises(TraceError, match=r"x\.jsonl:4: KeyError"):
+        load_jsonl(path, lambda v, n: v["b"] if n == 4 else v)
+    assert load_jsonl(path, lambda v, n: v, limit=0) == []
+    with pytest.raises(TraceError, match="not a file"):
+        load_jsonl(tmp_path, lambda v, n: v)
 
 
 def test_mooncake_missing_file_raises(tmp_path):
@@ -70,9 +82,9 @@ def test_embedded_slice_loads():
     assert trace.prompt_tokens > 0
 
 
-def test_mooncake_limit_counts_valid_requests(tmp_path):
-    path = write_lines(tmp_path, ["oops", row(0, 10, [1]), row(0, 10, [1]), row(0, 10, [1])])
-    assert load_mooncake(path, limit=2).num_requests == 2
+def test_mooncake_limit_stops_reading(tmp_path):
+    path = write_lines(tmp_path, [row(0, 10, [1]), "", row(0, 10, [1]), "oops"])
+    assert [s.name for s in load_mooncake(path, limit=2).sessions] == ["mc-1", "mc-3"]
 
 
 # ----------------------------------------------------------------------------------------------- ordering
@@ -105,7 +117,7 @@ def test_replay_counts_expected_hits(tmp_path, order):
         row(200_000, 3 * P, [1, 2, 3]),       # all 3 blocks indexed, but the last token is always computed: 2 pages
     ])
     trace = load_mooncake(path)
-    run = replay(trace, page_size=P, pool_tokens=None, order=order, in_flight=1)
+    run = replay_trace(trace, page_size=P, pool_tokens=None, order=order, in_flight=1)
     assert (run.requests, run.prompt_tokens, run.hit_tokens) == (3, 9 * P + 64, 4 * P)
     assert run.evicted_pages == run.stalls == run.failed == 0
 
@@ -113,12 +125,12 @@ def test_replay_counts_expected_hits(tmp_path, order):
 def test_replay_rejects_other_page_size_for_mooncake(tmp_path):
     trace = load_mooncake(write_lines(tmp_path, [row(0, 10, [1])]))
     with pytest.raises(ValueError, match="512"):
-        replay(trace, page_size=128, pool_tokens=None)
+        replay_trace(trace, page_size=128, pool_tokens=None)
 
 
 def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
     path = write_lines(tmp_path, [row(0, 3 * P, [1, 2, 3], n_out=0), row(1, P, [1], n_out=0)])
-    run = replay(load_mooncake(path), page_size=P, pool_tokens=2 * P, order="round-robin", in_flight=2)
+    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=2 * P, order="round-robin", in_flight=2)
     assert run.failed == 1 and run.requests == 2 and run.prompt_tokens == 4 * P and run.hit_tokens == 0
 
 
@@ -126,7 +138,7 @@ def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
 def test_request_waits_for_live_ones_when_pool_is_full(tmp_path, order):
     # Two concurrent 2-page requests in a 3-page pool: the second waits for the first (one stall), then fits.
     path = write_lines(tmp_path, [row(0, 1000, [1, 2], n_out=10), row(0, 1000, [3, 4], n_out=10)])
-    run = replay(load_mooncake(path), page_size=P, pool_tokens=3 * P, order=order, in_flight=2)
+    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=3 * P, order=order, in_flight=2)
     assert run.stalls == 1 and run.failed == 0 and run.requests == 2
 
 
@@ -144,14 +156,14 @@ def test_unbounded_pool_fits_every_request_at_once(tmp_path):
 def test_real_mooncake_ceiling_and_small_pool(data_dir):
     trace = load_mooncake(data_dir / "mooncake" / "conversation_trace.jsonl", limit=1500)
     assert trace.malformed == 0
-    inf = replay(trace, page_size=P, pool_tokens=None, order="timestamp")
-    again = replay(trace, page_size=P, pool_tokens=None, order="timestamp")
+    inf = replay_trace(trace, page_size=P, pool_tokens=None, order="timestamp")
+    again = replay_trace(trace, page_size=P, pool_tokens=None, order="timestamp")
     assert inf.hit_tokens == again.hit_tokens > 0 and inf.evicted_pages == 0
     k = 4
-    ceiling = replay(trace, page_size=P, pool_tokens=None, order="round-robin", in_flight=k)
+    ceiling = replay_trace(trace, page_size=P, pool_tokens=None, order="round-robin", in_flight=k)
     biggest = max(c.prompt_len + c.output_len for s in trace.sessions for c in s.calls)
     pool = k * math.ceil(biggest / P) * P                      # holds K live contexts
-    small = replay(trace, page_size=P, pool_tokens=pool, order="round-robin", in_flight=k)
+    small = replay_trace(trace, page_size=P, pool_tokens=pool, order="round-robin", in_flight=k)
     assert small.stalls == 0 and small.failed == 0 and small.evicted_pages > 0
     assert 0 < small.hit_tokens <= ceiling.hit_tokens
 
@@ -181,11 +193,11 @@ def test_real_swe_agent_tokenized_once_and_consistent(data_dir):
 
 def test_real_swe_agent_replay(data_dir):
     trace = _swe_agent(data_dir, 3)
-    ceiling = replay(trace, page_size=128, pool_tokens=None, order="round-robin", in_flight=2)
+    ceiling = replay_trace(trace, page_size=128, pool_tokens=None, order="round-robin", in_flight=2)
     assert ceiling.hit_rate > 0.8  # agents re-send their whole history
-    small = replay(trace, page_size=128, pool_tokens=64 * 1024, order="round-robin", in_flight=2)
+    small = replay_trace(trace, page_size=128, pool_tokens=64 * 1024, order="round-robin", in_flight=2)
     assert small.hit_tokens <= ceiling.hit_tokens
-    ts = replay(trace, page_size=128, pool_tokens=None, order="timestamp")
+    ts = replay_trace(trace, page_size=128, pool_tokens=None, order="timestamp")
     assert ts.hit_tokens > 0 and ts.requests == ceiling.requests
 
 

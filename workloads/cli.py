@@ -1,14 +1,17 @@
 """The ``mmcache`` command line.
 
-    mmcache replay [TARGET] [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
+    mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai|sharegpt] [--tokenizer PATH]
+                   [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
-                   [--metrics-port PORT] [--page-size P] [--max-new-tokens N] [--pool-pages N] [--encoder-bytes SIZE]
+                   [--metrics-port PORT] [--metrics-linger S] [--page-size P] [--max-new-tokens N] [--pool-pages N]
+                   [--encoder-bytes SIZE]
 
 Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.registry``), a Mooncake
-JSONL file, or a folder of mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a
-metadata-only prefix cache at several pool sizes, no model involved.
+JSONL file, an OpenAI-style chat JSONL or ShareGPT JSON file (tokenized with ``--tokenizer``), or a folder of
+mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a metadata-only prefix cache
+at several pool sizes, no model involved.
 
 Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
 ``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
@@ -16,7 +19,9 @@ both runs side by side (latencies, goodput at the SLO, hit rates against their c
 ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or ../shared/data.
 
 ``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
-``mmcache: error: ...``).
+``mmcache: error: ...``). Output paths are checked before anything runs. Only argparse, the registry and a few
+torch-free modules are imported at start, so ``mmcache --help`` stays fast; the cache, torch and the model libraries
+are imported when a replay runs.
 """
 
 from __future__ import annotations
@@ -28,29 +33,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from mmcache.errors import MmcacheError, TraceError
-
 from workloads import registry
-
-from workloads.models import mixed
-from workloads.harness.metrics import SLO, summary_table
 from workloads.options import ModelWorkloadOptions
-from workloads.sizing.ordering import ORDERS
-from workloads.harness.prometheus import Exporter
-from workloads.harness.report import report_json, write_report
-from workloads.harness.serving import Schedule, compare
 from workloads.sizes import parse_size, parse_sizes
-from workloads.sizing.sweep import format_table, run_sweep, sweep_json
-from workloads.sizing.replay import ServiceModel
+from workloads.sizing.ordering import ORDERS
+from workloads.sizing.service import ServiceModel
 
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
-TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot")
-MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "max_new_tokens",
-              "pool_pages", "encoder_bytes")
+TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer")
+MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "metrics_linger",
+              "max_new_tokens", "pool_pages", "encoder_bytes")
+BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
 
 
 def _sizes(text: str) -> list[int | None]:
@@ -60,13 +55,37 @@ def _sizes(text: str) -> list[int | None]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _count(text: str) -> int:
+def _positive(text: str) -> int:
+    """A count of requests or sessions: a positive integer."""
     try:
-        value = parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value is None:
-        raise argparse.ArgumentTypeError("must be finite")
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number of requests/sessions, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of requests/sessions, got {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """A finite size in bytes, with binary units."""
+    s = str(text).strip()
+    try:
+        value = parse_size(s[:-1] if s[-1:] in "bB" and s[-2:-1].isalpha() else s) if s else None
+    except ValueError:
+        value = -1
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}; it must be finite and positive, with "
+                                         f"units {BYTE_UNITS}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -74,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
                                      "serving: measure it on real traces.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    names = ", ".join(sorted(registry.WORKLOADS))
+    names = ", ".join(sorted(registry.TRACE_WORKLOADS))
     models = ", ".join(registry.MODEL_WORKLOADS)
     defaults = ModelWorkloadOptions()
     epilog = "model workloads:\n" + "\n".join(f"  {w.name:15} {w.description}"
@@ -86,11 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "ceiling; or serve a model workload with the cache off,\nthen on, on the same schedule and "
                         "compare what users would see.")
     rp.add_argument("target", nargs="?", metavar="TARGET",
-                    help=f"text workload name ({names}), Mooncake JSONL file, or folder of mini-swe-agent "
-                    f"trajectories (default: the embedded Mooncake slice); or a model workload ({models})")
+                    help=f"text workload name ({names}), a trace file (Mooncake JSONL, OpenAI chat JSONL, ShareGPT "
+                    f"JSON) or a folder of mini-swe-agent trajectories (default: the embedded Mooncake slice); or a "
+                    f"model workload ({models})")
     rp.add_argument("--data", metavar="PATH", nargs="?", const="",
                     help=f"shared data folder for workload names (default: ${registry.DATA_ENV}, else "
                     "../shared/data); a model workload runs its embedded default unless --data is given")
+    rp.add_argument("--format", choices=registry.FORMATS, default="auto",
+                    help="format of a TARGET file or folder (default auto: a folder is mini-swe-agent trajectories; "
+                    "a file is told from its first line: a JSON list is ShareGPT, {\"messages\": ...} lines are "
+                    "OpenAI chat, anything else Mooncake)")
+    rp.add_argument("--tokenizer", metavar="PATH",
+                    help="tokenizer of agent and chat traces: a tokenizer.json, a Hugging Face tokenizer folder, or a "
+                    "SentencePiece model (default: the Mistral v3 SentencePiece model shipped in mistral_common)")
     rp.add_argument("--page-size", type=int, metavar="P",
                     help=f"tokens per page (Mooncake: 512, fixed by its block ids; text: {TEXT_PAGE_SIZE}; "
                     f"model workloads: {defaults.page_size})")
@@ -101,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timestamp: the trace's own arrival times; round-robin: K sessions interleaved")
     rp.add_argument("--in-flight", type=int, default=8, metavar="K",
                     help="live sessions/requests in round-robin order (default 8)")
-    rp.add_argument("--limit", type=_count, metavar="N",
+    rp.add_argument("--limit", type=_positive, metavar="N",
                     help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
                     "workloads: requests, each with a default cap)")
     rp.add_argument("--prefill-rate", type=float, default=ServiceModel.prefill_tokens_per_s, metavar="TOK_S",
@@ -110,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timestamp order: seconds per output token (default %(default)g)")
     rp.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     rp.add_argument("--plot", type=Path, metavar="OUT.png", help="draw realized reuse vs pool size as a PNG")
-    rp.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    rp.add_argument("--no-progress", action="store_true",
+                    help="no progress bars on stderr, ours or the model libraries' (also off when stderr is not a "
+                    "terminal)")
     mg = rp.add_argument_group("model workload options")
     mg.add_argument("--model", type=Path, metavar="PATH",
                     help="a local model folder (save_pretrained layout) instead of the tiny model built from config")
@@ -124,13 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write the HTML report (and its JSON next to it unless --json is given)")
     mg.add_argument("--metrics-port", type=int, metavar="PORT",
                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port)")
+    mg.add_argument("--metrics-linger", type=_seconds, metavar="S",
+                    help="with --metrics-port: keep serving the final metrics S seconds after the replay, so a "
+                    "Prometheus server scrapes the end state (Ctrl-C ends it early)")
     mg.add_argument("--max-new-tokens", type=int, metavar="N",
                     help=f"tokens generated per request (default {defaults.max_new_tokens})")
     mg.add_argument("--pool-pages", type=int, metavar="N",
-                    help=f"KV pages in the prefix cache's pool (default {defaults.pool_pages}); size it to the "
-                         f"model: pages x layers x 2 x page size x kv heads x head dim x dtype bytes")
-    mg.add_argument("--encoder-bytes", type=_count, metavar="SIZE",
-                    help=f"bytes of each encoder store, e.g. 256M, 2G (default {defaults.encoder_bytes >> 20}M)")
+                    help=f"KV pages in the prefix cache's pool of the cache-on run (default {defaults.pool_pages}); "
+                    f"size it to the model: pages x layers x 2 x page size x kv heads x head dim x dtype bytes")
+    mg.add_argument("--encoder-bytes", type=_bytes, metavar="SIZE",
+                    help=f"bytes of each encoder store of the cache-on run, e.g. 256M, 2G (default "
+                    f"{defaults.encoder_bytes >> 20}M)")
     return parser
 
 
@@ -143,7 +176,7 @@ def _fail(message: str) -> int:
 def _warn_malformed(trace) -> None:
     if not trace.errors:
         return
-    print(f"warning: skipped {trace.malformed} malformed line(s)/file(s) in {trace.source}:", file=sys.stderr)
+    print(f"warning: skipped {trace.malformed} malformed file(s) in {trace.source}:", file=sys.stderr)
     for e in trace.errors[:_SHOWN_ERRORS]:
         print(f"  {e}", file=sys.stderr)
     if trace.malformed > _SHOWN_ERRORS:
@@ -155,8 +188,35 @@ def _given(args, defaults: dict, dests) -> list[str]:
     return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) != defaults[d]]
 
 
+def output_problem(args) -> str | None:
+    """Why one of the output files (--json, --plot, --html) cannot be written, checked before any work runs."""
+    for flag in ("json", "plot", "html"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            return f"--{flag} {path}: is a folder, not a file"
+        if not folder.is_dir():
+            return f"--{flag} {path}: folder {folder} does not exist"
+        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            return f"--{flag} {path}: permission denied"
+    return None
+
+
+def _progress(args) -> bool:
+    """Progress bars on stderr: on a terminal unless --no-progress; when off, the model libraries' bars go too."""
+    from workloads.harness.progress import quiet_third_party
+    on = not args.no_progress and sys.stderr.isatty()
+    if not on:
+        quiet_third_party()
+    return on
+
+
 def replay_command(args, defaults: dict) -> int:
     """``defaults``: the replay options' defaults, to tell which options were given."""
+    if problem := output_problem(args):
+        return _fail(problem)
     if args.target in registry.MODEL_WORKLOADS:
         if misused := _given(args, defaults, TEXT_ONLY):
             return _fail(f"{', '.join(misused)}: only for trace replays, not for model workload {args.target!r}")
@@ -168,17 +228,22 @@ def replay_command(args, defaults: dict) -> int:
     if args.prefill_rate <= 0 or args.tpot < 0:
         return _fail("--prefill-rate must be > 0 and --tpot >= 0")
     try:
-        kind, path = registry.resolve(args.target, args.data)
+        fmt, path = registry.resolve(args.target, args.data, args.format)
     except registry.UnknownWorkload as e:
         return _fail(str(e))
-    if kind == "mooncake" and args.page_size not in (None, 512):
+    if fmt == "mooncake" and args.page_size not in (None, 512):
         return _fail(f"Mooncake traces fix the page size at 512 (one hash id per 512-token block); "
                      f"got --page-size {args.page_size}")
+    if fmt == "mooncake" and args.tokenizer is not None:
+        return _fail("--tokenizer: Mooncake traces hold block ids, not text")
     if args.page_size is not None and args.page_size < 1:
         return _fail(f"--page-size must be >= 1, got {args.page_size}")
+    progress = _progress(args)
+    from mmcache.errors import TraceError
+    from workloads.sizing.sweep import format_table, run_sweep, sweep_json
     started = time.perf_counter()
     try:
-        trace = registry.load(kind, path, limit=args.limit)
+        trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
     except TraceError as e:
         return _fail(str(e))
     _warn_malformed(trace)
@@ -187,13 +252,14 @@ def replay_command(args, defaults: dict) -> int:
     page_size = args.page_size or trace.page_size or TEXT_PAGE_SIZE
     loaded = time.perf_counter() - started
     in_flight = f", {args.in_flight} in flight" if args.order == "round-robin" else ""
-    print(f"{trace.kind} trace {path}: {trace.num_requests:,} requests in {len(trace.sessions):,} sessions, "
-          f"{trace.prompt_tokens:,} prompt tokens; page size {page_size}, order {args.order}{in_flight} "
-          f"(loaded in {loaded:.1f} s)")
+    n, sessions = trace.num_requests, len(trace.sessions)
+    shape = (f"{n:,} requests, each its own session" if n == sessions
+             else f"{n:,} requests in {sessions:,} sessions")
+    print(f"{trace.kind} trace {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
+          f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
     service = ServiceModel(args.prefill_rate, args.tpot)
     sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                      in_flight=args.in_flight, service=service,
-                      progress=not args.no_progress and sys.stderr.isatty())
+                      in_flight=args.in_flight, service=service, progress=progress)
     print(format_table(sweep))
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
@@ -241,6 +307,10 @@ def model_replay_command(args) -> int:
             return _fail(f"{flag} must be > 0, got {value}")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         return _fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
+    if args.metrics_linger is not None and args.metrics_port is None:
+        return _fail("--metrics-linger: needs --metrics-port (there is no metrics endpoint to keep up)")
+    from workloads.harness.metrics import SLO
+    from workloads.harness.serving import Schedule
     try:
         schedule = Schedule.parse(args.schedule or "trace", seed=args.seed or 0)
     except ValueError as e:
@@ -248,23 +318,38 @@ def model_replay_command(args) -> int:
     if args.model is not None and (problem := _model_folder_problem(args.model)):
         return _fail(f"--model {args.model}: {problem}")
     slo = SLO(ttft_s=args.slo_ttft, ttfa_s=args.slo_ttfa)
-    from transformers.utils import logging as transformers_logging
-    transformers_logging.disable_progress_bar()  # per-shard bars on every load; our own progress line suffices
+    progress = _progress(args)
+    import torch
     threads = torch.get_num_threads()
     if args.model is None:  # tiny models: one intra-op thread is fastest; a spinning pool only adds contention
         torch.set_num_threads(1)
     try:
-        return _serve_model_workload(args, schedule, slo)
+        return _serve_model_workload(args, schedule, slo, progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _serve_model_workload(args, schedule: Schedule, slo: SLO) -> int:
+def _linger(exporter, seconds: float, port: int) -> None:
+    """Keep the metrics endpoint up ``seconds`` after the replay (Ctrl-C ends the wait)."""
+    print(f"serving the final metrics on http://127.0.0.1:{port}/metrics for {seconds:g} s (Ctrl-C to stop)",
+          flush=True)
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass
+
+
+def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
+    from mmcache.errors import MmcacheError
+    from workloads.harness.metrics import failure_lines, summary_table
+    from workloads.harness.report import report_json, write_report
+    from workloads.harness.serving import compare
     name = args.target
     started = time.perf_counter()
     try:
         options = _options(args)
         if name == "mixed":
+            from workloads.models import mixed
             names, missing = mixed.available()
             print(f"mixed: {', '.join(names) or 'no component'}"
                   + "".join(f"\n  skipped {n}: {why}" for n, why in missing.items()))
@@ -278,8 +363,9 @@ def _serve_model_workload(args, schedule: Schedule, slo: SLO) -> int:
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
           f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
-    exporter = None
+    exporter = port = None
     if args.metrics_port is not None:
+        from workloads.harness.prometheus import Exporter
         exporter = Exporter()
         try:
             port = exporter.serve(args.metrics_port)
@@ -287,18 +373,24 @@ def _serve_model_workload(args, schedule: Schedule, slo: SLO) -> int:
             return _fail(f"--metrics-port {args.metrics_port}: {e}")
         print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
     try:
-        off, on = compare(make, schedule, observer=exporter, progress=not args.no_progress and sys.stderr.isatty())
+        off, on = compare(make, schedule, observer=exporter, progress=progress)
+        print(summary_table(off, on, slo))
+        print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
+              f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
+        for line in failure_lines(off, on):
+            print(f"failed: {line}")
+        print(f"total {time.perf_counter() - started:.1f} s")
+        if args.html:
+            paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
+            print("wrote " + " and ".join(map(str, paths)))
+        elif args.json:
+            args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
+            print(f"wrote {args.json}")
+        if exporter is not None and args.metrics_linger:
+            _linger(exporter, args.metrics_linger, port)
     finally:
         if exporter is not None:
             exporter.close()
-    print(summary_table(off, on, slo))
-    print(f"total {time.perf_counter() - started:.1f} s")
-    if args.html:
-        paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
-        print("wrote " + " and ".join(map(str, paths)))
-    elif args.json:
-        args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
     return 0
 
 

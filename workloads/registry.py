@@ -1,19 +1,24 @@
-"""Named workloads and how a replay target (a name, a path, or nothing) becomes a loaded trace.
+"""Every named workload in one table, where each one's data is, and how a replay target becomes a loaded trace.
 
-A target is resolved in this order:
+``WORKLOADS`` holds both kinds, by name and alias:
+- ``TraceWorkload``: a text trace replayed through a metadata-only prefix cache (``mmcache replay mooncake``);
+- ``ModelWorkload``: requests served through real models with the cache off and on
+  (``workloads.harness.serving.compare``). ``factory`` names ``module:function`` (``function(options:
+  ModelWorkloadOptions) -> Callable[[], Workload]``), imported only when the workload runs, so ``mmcache --help``
+  imports no model library and a workload whose dependencies are missing fails alone (``UnknownWorkload`` says why).
+Trace loaders are referenced the same way (``LOADERS``: format -> ``module:function``).
+
+A replay target is resolved in this order:
 1. nothing: the embedded Mooncake slice shipped in ``workloads/data`` (works in any clone, offline);
-2. a registered name (``mooncake``, ``agent`` and its aliases): a file under the shared data folder, which is
-   ``--data``, else ``$MMCACHE_DATA``, else ``../shared/data`` if it exists. Names win over same-named files in the
-   working directory; write ``./agent`` to mean the file;
-3. an existing path: a file is read as Mooncake JSONL, a folder as mini-swe-agent trajectories.
+2. a registered name: its ``data_path`` under the shared data folder (``find_data``). Names win over same-named
+   files in the working directory; write ``./agent`` to mean the file;
+3. an existing path, read in ``--format`` (default: ``chat.detect_format``: a folder is mini-swe-agent trajectories,
+   a file Mooncake JSONL, OpenAI chat JSONL or ShareGPT JSON).
 Anything else is an error naming the known workloads.
 
-Model-backed workloads (``MODEL_WORKLOADS``: ``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``,
-``mooncake-model``, ``mixed``) run real models with the cache off and on (``workloads.harness.serving.compare``). Each names
-the module and function that build it (``factory(options) -> Callable[[], Workload]``), imported only when asked
-for, so a workload whose module or dependencies are missing fails alone, with ``UnknownWorkload`` saying why. Without
-``--data`` a model workload runs its embedded default; with it, ``model_data`` resolves the shared data folder as for
-the text workloads and checks that the workload's data is there.
+The shared data folder (``find_data``), for trace and model workloads alike: ``--data PATH`` if given, else
+``$MMCACHE_DATA`` if set, else ``../shared/data`` (the first given is the only one used); when it lacks the
+workload's data, the error names the path looked for and every source in order. A model workload runs its embedded default unless ``--data`` is given.
 """
 
 from __future__ import annotations
@@ -23,62 +28,66 @@ import importlib
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Callable
-
-from workloads.traces.mooncake import load_mooncake
-from workloads.traces.swe_agent import load_swe_agent
-from workloads.traces.text_trace import TextTrace
 
 DATA_ENV = "MMCACHE_DATA"
+FORMATS = ("auto", "mooncake", "swe-agent", "openai", "sharegpt")
+LOADERS = {  # trace format -> "module:function(path, limit=..., [tokenizer=...]) -> TextTrace"
+    "mooncake": "workloads.traces.mooncake:load_mooncake",
+    "swe-agent": "workloads.traces.swe_agent:load_swe_agent",
+    "openai": "workloads.traces.chat:load_openai_chat",
+    "sharegpt": "workloads.traces.chat:load_sharegpt",
+}
+TOKENIZED = ("swe-agent", "openai", "sharegpt")  # formats with text, read with a tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
-class Workload:
+class TraceWorkload:
     name: str
-    kind: str                  # "mooncake" or "swe-agent" (text replays)
+    format: str                # a key of LOADERS
     data_path: str             # relative to the shared data folder
     description: str
     aliases: tuple[str, ...] = ()
 
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("mooncake", "mooncake", "mooncake/conversation_trace.jsonl",
-             "Mooncake FAST'25 conversation trace (12,031 requests, 512-token blocks)"),
-    Workload("agent", "swe-agent", "mini-swe-agent/trajs",
-             "mini-swe-agent SWE-bench trajectories (real agent text, tokenized)", ("swe-agent", "mini-swe-agent")),
-)}
-_BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}
-
-LOADERS: dict[str, Callable[..., TextTrace]] = {"mooncake": load_mooncake, "swe-agent": load_swe_agent}
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelWorkload:
     name: str
-    module: str                # imported on first use
-    function: str              # ``function(options: ModelWorkloadOptions) -> Callable[[], Workload]``
+    factory: str               # "module:function", imported on first use
     data_path: str             # relative to the shared data folder ("" for the folder itself)
     description: str
+    aliases: tuple[str, ...] = ()
 
 
-MODEL_WORKLOADS: dict[str, ModelWorkload] = {w.name: w for w in (
-    ModelWorkload("vlm-chat", "workloads.models.vlm_chat", "factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
+WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
+    TraceWorkload("mooncake", "mooncake", "mooncake/conversation_trace.jsonl",
+                  "Mooncake FAST'25 conversation trace (12,031 requests, 512-token blocks)"),
+    TraceWorkload("agent", "swe-agent", "mini-swe-agent/trajs",
+                  "mini-swe-agent SWE-bench trajectories (real agent text, tokenized)", ("swe-agent", "mini-swe-agent")),
+    ModelWorkload("vlm-chat", "workloads.models.vlm_chat:factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
                   "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)"),
-    ModelWorkload("image-gen", "workloads.models.image_gen", "factory", "diffusiondb/diffusiondb_5k.jsonl",
+    ModelWorkload("image-gen", "workloads.models.image_gen:factory", "diffusiondb/diffusiondb_5k.jsonl",
                   "text-to-image requests with a shared negative prompt (DiffusionDB prompts)"),
-    ModelWorkload("voice-clone", "workloads.models.voice_clone", "factory", "seedtts/meta.lst",
+    ModelWorkload("voice-clone", "workloads.models.voice_clone:factory", "seedtts/meta.lst",
                   "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)"),
-    ModelWorkload("agent-model", "workloads.models.agent", "factory", "mini-swe-agent/trajs",
+    ModelWorkload("agent-model", "workloads.models.agent:factory", "mini-swe-agent/trajs",
                   "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
-    ModelWorkload("mooncake-model", "workloads.models.agent", "mooncake_factory", "mooncake/conversation_trace.jsonl",
+    ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",
                   "Mooncake conversation trace, scaled to 4 blocks per request (tiny Llama)"),
-    ModelWorkload("mixed", "workloads.models.mixed", "factory", "",
+    ModelWorkload("mixed", "workloads.models.mixed:factory", "",
                   "vlm-chat, agent-model, image-gen and voice-clone interleaved by arrival time"),
 )}
+BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}
+TRACE_WORKLOADS = {n: w for n, w in WORKLOADS.items() if isinstance(w, TraceWorkload)}
+MODEL_WORKLOADS = {n: w for n, w in WORKLOADS.items() if isinstance(w, ModelWorkload)}
 
 
 class UnknownWorkload(ValueError):
     """A target that is neither a registered workload nor an existing path, or a name without its data."""
+
+
+def _import(ref: str):
+    module, _, function = ref.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def embedded_slice() -> Path:
@@ -86,70 +95,74 @@ def embedded_slice() -> Path:
     return Path(str(resources.files("workloads") / "data" / "mooncake_slice.jsonl"))
 
 
-def data_dir(explicit: str | Path | None = None) -> Path | None:
-    """The shared data folder: ``explicit``, else ``$MMCACHE_DATA``, else ``../shared/data`` if present."""
+def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:
+    """The shared data folder and where it came from: ``--data``, else ``$MMCACHE_DATA``, else ``../shared/data``.
+    The first one given is the only one used: data from a folder the user did not name is never picked up."""
     if explicit:
-        return Path(explicit)
+        return Path(explicit), "--data"
     if os.environ.get(DATA_ENV):
-        return Path(os.environ[DATA_ENV])
-    guess = Path.cwd().parent / "shared" / "data"
-    return guess if guess.is_dir() else None
+        return Path(os.environ[DATA_ENV]), f"${DATA_ENV}"
+    return Path.cwd().parent / "shared" / "data", "../shared/data"
 
 
-def resolve(target: str | None, data: str | Path | None = None) -> tuple[str, Path]:
-    """``(kind, path)`` for a replay target; raises ``UnknownWorkload`` with what to do instead."""
+def find_data(name: str, explicit: str | Path | None = None) -> Path:
+    """The shared data folder (``data_place``) when it holds workload ``name``'s data; else ``UnknownWorkload``
+    naming the place looked and the state of every source (the same message for trace and model workloads)."""
+    w = BY_NAME[name]
+    root, how = data_place(explicit)
+    if (root / w.data_path).exists():
+        return root
+    sources = [f"--data {explicit}" if explicit else "no --data PATH",
+               f"${DATA_ENV}={os.environ[DATA_ENV]}" if os.environ.get(DATA_ENV) else f"${DATA_ENV} not set",
+               f"../shared/data = {Path.cwd().parent / 'shared' / 'data'}"]
+    raise UnknownWorkload(f"no data for workload {w.name!r}: looked for {root / w.data_path} (from {how}; "
+                          f"searched in this order: {', '.join(sources)}). Pass --data PATH (the folder holding "
+                          f"{w.data_path or 'the data'}) or set ${DATA_ENV}")
+
+
+def resolve(target: str | None, data: str | Path | None = None, fmt: str = "auto") -> tuple[str, Path]:
+    """``(format, path)`` for a trace replay target; raises ``UnknownWorkload`` with what to do instead."""
     if target is None:
         return "mooncake", embedded_slice()
-    w = _BY_NAME.get(target)
-    if w is not None:
-        root = data_dir(data)
-        if root is None:
-            raise UnknownWorkload(f"workload {target!r} reads the shared data folder: pass --data PATH or set "
-                                  f"{DATA_ENV}")
-        path = root / w.data_path
-        if not path.exists():
-            raise UnknownWorkload(f"workload {target!r} expects {path}, which does not exist (check --data / "
-                                  f"{DATA_ENV})")
-        return w.kind, path
+    w = BY_NAME.get(target)
+    if isinstance(w, TraceWorkload):
+        return w.format, find_data(target, data) / w.data_path
     path = Path(target)
-    if path.is_file():
-        return "mooncake", path
-    if path.is_dir():
-        return "swe-agent", path
-    known = ", ".join(sorted(WORKLOADS | MODEL_WORKLOADS))
+    if path.exists():
+        if fmt == "auto":
+            from workloads.traces.chat import detect_format
+            fmt = detect_format(path)
+        return fmt, path
+    known = ", ".join(sorted(WORKLOADS))
     raise UnknownWorkload(f"unknown workload {target!r}: not a file or folder, and not one of: {known}")
 
 
-def load(kind: str, path: str | Path, limit: int | None = None) -> TextTrace:
-    """Load a trace of ``kind`` from ``path``; ``limit`` caps sessions (Mooncake: requests; agent: trajectories)."""
-    return LOADERS[kind](path, limit=limit)
+def load(fmt: str, path: str | Path, limit: int | None = None, tokenizer: str | Path | None = None):
+    """The ``TextTrace`` of ``path`` in format ``fmt``; ``limit`` caps sessions (Mooncake: requests)."""
+    kw = {"limit": limit}
+    if fmt in TOKENIZED:
+        from workloads.traces.tokenizer import load_tokenizer
+        kw["tokenizer"] = load_tokenizer(tokenizer)
+    return _import(LOADERS[fmt])(path, **kw)
 
 
 def model_data(name: str, data: str | Path | None) -> Path | None:
-    """The shared data folder for model workload ``name``: None (its embedded default) when ``data`` is None;
-    ``data_dir(data)`` otherwise (``""``: ``$MMCACHE_DATA`` or ../shared/data), which must hold its data."""
-    if data is None:
-        return None
-    root = data_dir(data)
-    if root is None:
-        raise UnknownWorkload(f"workload {name!r} with --data reads the shared data folder: pass --data PATH or set "
-                              f"{DATA_ENV}")
-    path = root / MODEL_WORKLOADS[name].data_path
-    if not path.exists():
-        raise UnknownWorkload(f"workload {name!r} expects {path}, which does not exist (check --data / {DATA_ENV})")
-    return root
+    """The shared data folder for model workload ``name``: None (its embedded default) when ``data`` is None, else
+    ``find_data(name, data)`` (``""``: ``$MMCACHE_DATA`` or ../shared/data)."""
+    return None if data is None else find_data(name, data)
 
 
 def import_model_module(name: str):
     """The module of model workload ``name``; ``UnknownWorkload`` saying why when it cannot be imported."""
-    w = MODEL_WORKLOADS[name]
+    module = MODEL_WORKLOADS[name].factory.partition(":")[0]
     try:
-        return importlib.import_module(w.module)
+        return importlib.import_module(module)
     except ImportError as e:
-        raise UnknownWorkload(f"workload {name!r} is not available: importing {w.module} failed ({e})") from e
+        raise UnknownWorkload(f"workload {name!r} is not available: importing {module} failed ({e}); "
+                              f"install the model extra: pip install 'mmcache[models]'") from e
 
 
 def model_factory(name: str, options):
     """``factory(options)`` of model workload ``name``: loads its data and models once and returns what builds a
     fresh workload per run."""
-    return getattr(import_model_module(name), MODEL_WORKLOADS[name].function)(options)
+    return getattr(import_model_module(name), MODEL_WORKLOADS[name].factory.partition(":")[2])(options)

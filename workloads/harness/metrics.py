@@ -3,7 +3,8 @@
 Timeline (seconds, simulated by ``serving``): a request arrives at ``arrival_s``, starts at ``start_s >= arrival_s``
 (one request at a time, FIFO) and holds the server for ``service_s``, the measured wall-clock time of its real model
 calls. Its token and audio-chunk times are offsets from its start. Hence, per request:
-- queueing delay = start - arrival; end-to-end latency (E2E) = queueing + service;
+- queueing delay = start - arrival; service time = the measured model time; end-to-end latency (E2E) = queueing +
+  service;
 - time to first token (TTFT) = queueing + first token offset; time to first audio (TTFA) likewise for audio chunks;
 - inter-token latencies (ITL) = gaps between its consecutive tokens (pooled over requests when aggregated).
 
@@ -25,7 +26,8 @@ from typing import Mapping
 
 import numpy as np
 
-LATENCIES = {"ttft": "TTFT", "itl": "ITL", "ttfa": "TTFA", "e2e": "E2E latency", "queue": "queueing delay"}
+LATENCIES = {"ttft": "TTFT", "itl": "ITL", "ttfa": "TTFA", "e2e": "E2E latency", "queue": "queueing delay",
+             "service": "service time"}
 PERCENTILES = (50, 90, 99)
 
 
@@ -71,6 +73,7 @@ class RequestRecord:
     token_s: tuple[float, ...] = ()     # offsets from start of each output token
     audio_s: tuple[float, ...] = ()     # offsets from start of each audio chunk
     stages: Mapping[str, float] = dataclasses.field(default_factory=dict)  # stage name -> seconds (see Clock.stage)
+    error_type: str | None = None       # the failure's class (an MmcacheError subclass name) when ``error`` is set
 
     @property
     def ok(self) -> bool:
@@ -108,7 +111,7 @@ class RequestRecord:
         return {"rid": self.rid, "session": self.session, "arrival_s": self.arrival_s, "start_s": self.start_s,
                 "queue_s": self.queue_s, "service_s": self.service_s, "e2e_s": self.e2e_s, "ttft_s": self.ttft_s,
                 "ttfa_s": self.ttfa_s, "tokens": len(self.token_s), "audio_chunks": len(self.audio_s),
-                "stages_s": dict(self.stages), "error": self.error,
+                "stages_s": dict(self.stages), "error": self.error, "error_type": self.error_type,
                 **({} if r is None else {**dataclasses.asdict(r), "hits": r.hits()})}
 
 
@@ -207,11 +210,29 @@ def stage_seconds(run: RunResult) -> dict[str, float]:
 
 
 def _split(records, cache: str, hit: bool) -> dict:
-    """Request count and median TTFT / TTFA / E2E of the completed ``records`` that did (not) hit ``cache``."""
+    """Request count and median TTFT / TTFA / E2E / service time of the completed ``records`` that did (not) hit
+    ``cache``. Service time leaves queueing out: the others carry the queue the requests before built up."""
     sel = [r for r in records if r.result.hits().get(cache) is hit]
-    medians = {name: [v for r in sel for v in r.latency(name)] for name in ("ttft", "ttfa", "e2e")}
+    medians = {name: [v for r in sel for v in r.latency(name)] for name in ("ttft", "ttfa", "e2e", "service")}
     return {"requests": len(sel),
             **{f"{name}_p50_s": float(np.median(v)) if v else None for name, v in medians.items()}}
+
+
+def failure_classes(run: RunResult) -> dict[str, dict]:
+    """``{class: {"count", "first"}}`` of the failed requests: how many failed with each error class, and the first
+    message of each (failures repeat: one reason per class is what a reader needs)."""
+    out: dict[str, dict] = {}
+    for r in run.records:
+        if not r.ok:
+            c = out.setdefault(r.error_type or "error", {"count": 0, "first": r.error})
+            c["count"] += 1
+    return out
+
+
+def failure_lines(off: RunResult, on: RunResult) -> list[str]:
+    """One line per failure class per run, for under the table: ``cache on: 3 x OutOfPages, first: ...``."""
+    return [f"cache {run.label}: {c['count']:,} failed with {kind}, first: {c['first']}"
+            for run in (off, on) for kind, c in failure_classes(run).items()]
 
 
 def summarize(run: RunResult, slo: SLO = SLO()) -> dict:
@@ -226,6 +247,7 @@ def summarize(run: RunResult, slo: SLO = SLO()) -> dict:
         "workload": run.workload, "cache": run.label, "schedule": run.schedule, "slo": str(slo),
         "requests": len(run.records), "completed": len(done), "failed": len(run.records) - len(done),
         "errors": [r.error for r in run.records if not r.ok],
+        "failures": failure_classes(run),
         "makespan_s": span, "wall_s": run.wall_s,
         "throughput_rps": per_s(len(done)), "throughput_tps": per_s(sum(x.output_tokens for x in results)),
         "goodput_rps": per_s(sum(map(slo.met, run.records))),
@@ -270,9 +292,9 @@ def summary_rows(off: RunResult, on: RunResult, slo: SLO = SLO()) -> list[tuple[
         ceiling = on.ceilings.get(cache)
         rows.append((f"{cache} hit rate" + (" (tokens)" if cache == "prefix" else " (items)"),
                      _pct(a["hit_rate"].get(cache)), _pct(b["hit_rate"].get(cache), ceiling), ""))
-    for cache, split in b["hit_vs_miss"].items():
-        hit, miss = (split[k]["e2e_p50_s"] for k in ("hit", "miss"))
-        rows.append((f"{cache} E2E p50 on hit / miss (ms)", "",
+    for cache, split in b["hit_vs_miss"].items():  # service time: without the queue the requests before built up
+        hit, miss = (split[k]["service_p50_s"] for k in ("hit", "miss"))
+        rows.append((f"{cache} service p50 on hit / miss (ms)", "",
                      " / ".join("-" if v is None else f"{1000 * v:,.1f}" for v in (hit, miss)), ""))
     if a["matched_page_share"] is not None or b["matched_page_share"] is not None:
         rows.append(("matched-page share", _pct(a["matched_page_share"]), _pct(b["matched_page_share"]), ""))

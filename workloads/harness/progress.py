@@ -1,34 +1,31 @@
-"""A one-line progress indicator on stderr, rate-limited; silent unless enabled (the CLI enables it on a TTY)."""
+"""Progress of long work: tqdm bars on stderr, and the switch that silences third-party bars.
+
+The CLI shows progress when stderr is a terminal and ``--no-progress`` is not given; otherwise ``quiet_third_party``
+turns off the bars transformers, diffusers and huggingface_hub would draw (model loads, denoising steps, downloads),
+so logs and pipes get no carriage-return noise.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
-import time
 
 
-class Progress:
-    """``update(done)`` redraws ``label done/total (pct)`` at most every ``interval`` seconds; ``close`` clears it."""
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A tqdm bar over ``total`` steps (``update(n)``, ``close()``); a silent one unless ``enabled``."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False, unit="req",
+                dynamic_ncols=True, mininterval=0.5)
 
-    def __init__(self, total: int, label: str = "", enabled: bool = True, stream=None, interval: float = 0.5):
-        self.total, self.label, self.enabled = max(int(total), 1), label, enabled
-        self.stream = stream or sys.stderr
-        self.interval = interval
-        self._last = 0.0
-        self._drawn = False
 
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self._last < self.interval and done < self.total:
-            return
-        self._last = now
-        self.stream.write(f"\r{self.label} {done}/{self.total} ({100 * done / self.total:.0f}%)\033[K")
-        self.stream.flush()
-        self._drawn = True
-
-    def close(self) -> None:
-        if self._drawn:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-            self._drawn = False
+def quiet_third_party() -> None:
+    """Silence the progress bars of transformers, diffusers and huggingface_hub (those installed), now and for
+    modules imported later (through the environment variable huggingface_hub reads)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    for module, call in (("huggingface_hub.utils", "disable_progress_bars"),
+                         ("transformers.utils.logging", "disable_progress_bar"),
+                         ("diffusers.utils.logging", "disable_progress_bar")):
+        try:
+            getattr(__import__(module, fromlist=[call]), call)()
+        except (ImportError, AttributeError):
+            pass

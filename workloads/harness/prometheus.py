@@ -3,7 +3,7 @@
 An ``Exporter`` owns a dedicated ``CollectorRegistry`` (never the process-global one), so several can live in one
 process and nothing else the process registers leaks into a scrape. ``serve(port)`` exposes it over HTTP
 (``prometheus_client.start_http_server``, loopback unless told otherwise); pass the exporter as ``observer`` to
-``serving.replay`` / ``serving.compare``.
+``serving.serve_run`` / ``serving.compare``.
 
 Cache counters follow the workload's ``cache_stats()``: each advances by the growth of its statistic since the
 previous sample of the same run (a run starts with a fresh workload, whose statistics start at 0), so they stay

@@ -36,7 +36,7 @@ import numpy as np
 from mmcache.errors import MmcacheError
 
 from workloads.harness.metrics import RequestRecord, RequestResult, RunResult
-from workloads.harness.progress import Progress
+from workloads.harness.progress import progress_bar
 
 SCHEDULES = ("trace", "poisson", "closed")
 
@@ -169,7 +169,7 @@ class Schedule:
         return requests, None
 
 
-def replay(workload_factory: Callable[[], Workload], schedule: Schedule, cached: bool, *,
+def serve_run(workload_factory: Callable[[], Workload], schedule: Schedule, cached: bool, *,
            observer: Observer | None = None, progress: bool = False) -> RunResult:
     """Serve every request of a fresh ``workload_factory()`` on ``schedule``, its caches on when ``cached``.
 
@@ -182,21 +182,21 @@ def replay(workload_factory: Callable[[], Workload], schedule: Schedule, cached:
         observer.start(run)
     clients = [0.0] * (schedule.concurrency or 0)  # closed loop: heap of the times clients send their next request
     free = 0.0  # when the server finishes the request before
-    bar = Progress(len(order), f"{wl.name}, cache {run.label}", enabled=progress)
+    bar = progress_bar(len(order), f"{wl.name}, cache {run.label}", enabled=progress)
     started = time.perf_counter()
     for k, req in enumerate(order):
         arrival = arrivals[k] if arrivals is not None else heapq.heappop(clients)
         clock = Clock()
         try:
-            result, error = wl.serve(req, cached, clock), None
+            result, error, kind = wl.serve(req, cached, clock), None, None
         except MmcacheError as e:
-            result, error = None, f"request {req.rid!r}: {e}"
+            result, error, kind = None, f"request {req.rid!r}: {e}", type(e).__name__
         service = clock.elapsed()
         if error is None and not isinstance(result, RequestResult):
             raise TypeError(f"{wl.name}.serve returned {type(result).__name__} for request {req.rid!r}, "
                             f"not a RequestResult")
         rec = RequestRecord(req.rid, req.session, arrival, max(arrival, free), service, result, error,
-                            tuple(clock.token_s), tuple(clock.audio_s), dict(clock.stages))
+                            tuple(clock.token_s), tuple(clock.audio_s), dict(clock.stages), kind)
         free = rec.end_s
         if arrivals is None:
             heapq.heappush(clients, free)
@@ -207,7 +207,7 @@ def replay(workload_factory: Callable[[], Workload], schedule: Schedule, cached:
             run.occupancy.append((free, p["pages_live"], p["pages_cached"], p["pages_free"]))
         if observer is not None:
             observer.observe(run, rec, stats)
-        bar.update(k + 1)
+        bar.update(1)
     bar.close()
     run.cache_stats = wl.cache_stats()
     run.wall_s = time.perf_counter() - started
@@ -217,5 +217,5 @@ def replay(workload_factory: Callable[[], Workload], schedule: Schedule, cached:
 def compare(workload_factory: Callable[[], Workload], schedule: Schedule, *, observer: Observer | None = None,
             progress: bool = False) -> tuple[RunResult, RunResult]:
     """``(off, on)``: the cache off, then on, each with a fresh workload and the same ``schedule``."""
-    off = replay(workload_factory, schedule, False, observer=observer, progress=progress)
-    return off, replay(workload_factory, schedule, True, observer=observer, progress=progress)
+    off = serve_run(workload_factory, schedule, False, observer=observer, progress=progress)
+    return off, serve_run(workload_factory, schedule, True, observer=observer, progress=progress)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -40,11 +39,11 @@ import torch
 import xxhash
 
 from mmcache.encoder_store import EncoderStore
-from mmcache.errors import TraceError
 
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.options import ModelWorkloadOptions
+from workloads.traces.diffusiondb import load_prompts
 from workloads.harness.serving import Clock, Request
 
 DIFFUSIONDB = Path("diffusiondb") / "diffusiondb_5k.jsonl"
@@ -77,33 +76,6 @@ class Generation:
 
     prompt: str
     seed: int
-
-
-def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """The ``prompt`` of each line of a DiffusionDB JSONL file, in file order, at most ``limit``.
-
-    Raises ``TraceError`` (file and 1-based line) for a missing file or a line that is not a UTF-8 JSON object with a
-    string ``prompt``; blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise TraceError(path, None, "no such file")
-    prompts: list[str] = []
-    with open(path, "rb") as f:  # bytes, so that bad UTF-8 too is reported with its line
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except UnicodeDecodeError:
-                raise TraceError(path, n, "not UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise TraceError(path, n, f"not JSON: {e.msg}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise TraceError(path, n, "expected a JSON object with a string 'prompt'")
-            prompts.append(row["prompt"])
-    return prompts
 
 
 def generate_prompts(n: int, seed: int = 0) -> list[tuple[str, str]]:

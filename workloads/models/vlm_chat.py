@@ -36,11 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
-import re
-import string
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -48,11 +45,12 @@ from PIL import Image, ImageDraw
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from mmcache.hf.llava import LlavaPrefill, VlmPrompt
 from mmcache import EncoderStore, ShadowIndex
-from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
+from mmcache.errors import InvalidMedia, InvalidRequest
 
 from workloads import fixtures, registry
 from workloads.harness.metrics import RequestResult
 from workloads.options import ModelWorkloadOptions
+from workloads.traces.mmmu import Part, load_mmmu, question_parts as _question
 from workloads.harness.serving import Clock, Request
 from workloads.models.text import check_vocab, prefix_ceiling, timed, trace_order
 
@@ -68,7 +66,6 @@ EMBEDDED_IMAGES, EMBEDDED_USERS = 4, 3
 SESSION_GAP_S, TURN_GAP_S = 2.0, 6.0  # arrivals: session k starts at k * SESSION_GAP_S, turns TURN_GAP_S apart
 ENCODER_PAGE_BYTES = 1 << 14
 
-Part = str | Path | bytes  # text, an image file, or image bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,52 +88,6 @@ class _Done:
 
 
 # --------------------------------------------------------------------------------------------------------- data
-def _slots(text: str, images: dict[int, Part]) -> list[Part]:
-    """``text`` split at its ``<image N>`` slots, each replaced by ``images[N]``."""
-    parts: list[Part] = []
-    for k, piece in enumerate(re.split(r"<image (\d+)>", text)):
-        if k % 2 == 0:
-            parts += [piece] if piece else []
-        elif int(piece) in images:
-            parts.append(images[int(piece)])
-        else:
-            raise ValueError(f"<image {piece}> but no image_{piece}")
-    return parts
-
-
-def _question(question: str, options: Sequence[str], images: dict[int, Part]) -> list[Part]:
-    """The question, then its options lettered (A), (B), ..., images in their slots."""
-    parts = _slots(question, images) + ["\nOptions:"]
-    for letter, option in zip(string.ascii_uppercase, options):
-        parts += [f"\n({letter}) "] + _slots(option, images)
-    return parts
-
-
-def load_mmmu(path: Path) -> list[list[Part]]:
-    """One question (text and image paths) per line of an MMMU-Pro JSONL file; ``TraceError`` with the file and
-    line for anything malformed (image files are checked when served, not here)."""
-    if not path.is_file():
-        raise TraceError(path, None, "no such file")
-    items = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            question, options = row["question"], row["options"]
-            if not isinstance(question, str) or not isinstance(options, list) or not all(
-                    isinstance(o, str) for o in options):
-                raise ValueError("'question' must be a string and 'options' a list of strings")
-            images = {int(k.removeprefix("image_")): path.parent / v for k, v in row.items()
-                      if re.fullmatch(r"image_\d+", k) and isinstance(v, str) and v}
-            items.append(_question(question, options, images))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise TraceError(path, lineno, f"{type(e).__name__}: {e}") from None
-    if not items:
-        raise TraceError(path, None, "no questions")
-    return items
-
-
 def generated_png(k: int, rng: np.random.Generator) -> bytes:
     """A PNG of a few hundred pixels a side, drawn by ``k % 4``: a gradient, stripes or noise, under random shapes."""
     w, h = (int(v) for v in rng.integers(160, 420, 2))

@@ -38,20 +38,10 @@ import time
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 
 from workloads.sizing.ordering import schedule
-from workloads.harness.progress import Progress
+from workloads.sizing.service import ServiceModel
+from workloads.harness.progress import progress_bar
 from workloads.sizes import format_size
 from workloads.traces.text_trace import TextRequest, TextTrace
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceModel:
-    """How long a request stays live in timestamp order."""
-
-    prefill_tokens_per_s: float = 10_000.0
-    s_per_output_token: float = 0.02
-
-    def duration(self, uncached_tokens: int, output_len: int) -> float:
-        return uncached_tokens / self.prefill_tokens_per_s + output_len * self.s_per_output_token
 
 
 @dataclasses.dataclass
@@ -178,7 +168,7 @@ class _Replayer:
             self.finish_earliest()
 
 
-def replay(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
+def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
            in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False) -> ReplayRun:
     """Replay every call of ``trace`` through a fresh cache of ``pool_tokens`` (None: unbounded)."""
     if trace.page_size is not None and page_size != trace.page_size:
@@ -188,10 +178,10 @@ def replay(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: 
                     page_size=page_size, order=order, in_flight=in_flight if order == "round-robin" else None)
     r = _Replayer(trace, run, service)
     started = time.perf_counter()
-    bar = Progress(trace.num_requests, f"replay pool={format_size(pool_tokens)}", enabled=progress)
-    for k, (s, i) in enumerate(schedule(trace.sessions, order, in_flight)):
+    bar = progress_bar(trace.num_requests, f"pool {format_size(pool_tokens)}", enabled=progress)
+    for s, i in schedule(trace.sessions, order, in_flight):
         r.step(trace.sessions[s].build(i))
-        bar.update(k + 1)
+        bar.update(1)
     r.drain()
     bar.close()
     stats = r.cache.stats()

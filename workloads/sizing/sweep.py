@@ -9,7 +9,7 @@ import dataclasses
 from typing import Sequence
 
 from workloads.sizes import format_size
-from workloads.sizing.replay import ReplayRun, ServiceModel, replay
+from workloads.sizing.replay import ReplayRun, ServiceModel, replay_trace
 from workloads.traces.text_trace import TextTrace
 
 
@@ -39,7 +39,7 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
               in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False) -> Sweep:
     """Replay ``trace`` once per pool size (None = unbounded) and once unbounded for the ceiling if not listed."""
     def one(size):
-        return replay(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
+        return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
                       service=service, progress=progress)
     runs = [one(size) for size in pool_sizes]
     ceiling = next((r for r in runs if r.pool_tokens is None), None) or one(None)

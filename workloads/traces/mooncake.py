@@ -10,23 +10,23 @@ The trace has no text, so the loader synthesizes what the cache needs from the b
   cache's token verification confirms exactly the matches the ids promise;
 - no output tokens: the output is grown (it occupies live memory) but gets no names, so it is never reused.
 
-Page size is fixed at 512 by the block ids. Every request is its own session (the trace names none). A line that
-is not valid JSON, lacks a field, or has ``len(hash_ids) != ceil(input_length / 512)`` is skipped and recorded as a
-``TraceError`` with its file and 1-based line number; a missing file raises ``TraceError``.
+Page size is fixed at 512 by the block ids. Every request is its own session (the trace names none). The file is
+read with the shared JSONL policy (``workloads.traces.jsonl``: blank lines skipped, the first malformed line raises
+``TraceError`` with its file and 1-based line). Malformed: not a JSON object, a missing field, a timestamp that is
+negative or not a finite number, lengths that are not integers (input >= 1, output >= 0), hash ids that are not
+integers in [0, 2**63), or ``len(hash_ids) != ceil(input_length / 512)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from mmcache.errors import TraceError
-
+from workloads.traces.jsonl import load_jsonl
 from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
 
 BLOCK_TOKENS = 512
@@ -39,7 +39,7 @@ def block_names(hash_ids, full_blocks: int) -> list[int]:
     """Chained 64-bit names of the first ``full_blocks`` block ids."""
     names, parent = [], _NAME_ROOT
     for h in hash_ids[:full_blocks]:
-        parent = xxhash.xxh64_intdigest(int(h).to_bytes(8, "little", signed=True), parent)
+        parent = xxhash.xxh64_intdigest(int(h).to_bytes(8, "little"), parent)
         names.append(parent)
     return names
 
@@ -71,53 +71,31 @@ class MooncakeRequest:
                            output_ids=None, output_len=c.output_len)
 
 
-def _parse(line: str) -> tuple[float, int, int, tuple[int, ...]]:
-    """One line's fields, or ValueError naming what is wrong."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"bad JSON: {e.msg}") from None
+def _parse(row, lineno: int) -> MooncakeRequest:
+    """One line's request, or ValueError naming what is wrong."""
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in row]
     if missing:
         raise ValueError(f"missing field(s) {', '.join(missing)}")
     ts, n_in, n_out, ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-        raise ValueError(f"timestamp must be a number, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise ValueError(f"timestamp must be a finite number >= 0 (ms), got {ts!r}")
     for key, v, low in (("input_length", n_in, 1), ("output_length", n_out, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"{key} must be an integer >= {low}, got {v!r}")
     if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in ids):
         raise ValueError("hash_ids must be a list of integers")
-    if any(not -(1 << 63) <= h < 1 << 63 for h in ids):
-        raise ValueError("hash_ids must fit in 64 bits")
+    if bad := [h for h in ids if not 0 <= h < 1 << 63]:
+        raise ValueError(f"hash_ids must be in [0, 2**63), got {bad[0]}")
     want = -(-n_in // BLOCK_TOKENS)
     if len(ids) != want:
         raise ValueError(f"len(hash_ids) = {len(ids)} but ceil(input_length / {BLOCK_TOKENS}) = {want}")
-    return float(ts) / 1000.0, n_in, n_out, tuple(ids)
+    return MooncakeRequest(f"mc-{lineno}", (CallInfo(float(ts) / 1000.0, n_in, n_out),), tuple(ids))
 
 
 def load_mooncake(path: str | Path, limit: int | None = None) -> TextTrace:
-    """Read a Mooncake JSONL trace: valid lines become requests (at most ``limit``), bad lines become errors.
-
-    Blank lines are ignored silently. Request ids are ``mc-<line>`` (1-based line numbers, stable under limits).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise TraceError(path, None, "no such file" if not path.exists() else "not a file")
-    sessions: list[MooncakeRequest] = []
-    errors: list[TraceError] = []
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(sessions) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                arrival, n_in, n_out, ids = _parse(line)
-            except ValueError as e:
-                errors.append(TraceError(path, lineno, str(e)))
-                continue
-            sessions.append(MooncakeRequest(f"mc-{lineno}", (CallInfo(arrival, n_in, n_out),), ids))
-    return TextTrace(source=str(path), kind="mooncake", sessions=sessions, page_size=BLOCK_TOKENS, errors=errors)
+    """Read a Mooncake JSONL trace: one request per non-blank line, at most ``limit``; ``TraceError`` (file and line)
+    for a missing file or the first malformed line. Request ids are ``mc-<line>`` (1-based, stable under limits)."""
+    sessions = load_jsonl(path, _parse, limit)
+    return TextTrace(source=str(path), kind="mooncake", sessions=sessions, page_size=BLOCK_TOKENS)

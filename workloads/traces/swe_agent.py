@@ -12,16 +12,17 @@ tokenized ONCE, framing included, and a prompt is the BOS token followed by its 
 Arrival times (``order="timestamp"``): the assistant message's ``extra.response.created`` (unix seconds), made
 relative to the earliest in the trace and never decreasing within a session. A call without it takes the previous
 call's time; a session with none at all uses its call index (0, 1, 2, ...). Sessions are trajectories, in file-name
-order. A file that is not valid JSON or does not alternate roles as above is skipped and recorded as a
-``TraceError`` (line = None, the whole file); a missing folder raises ``TraceError``.
+order, found flat (``<id>.traj.json``) or as mini-swe-agent writes them (``trajs/<id>/<id>.traj.json``).
+A trajectory file that is not valid JSON or does not alternate roles as above is skipped and recorded as a
+``TraceError`` (line = None, the whole file): a folder of agent runs often holds unfinished ones, and a file is a
+whole session, not a line of one (JSONL traces follow ``workloads.traces.jsonl`` instead). A missing folder, or one
+without trajectories, raises ``TraceError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
@@ -30,29 +31,7 @@ import numpy as np
 from mmcache.errors import TraceError
 
 from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
-
-TOKENIZER_FILES = ("mistral_instruct_tokenizer_240323.model.v3", "mistral_instruct_tokenizer_241114.model.v7",
-                   "tokenizer.model.v1")
-
-
-def tokenizer_path() -> Path:
-    """The SentencePiece model shipped in ``mistral_common/data`` (preferring the v3 instruct tokenizer)."""
-    data = Path(str(resources.files("mistral_common") / "data"))
-    for name in TOKENIZER_FILES:
-        if (data / name).is_file():
-            return data / name
-    found = sorted(p for p in data.glob("*.model*") if p.is_file())
-    if not found:
-        raise FileNotFoundError(f"no SentencePiece model in {data}")
-    return found[0]
-
-
-@lru_cache(maxsize=2)
-def load_tokenizer(path: str | None = None):
-    """A ``sentencepiece.SentencePieceProcessor`` for ``path`` (default: ``tokenizer_path()``), loaded once."""
-    import sentencepiece
-    return sentencepiece.SentencePieceProcessor(model_file=str(path or tokenizer_path()))
-
+from workloads.traces.tokenizer import load_tokenizer, tokenizer_path  # noqa: F401 (the names model workloads import)
 
 def render(role: str, content: str) -> str:
     """The fixed chat template for one message."""
@@ -76,6 +55,21 @@ class Trajectory:
                            names=None, output_ids=self.messages[2 * i + 2], output_len=c.output_len)
 
 
+def trajectory_files(folder: str | Path) -> tuple[Path, list[Path]]:
+    """``(folder, files)``: the ``*.traj.json`` files of ``folder`` (or of its ``trajs/`` subfolder), flat
+    (``<id>.traj.json``) or in the layout mini-swe-agent writes (``<id>/<id>.traj.json``), sorted by name; a
+    ``TraceError`` saying which layouts were looked for when there is none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise TraceError(folder, None, "no such folder")
+    for root in (folder, folder / "trajs"):
+        files = sorted({*root.glob("*.traj.json"), *root.glob("*/*.traj.json")}, key=lambda p: (p.name, str(p)))
+        if files:
+            return root, files
+    raise TraceError(folder, None, "no trajectories: looked for *.traj.json and */*.traj.json (mini-swe-agent's "
+                     "trajs/<id>/<id>.traj.json), here and under trajs/")
+
+
 def _check_messages(messages) -> int:
     """Number of API calls in a message list, or ValueError saying what breaks the expected shape."""
     if not isinstance(messages, list) or len(messages) < 3:
@@ -95,15 +89,8 @@ def _created(message) -> float | None:
 
 
 def load_swe_agent(folder: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
-    """Read up to ``limit`` trajectories (file-name order) from ``folder`` (or its ``trajs/`` subfolder)."""
-    folder = Path(folder)
-    if folder.is_dir() and not any(folder.glob("*.traj.json")) and (folder / "trajs").is_dir():
-        folder = folder / "trajs"
-    if not folder.is_dir():
-        raise TraceError(folder, None, "no such folder")
-    files = sorted(folder.glob("*.traj.json"))
-    if not files:
-        raise TraceError(folder, None, "no *.traj.json files")
+    """Read up to ``limit`` trajectories (file-name order) from ``folder`` (see ``trajectory_files``)."""
+    folder, files = trajectory_files(folder)
     sp = tokenizer or load_tokenizer()
     bos = np.array([sp.bos_id()], dtype=np.int32)
     raw: list[tuple[str, list[dict], int]] = []

@@ -2,8 +2,9 @@
 
 A trace is a list of sessions (a multi-turn conversation, an agent trajectory, or, where the trace gives no
 sessions, one request each). A session knows every call's arrival time and lengths without building any token
-array; ``Session.build(i)`` materializes call ``i``. Loaders never raise on a bad line or file: they skip it and keep
-a ``TraceError`` (path and 1-based line) in ``TextTrace.errors``.
+array; ``Session.build(i)`` materializes call ``i``. JSONL loaders raise ``TraceError`` at the first malformed line
+(``workloads.traces.jsonl``); a folder of trajectories skips a bad file and keeps its ``TraceError`` in
+``TextTrace.errors``.
 
 Invariants every loader keeps:
 - ``build(i).token_ids`` has exactly ``calls[i].prompt_len`` tokens, int32, all >= 0;
@@ -16,11 +17,12 @@ Invariants every loader keeps:
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
-from mmcache.errors import TraceError
+if TYPE_CHECKING:  # the CLI's --help imports this module, and mmcache imports torch
+    from mmcache.errors import TraceError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +65,7 @@ class TextTrace:
     """Sessions in source order, the page size the trace fixes (None: any), and the lines that were skipped."""
 
     source: str
-    kind: str                                   # "mooncake" or "swe-agent"
+    kind: str                                   # its format: "mooncake", "swe-agent", "openai", "sharegpt"
     sessions: list[Session]
     page_size: int | None = None
     errors: list[TraceError] = dataclasses.field(default_factory=list)

@@ -1,0 +1,144 @@
+"""``mmcache`` tried as a new user would: a fast --help, outputs checked first, clear messages for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from workloads import cli
+from workloads.cli import main
+from workloads.harness.metrics import RequestRecord, RunResult, failure_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def models_in_tmp(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("MMCACHE_MODEL_DIR", str(tmp_path_factory.getbasetemp() / "models"))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["replay", "--help"]])
+def test_help_imports_no_torch(argv):
+    code = ("import sys\nfrom workloads.cli import main\ntry:\n    main(%r)\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nheavy = [m for m in ('torch', 'transformers', 'diffusers', 'mmcache', 'matplotlib')"
+            " if m in sys.modules]\nassert not heavy, heavy\n" % argv)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: mmcache" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_unwritable_output_fails_before_the_run(tmp_path, flag, capsys, monkeypatch):
+    monkeypatch.setattr("workloads.registry.load", lambda *a, **k: pytest.fail("the replay ran"))
+    assert main(["replay", flag, str(tmp_path / "missing" / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mmcache: error: {flag} {tmp_path / 'missing' / 'out'}: folder {tmp_path / 'missing'} does not exist\n"
+    assert main(["replay", flag, str(tmp_path), "--no-progress"]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
+
+
+def test_unwritable_html_fails_before_building_the_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("workloads.registry.model_factory", lambda *a: pytest.fail("the model was built"))
+    assert main(["replay", "vlm-chat", "--html", str(tmp_path / "no" / "r.html"), "--no-progress"]) == 2
+    assert "--html" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "--limit", "0"], "--limit: must be a positive number of requests/sessions, got 0"),
+    (["replay", "--limit", "1k"], "--limit: must be a positive whole number of requests/sessions"),
+    (["replay", "vlm-chat", "--encoder-bytes", "12QB"], "it must be finite and positive, with units k, M, G"),
+    (["replay", "vlm-chat", "--encoder-bytes", "inf"], "it must be finite"),
+    (["replay", "vlm-chat", "--metrics-linger", "-1"], "--metrics-linger: must be a finite number of seconds"),
+])
+def test_usage_errors_say_what_is_valid(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_encoder_bytes_units():
+    assert cli._bytes("256M") == cli._bytes("256MB") == 256 << 20 and cli._bytes("2gb") == 2 << 30
+    assert cli._bytes("4096") == 4096
+
+
+def test_linger_needs_a_metrics_port(capsys):
+    assert main(["replay", "vlm-chat", "--metrics-linger", "5", "--no-progress"]) == 2
+    assert "--metrics-linger: needs --metrics-port" in capsys.readouterr().err
+
+
+def test_same_data_message_for_trace_and_model_workloads(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MMCACHE_DATA", raising=False)
+    messages = []
+    for name in ("mooncake", "mooncake-model"):
+        assert main(["replay", name, "--data", str(tmp_path), "--no-progress"]) == 2
+        messages.append(capsys.readouterr().err)
+    path = tmp_path / "mooncake" / "conversation_trace.jsonl"
+    for err, name in zip(messages, ("mooncake", "mooncake-model")):
+        assert f"no data for workload '{name}': looked for {path} (from --data" in err
+        assert "$MMCACHE_DATA not set" in err and "../shared/data" in err
+
+
+def test_mooncake_requests_are_their_own_sessions(capsys):
+    assert main(["replay", "--limit", "50", "--pool-tokens", "inf", "--no-progress"]) == 0
+    assert "50 requests, each its own session" in capsys.readouterr().out
+
+
+def _failed(rid, kind, message):
+    return RequestRecord(rid, rid, 0.0, 0.0, 0.1, None, f"request {rid!r}: {message}", error_type=kind)
+
+
+def test_failure_lines_give_count_and_first_reason_per_class():
+    on = RunResult("w", True, "trace", {}, records=[_failed("a", "OutOfPages", "pool full (2 pages)"),
+                                                   _failed("b", "OutOfPages", "pool full again"),
+                                                   _failed("c", "InvalidMedia", "missing.png")])
+    assert failure_lines(RunResult("w", False, "trace", {}), on) == [
+        "cache on: 2 failed with OutOfPages, first: request 'a': pool full (2 pages)",
+        "cache on: 1 failed with InvalidMedia, first: request 'c': missing.png"]
+
+
+def test_model_replay_prints_failures_service_time_and_the_pool_note(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["replay", "vlm-chat", "--limit", "3", "--max-new-tokens", "2", "--pool-pages", "2",
+                 "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "failed: cache on: 1 failed with OutOfPages, first: request 'i0u0t0': out of pages" in printed
+    assert "failed: cache on: 2 failed with InvalidRequest, first: request 'i0u0t1'" in printed
+    assert "bound the cache-on run only" in printed and "service time p50 (ms)" in printed
+    assert json.loads(out.read_text())["summary"]["on"]["failures"]
+
+
+def test_metrics_linger_serves_the_final_state(tmp_path, capsys, monkeypatch):
+    scraped = {}
+    linger = cli._linger
+
+    def scrape_then_linger(exporter, seconds, port):
+        t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()))
+        t.start()
+        linger(exporter, seconds, port)
+        t.join()
+
+    monkeypatch.setattr(cli, "_linger", scrape_then_linger)
+    assert main(["replay", "vlm-chat", "--limit", "2", "--max-new-tokens", "2", "--metrics-port", "0",
+                 "--metrics-linger", "0.5", "--no-progress"]) == 0
+    assert "serving the final metrics on http://127.0.0.1:" in capsys.readouterr().out
+    assert 'mmcache_requests_total{outcome="ok"} 4.0' in scraped["text"]  # both runs, after the replay
+
+
+def test_quiet_third_party_progress(monkeypatch):
+    from transformers.utils import logging as tlog
+    from workloads.harness.progress import quiet_third_party
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    tlog.enable_progress_bar()
+    try:
+        quiet_third_party()
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and not tlog.is_progress_bar_enabled()
+    finally:
+        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+        tlog.enable_progress_bar()
