@@ -9,9 +9,8 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore, Lookup
 from mmcache.paged_allocator import PagedAllocator, Reloaded
 from mmcache.errors import AllocationFailed, OutOfPages
-from mmcache.host_pool import HostPagePool
+from mmcache.pool import HostPagePool, PagePool
 from mmcache.names import Fingerprint, page_names
-from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache, RequestState
 from mmcache.shadow import ShadowIndex, ShadowMatch
 

@@ -33,9 +33,8 @@ from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
-from mmcache.host_pool import can_hold, copy_pages
 from mmcache.names import as_tokens
-from mmcache.pool import PagePool
+from mmcache.pool import PagePool, can_hold, copy_pages
 from mmcache.prefix_cache import PrefixCache, RequestState
 
 _ENDED_MEMORY = 65536  # removed ids remembered only to say "already removed" rather than "never added"

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from mmcache.paged_allocator import PagedAllocator
 from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, UnknownRequest
-from mmcache.host_pool import HostPagePool
+from mmcache.pool import HostPagePool
 
 P = 4
 SHAPES = {"text": ((2, P, 2, 8), torch.float32), "audio": ((2, P, 1, 4), torch.float16)}  # (k/v, slot, heads, dim)
