@@ -139,9 +139,9 @@ def main(argv=None) -> None:
         cache.finish(("sat", i), rng.integers(0, 32000, size=40))
     t_sat = (time.perf_counter() - t0) / 2000
     s = cache.stats()
-    rows.append(("saturated pool: evicted pages / eviction batch", f"{s['evicted_pages'] / s['eviction_batches']:.1f}",
-                 f"{s['shortfall_pages'] / s['eviction_batches']:.2f} pages short per batch; "
-                 f"{s['eviction_batches']} batches for 2000 requests", None))
+    rows.append(("saturated pool: evicted pages / eviction batch", f"{s.evicted_pages / s.eviction_batches:.1f}",
+                 f"{s.shortfall_pages / s.eviction_batches:.2f} pages short per batch; "
+                 f"{s.eviction_batches} batches for 2000 requests", None))
     rows.append(("saturated pool: per request (admit..finish, 9 pages)", f"{t_sat * 1e6:.0f} us", "", None))
 
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page

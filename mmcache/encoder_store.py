@@ -28,6 +28,7 @@ import torch
 from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, OutOfPages, PageOwnershipError
 from mmcache.pool import PagePool
+from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -294,11 +295,11 @@ class EncoderStore:
         with self._lock:
             self._drop(list(self._entries.values()))
 
-    def stats(self) -> dict:
-        """Counter totals, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
+    def stats(self) -> EncoderStoreStats:
+        """Counter ``totals``, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
         with self._lock:
-            return {**self._totals, "entries": len(self._entries), "capacity_bytes": self.capacity_bytes,
-                    "by_modality": {m: dict(c) for m, c in self._by_modality.items()}}
+            return EncoderStoreStats(EncoderCounters(**self._totals), len(self._entries), self.capacity_bytes,
+                                     {m: EncoderCounters(**c) for m, c in self._by_modality.items()})
 
     def __contains__(self, key: EncoderKey) -> bool:
         with self._lock:

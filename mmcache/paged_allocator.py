@@ -36,6 +36,7 @@ from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, O
 from mmcache.names import as_tokens
 from mmcache.pool import PagePool, can_hold, copy_pages
 from mmcache.prefix_cache import PrefixCache, RequestState
+from mmcache.stats import AllocatorStats
 
 _ENDED_MEMORY = 65536  # removed ids remembered only to say "already removed" rather than "never added"
 _NO_PROMPT = (0,)      # a label admitted without a prompt: one placeholder token, so nothing can match ((1-1)//P = 0)
@@ -370,14 +371,12 @@ class PagedAllocator:
         with self._lock:
             return self._entry(rid).offloaded is not None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> AllocatorStats:
         """The allocator's own counts; each label's cache has its own ``stats()`` (pages, hits, evictions)."""
         with self._lock:
             entries = self._requests.values()
-            return {"requests": len(self._requests),
-                    "batches_in_flight": len(self._batches),
-                    "removals_queued": sum(e.removal is not None for e in entries),
-                    "requests_offloaded": sum(e.offloaded is not None for e in entries)}
+            return AllocatorStats(len(self._requests), len(self._batches), sum(e.removal is not None for e in entries),
+                                  sum(e.offloaded is not None for e in entries))
 
     # ----------------------------------------------------------------- internals (callers hold the lock)
     def _label(self, label: str, rid: Hashable = None, entry: _Entry | None = None) -> str:

@@ -28,6 +28,7 @@ import numpy as np
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
 from mmcache.pool import PagePool
+from mmcache.stats import PrefixCacheStats
 
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
 
@@ -313,14 +314,12 @@ class PrefixCache:
             self.pool.release(pages)
             return int(pages.size)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> PrefixCacheStats:
         with self._lock:
             counts = self.pool.counts
-            return {**self._counters,
-                    "pages_free": self.pool.num_free,
-                    "pages_live": int(np.count_nonzero(counts > self._indexed)),
-                    "pages_cached": len(self._index),
-                    "requests_live": len(self._live)}
+            return PrefixCacheStats(**self._counters, pages_free=self.pool.num_free,
+                                    pages_live=int(np.count_nonzero(counts > self._indexed)),
+                                    pages_cached=len(self._index), requests_live=len(self._live))
 
     # ----------------------------------------------------------------- internals (callers hold the lock)
     def _get(self, rid: Hashable, live: bool = False) -> _Request:

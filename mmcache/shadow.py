@@ -15,6 +15,7 @@ import numpy as np
 
 from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.stats import ShadowStats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,14 +118,12 @@ class ShadowIndex:
                 del self._inflight[name]
         return live
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> ShadowStats:
         """Matched-page share and in-flight overlap over every request admitted so far."""
         with self._lock:
             recs = self.records
             pages = sum(r.prompt_tokens // self.page_size for r in recs)
             matched = sum(r.matched_pages for r in recs)
             inflight = sum(r.inflight_pages for r in recs)
-            return {"requests": len(recs), "prompt_pages": pages, "matched_pages": matched,
-                    "matched_page_share": matched / pages if pages else 0.0,
-                    "inflight_pages": inflight, "misses_held_in_flight": sum(r.inflight_pages > 0 for r in recs),
-                    "table_pages": len(self._table)}
+            return ShadowStats(len(recs), pages, matched, matched / pages if pages else 0.0, inflight,
+                               sum(r.inflight_pages > 0 for r in recs), len(self._table))

@@ -145,7 +145,7 @@ def test_lru_eviction_order_and_counts():
     assert store.get(key(0)) is not None  # 0 becomes the most recent: order 1, 2, 3, 0
     assert store.put(key(4), floats(32, 4))  # needs two pages: evicts 1 and 2 as one batch
     assert [k in store for k in map(key, range(5))] == [True, False, False, True, True]
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["evictions"], s["evicted_bytes"], s["entries"], s["bytes_stored"]) == (2, 2 * PB, 3, 4 * PB)
     assert store.pin(key(3)) is not None  # pinning touches too: order 0, 4, 3
     assert store.put(key(5), floats(16, 5))
@@ -167,7 +167,7 @@ def test_pinned_entries_are_never_evicted_and_full_pins_bypass():
     assert not store.put(key(10), floats(16, 10))  # no room: bypassed, nothing evicted, nothing raised
     assert_same(store.get_or_compute(key(11), lambda: floats(16, 11)).value, floats(16, 11))
     assert (store.pool.counts == before).all()
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["bypasses"], s["evictions"], s["entries"]) == (3, 1, 4)
     pins[0].release()
     pins[0].release()  # idempotent: never a second release of the pages
@@ -187,7 +187,7 @@ def test_a_pin_outlives_replacement_and_clear():
         pages = pin.pages
         store.put(key(), floats(20, 2))  # replaced: the pinned bytes stay put
         store.clear()
-        assert len(store) == 0 and store.stats()["bytes_stored"] == 0
+        assert len(store) == 0 and store.stats().totals.bytes_stored == 0
         assert_same(pin.value, floats(20, 1))
         assert all(store.pool.counts[p] == 1 for p in pages)
     assert all_free(store)
@@ -203,7 +203,7 @@ def test_too_large_output_is_bypassed_with_one_warning(caplog):
         assert_same(store.get_or_compute(key(1, modality="audio"), lambda: big).value, big)
     assert len(caplog.records) == 2
     assert all("audio" in r.getMessage() and "260" in r.getMessage() for r in caplog.records)
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["bypasses"], s["by_modality"]["audio"]["bypasses"], s["entries"]) == (2, 2, 0)
     assert key(modality="audio", ids=[1]) not in store  # the put replaced the colliding entry: no stale answer
     assert all_free(store)
@@ -231,7 +231,7 @@ def test_concurrent_misses_compute_once_and_get_private_copies():
 
     def encode():
         calls.append(threading.get_ident())
-        wait_for(lambda: store.stats()["joins"] == n - 1)  # every other caller is waiting on this computation
+        wait_for(lambda: store.stats().totals.joins == n - 1)  # every other caller is waiting on this computation
         time.sleep(0.01)
         return {"emb": floats(300, 7), "mask": torch.ones(300, dtype=torch.bool)}
 
@@ -245,7 +245,7 @@ def test_concurrent_misses_compute_once_and_get_private_copies():
     results[1]["emb"].fill_(3)
     assert_same(results[2], expected)
     assert_same(store.get(key(modality="text")), expected)
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["queries"], s["misses"], s["hits"], s["joins"]) == (n + 1, n, 1, n - 1)
     assert s["time_saved_s"] >= 0.01 and not store._flights
 
@@ -255,7 +255,7 @@ def test_failing_compute_reaches_every_waiter_and_stores_nothing():
 
     def broken():
         calls.append(1)
-        wait_for(lambda: store.stats()["joins"] == n - 1)
+        wait_for(lambda: store.stats().totals.joins == n - 1)
         raise RuntimeError("CUDA out of memory (simulated)")
 
     errors = run_together(n, lambda: store.get_or_compute(key(), broken).value)
@@ -285,7 +285,7 @@ def test_in_flight_name_with_other_ids_is_not_joined():
         assert_same(store.get_or_compute(b, lambda: floats(8, 2)).value, floats(8, 2))  # never a's value
         go.set()
         assert_same(fut.result().value, floats(8, 1))
-    assert store.stats()["collisions"] == 1 and store.stats()["joins"] == 0
+    assert store.stats().totals.collisions == 1 and store.stats().totals.joins == 0
     assert_same(store.get(a), floats(8, 1))
 
 
@@ -316,7 +316,7 @@ def test_threads_hammering_a_small_pool_keep_values_and_counts_exact():
     for entry in store._entries.values():
         expected[entry.pages] += 1
     assert (store.pool.counts == expected).all() and not store._flights
-    s = store.stats()
+    s = store.stats().to_dict()
     assert s["queries"] == s["hits"] + s["misses"] and s["evictions"] > 0
     store.clear()
     assert all_free(store)
@@ -333,7 +333,7 @@ def test_verifying_ids_mismatch_is_a_miss_and_a_collision():
     assert key(modality="text", ids=[5, 6, 8]) not in store
     assert store.pin(key(modality="text", ids=[5, 6])) is None
     assert_same(store.get(key(modality="text", ids=torch.tensor([5, 6, 7]))), floats(12))
-    s = store.stats()["by_modality"]["text"]
+    s = store.stats().to_dict()["by_modality"]["text"]
     assert (s["queries"], s["hits"], s["misses"], s["collisions"]) == (3, 1, 2, 3)
     other = key(modality="text", ids=np.array([9], dtype=np.int32))
     assert_same(store.get_or_compute(other, lambda: floats(3, 1)).value, floats(3, 1))  # replaces the colliding entry
@@ -345,7 +345,7 @@ def test_salt_fingerprint_and_modality_isolate():
     store.put(key(), floats(4))
     for other in (key(salt=b"tenant-b"), key(fp="vit@def/bf16/cpu"), key(modality="audio"), key(1)):
         assert store.get(other) is None and other not in store
-    assert store.stats()["collisions"] == 0
+    assert store.stats().totals.collisions == 0
 
 
 def test_key_normalisation_and_validation():
@@ -368,7 +368,7 @@ def test_changed_shape_or_dtype_is_refused_and_the_entry_kept():
     for junk in ("text", None, [torch.ones(2), 3], torch.ones(2).to_sparse(), torch.empty(2, device="meta")):
         with pytest.raises(EncoderOutputError):
             store.put(key(2), junk)
-    assert key(2) not in store and store.stats()["entries"] == 1
+    assert key(2) not in store and store.stats().entries == 1
 
 
 def test_expected_output_spec():
@@ -420,14 +420,14 @@ def test_counters_by_modality_and_time_saved():
         store.get_or_compute(key(0, modality="image"), lambda: pytest.fail("hit")).value
     store.get_or_compute(key(0, modality="speaker"), lambda: floats(4)).value
     assert store.get(key(5, modality="speaker")) is None
-    s = store.stats()
+    s = store.stats().to_dict()
     img, spk = s["by_modality"]["image"], s["by_modality"]["speaker"]
     assert (img["queries"], img["hits"], img["misses"], img["bytes_stored"]) == (4, 3, 1, 64)
     assert 3 * 0.02 <= img["time_saved_s"] < 3 * 1.0
     assert (spk["queries"], spk["hits"], spk["misses"], spk["bytes_stored"], spk["time_saved_s"]) == (2, 0, 2, 16, 0)
     assert (s["queries"], s["bytes_stored"], s["entries"], len(store)) == (6, 80, 2, 2)
     store.clear()
-    s = store.stats()
+    s = store.stats().to_dict()
     assert s["bytes_stored"] == 0 == s["by_modality"]["image"]["bytes_stored"] and s["queries"] == 6
 
 
@@ -450,7 +450,7 @@ def test_gpu_pool_roundtrip_and_eviction(device="cuda"):
     for i in range(3):
         store.put(key(i), big + i)
     assert key(0) not in store and torch.equal(store.get(key(2)), big + 2)
-    assert store.stats()["evictions"] == 1 and store.pool.data.device.type == device
+    assert store.stats().totals.evictions == 1 and store.pool.data.device.type == device
 
 
 # -- the whole state machine -----------------------------------------------------------------------------------------
@@ -552,7 +552,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.clear()
         self.last = {k: None for k in self.last}
         self.version = {k: v + 1 for k, v in self.version.items()}
-        assert len(self.store) == 0 and self.store.stats()["bytes_stored"] == 0
+        assert len(self.store) == 0 and self.store.stats().totals.bytes_stored == 0
         if not self.pins:
             assert all_free(self.store)
 
@@ -566,7 +566,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert (pool.counts == expected).all()
         assert pool.num_free + int((pool.counts > 0).sum()) == pool.num_pages
         assert sorted(pool._free) == sorted(np.flatnonzero(pool.counts == 0).tolist())  # no page freed twice
-        assert self.store.stats()["bytes_stored"] == sum(e.nbytes for e in self.store._entries.values())
+        assert self.store.stats().totals.bytes_stored == sum(e.nbytes for e in self.store._entries.values())
 
     @invariant()
     def pinned_entries_stay(self):

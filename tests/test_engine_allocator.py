@@ -95,7 +95,7 @@ def assert_exact(alloc, rid, label, expected):
 
 def snapshot(alloc, rids=()):
     return ([alloc.cache(label).pool.counts.copy().tolist() for label in LABELS],
-            [alloc.cache(label).stats()["pages_cached"] for label in LABELS],
+            [alloc.cache(label).stats().pages_cached for label in LABELS],
             [alloc.get_state(rid, label) for rid in rids for label in alloc.get_labels(rid)])
 
 
@@ -116,8 +116,8 @@ def test_engine_loop_on_two_labels_reuses_each_labels_prefix_in_its_own_pool():
     alloc = make()
     text, audio = list(range(10, 20)), [5, 6, 7, 5, 6, 7]
     serve(alloc, "a", {"text": text, "audio": audio})                     # text: 14 tokens, audio: 10
-    assert alloc.cache("text").stats()["pages_cached"] == 3
-    assert alloc.cache("audio").stats()["pages_cached"] == 2
+    assert alloc.cache("text").stats().pages_cached == 3
+    assert alloc.cache("audio").stats().pages_cached == 2
 
     t2, a2 = sequence(text, 14) + [1], sequence(audio, 10) + [2]
     states = alloc.add_request("b", LABELS, token_ids={"text": t2, "audio": a2})
@@ -140,7 +140,7 @@ def test_engine_loop_on_two_labels_reuses_each_labels_prefix_in_its_own_pool():
                 write(alloc, "b", label, n, values(label, b"", prompt, n))
     assert alloc.get_state("b", "text").computed_tokens == 18
     assert alloc.remove_request("b", output_ids={"text": sequence(t2, 18)[15:], "audio": sequence(a2, 14)[11:]})
-    assert alloc.cache("text").stats()["pages_cached"] == 4 and alloc.cache("audio").stats()["pages_cached"] == 3
+    assert alloc.cache("text").stats().pages_cached == 4 and alloc.cache("audio").stats().pages_cached == 3
     assert len(alloc) == 0
     for label in LABELS:                                                  # only the index owns pages now
         cache = alloc.cache(label)
@@ -163,7 +163,7 @@ def test_a_label_without_a_prompt_is_admitted_at_first_alloc_and_never_indexed()
     write(alloc, "a", "text", 9, values("text", b"", prompt, 9))
     alloc.remove_request("a")
     assert alloc.cache("audio").pool.num_free == 12                      # nothing of the audio label was indexed
-    assert alloc.cache("text").stats()["pages_cached"] == 2
+    assert alloc.cache("text").stats().pages_cached == 2
 
     # set_prompt gives a late label prefix reuse
     alloc.add_request("b", LABELS, token_ids={"text": prompt})
@@ -181,7 +181,7 @@ def test_allocation_failed_carries_request_and_label_and_only_when_live_demand_e
     serve(alloc, "cached", {"text": list(range(16))}, decode=0)           # 4 cached text pages
     alloc.add_request("a", LABELS, token_ids={"text": list(range(100, 120))})
     alloc.alloc("a", "text", 28)                                          # 7 pages: cached pages are evicted
-    assert alloc.cache("text").stats()["evicted_pages"] == 3
+    assert alloc.cache("text").stats().evicted_pages == 3
     alloc.add_request("b", LABELS)
     before = snapshot(alloc, ["a", "b"])
     with pytest.raises(AllocationFailed) as err:
@@ -210,7 +210,7 @@ def test_removal_during_a_batch_waits_for_the_batch_and_then_indexes_and_frees()
     before = snapshot(alloc, ["a", "b"])
     assert alloc.remove_request("a", output_ids={"text": sequence(prompt, 14)[12:]}) is False
     assert alloc.abort_request("b") is False
-    assert alloc.stats() == {"requests": 2, "batches_in_flight": 2, "removals_queued": 2, "requests_offloaded": 0}
+    assert alloc.stats().to_dict() == {"requests": 2, "batches_in_flight": 2, "removals_queued": 2, "requests_offloaded": 0}
     with pytest.raises(InvalidRequest):
         alloc.remove_request("a")                                         # its removal is already queued
     with pytest.raises(InvalidRequest):
@@ -220,10 +220,10 @@ def test_removal_during_a_batch_waits_for_the_batch_and_then_indexes_and_frees()
 
     assert alloc.complete_batch(first) == ["b"]                           # a is still in the second batch
     assert alloc.cache("audio").pool.num_free == 12 and "b" not in alloc
-    assert alloc.cache("text").stats()["pages_cached"] == 0 and alloc.get_state("a", "text").seq_len == 14
+    assert alloc.cache("text").stats().pages_cached == 0 and alloc.get_state("a", "text").seq_len == 14
     assert alloc.complete_batch(second) == ["a"]
     text = alloc.cache("text")
-    assert text.stats()["pages_cached"] == 3 and text.pool.num_free == 16 - 3 and len(alloc) == 0
+    assert text.stats().pages_cached == 3 and text.pool.num_free == 16 - 3 and len(alloc) == 0
     with pytest.raises(InvalidRequest):
         alloc.complete_batch(second)
     with pytest.raises(UnknownRequest, match="already been removed"):
@@ -252,7 +252,7 @@ def test_windowed_label_indexes_only_its_protected_run_and_releases_through_coun
         alloc.offload_request("w", hosts(alloc))                          # windowed requests are not offloaded
     alloc.remove_request("w", output_ids={"text": sequence(prompt, 24)[20:]})
     text = alloc.cache("text")
-    assert text.stats()["pages_cached"] == 2 and text.pool.num_free == 14
+    assert text.stats().pages_cached == 2 and text.pool.num_free == 14
     alloc.add_request("r", ["text"], token_ids=prompt)
     assert alloc.get_state("r", "text").matched_tokens == 8
     alloc.abort_request("r")
@@ -293,7 +293,7 @@ def test_offload_and_reload_restore_the_exact_bytes_at_the_same_positions():
     assert text.num_free == 6 and audio.num_free == 4
     assert host["text"].num_free == 4 and host["audio"].num_free == 4
     assert alloc.is_offloaded("b") and alloc.get_state("b", "text").position_id_start == 8
-    assert alloc.stats()["requests_offloaded"] == 1
+    assert alloc.stats().requests_offloaded == 1
     with pytest.raises(InvalidRequest):
         alloc.alloc("b", "text", 20)                                      # an offloaded request does not grow
     with pytest.raises(InvalidRequest):

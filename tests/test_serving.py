@@ -164,7 +164,7 @@ class TinyChat:
                              output_tokens=out.size, encoder_items=items, encoder_hits=hits)
 
     def cache_stats(self) -> dict:
-        return {"prefix": self.cache.stats(), "encoder": self.store.stats()}
+        return {"prefix": self.cache.stats().to_dict(), "encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """Unbounded-cache hit rates over the requests that will succeed, in listed order (for this workload the

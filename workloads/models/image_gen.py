@@ -270,7 +270,7 @@ class ImageGen:
         return RequestResult(output_tokens=1, encoder_items={"text": 2}, encoder_hits={"text": hits})
 
     def cache_stats(self) -> dict:
-        return {"encoder": self.store.stats()}
+        return {"encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """``text``: 1 - distinct prompt keys (the negative included) / prompt encodes (two per request), the rate an
@@ -283,7 +283,7 @@ class ImageGen:
         return {"text": 2 * len(self._requests)}
 
     def _text_hits(self) -> int:
-        return self.store.stats()["by_modality"].get("text", {}).get("hits", 0)
+        return self.store.stats().to_dict()["by_modality"].get("text", {}).get("hits", 0)
 
 
 def _requests(options: ModelWorkloadOptions) -> list[Request]:

@@ -263,10 +263,10 @@ class VlmChat:
                              encoder_hits={"image": images - (self._misses() - misses) if cached else 0})
 
     def _misses(self) -> int:
-        return self.store.stats()["by_modality"].get("image", {}).get("misses", 0)
+        return self.store.stats().to_dict()["by_modality"].get("image", {}).get("misses", 0)
 
     def cache_stats(self) -> dict:
-        return {"prefix": self.kv.prefix.stats(), "encoder": self.store.stats()}
+        return {"prefix": self.kv.prefix.stats().to_dict(), "encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """Unbounded-cache hit rates in trace order over the requests that can succeed. Replies are stood in by zeros:

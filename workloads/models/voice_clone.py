@@ -448,7 +448,7 @@ class VoiceClone:
         return torch.cat(codes, 1)[0]
 
     def cache_stats(self) -> dict:
-        return {"prefix": self.kv.prefix.stats(), "encoder": self.store.stats()}
+        return {"prefix": self.kv.prefix.stats().to_dict(), "encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """Unbounded-cache hit rates over the requests that will succeed (a reference that decodes), in service

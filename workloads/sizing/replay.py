@@ -194,7 +194,7 @@ def replay(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: 
         bar.update(k + 1)
     r.drain()
     bar.close()
-    stats = r.cache.stats()
+    stats = r.cache.stats().to_dict()
     run.evicted_pages, run.eviction_batches = stats["evicted_pages"], stats["eviction_batches"]
     run.collisions = stats["collisions"]
     run.elapsed_s = time.perf_counter() - started
