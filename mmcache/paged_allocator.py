@@ -39,7 +39,6 @@ from mmcache.prefix_cache import PrefixCache, RequestState
 from mmcache.stats import AllocatorStats
 
 _ENDED_MEMORY = 65536  # removed ids remembered only to say "already removed" rather than "never added"
-_NO_PROMPT = (0,)      # a label admitted without a prompt: one placeholder token, so nothing can match ((1-1)//P = 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,7 +125,7 @@ class PagedAllocator:
             if rid in self._requests:
                 raise DuplicateRequest(f"request {rid!r} is already added")
             for label, tokens in prompts.items():  # validate every prompt before admitting any
-                prompts[label] = as_tokens(tokens, self._caches[label]._vocab_limit)
+                prompts[label] = as_tokens(tokens, self._caches[label].vocab_size)
             entry = _Entry(dict.fromkeys(labels))
             admitted = []
             try:
@@ -167,7 +166,7 @@ class PagedAllocator:
                 raise InvalidRequest(f"request {rid!r} is offloaded; reload it first")
             fresh = entry.labels[label] is None
             if fresh:  # first alloc of a label without a prompt
-                cache.admit(rid, _NO_PROMPT)
+                cache.admit_unnamed(rid)
                 entry.labels[label] = False
             try:
                 state = cache.state(rid)
@@ -435,7 +434,7 @@ class PagedAllocator:
         prompted = [label for label, admitted in entry.labels.items() if admitted]
         if isinstance(output_ids, Mapping) and any(entry.labels.get(label) is False for label in output_ids):
             raise InvalidRequest(f"request {rid!r}: output ids for a label without a prompt (never indexed)")
-        return {label: as_tokens(ids, self._caches[label]._vocab_limit)
+        return {label: as_tokens(ids, self._caches[label].vocab_size)
                 for label, ids in self._per_label(rid, output_ids, prompted, "output_ids").items()}
 
     def _remove(self, rid: Hashable, entry: _Entry, removal: _Removal) -> bool:

@@ -144,7 +144,7 @@ def test_engine_loop_on_two_labels_reuses_each_labels_prefix_in_its_own_pool():
     assert len(alloc) == 0
     for label in LABELS:                                                  # only the index owns pages now
         cache = alloc.cache(label)
-        assert (cache.pool.counts == cache._indexed).all()
+        assert (cache.pool.counts == cache.index.indexed).all()
 
 
 def test_a_label_without_a_prompt_is_admitted_at_first_alloc_and_never_indexed():
@@ -525,7 +525,7 @@ def test_engine_threads_keep_counts_exact():
     assert not errors and len(alloc) == 0
     for label in LABELS:
         cache = alloc.cache(label)
-        assert (cache.pool.counts == cache._indexed).all()
+        assert (cache.pool.counts == cache.index.indexed).all()
         cache.clear()
         assert cache.pool.num_free == 64
 
@@ -743,7 +743,7 @@ class EngineMachine(RuleBasedStateMachine):
             holders = np.zeros(PAGES[label], dtype=np.int32)
             for rid in self.reqs:
                 np.add.at(holders, list(self.alloc.get_state(rid, label).page_indices), 1)
-            holders += cache._indexed
+            holders += cache.index.indexed
             assert (cache.pool.counts == holders).all()
             assert sorted(cache.pool._free) == np.flatnonzero(cache.pool.counts == 0).tolist()
         for label, host in self.host.items():

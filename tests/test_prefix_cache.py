@@ -239,7 +239,7 @@ def test_concurrent_requests_from_threads_keep_counts_exact():
         t.join()
     s = cache.stats()
     assert s.requests_live == 0 and s.pages_live == 0
-    assert (cache.pool.counts == cache._indexed).all()              # every owned page is owned by the index alone
+    assert (cache.pool.counts == cache.index.indexed).all()              # every owned page is owned by the index alone
     cache.clear()
     assert cache.pool.num_free == 256
 
@@ -293,3 +293,22 @@ def test_offload_releases_own_pages_and_resume_gives_fresh_ones_at_the_same_posi
     cache.finish("b")
     hit = cache.admit("c", list(range(12)) + [5] * 6 + [0])
     assert torch.equal(cache.pool.data[list(hit.page_indices[3:4])], kv[3:4])
+
+
+def test_unnamed_request_holds_pages_but_is_never_matched_nor_indexed():
+    cache = make(num_pages=8)
+    st = cache.admit_unnamed("u")
+    assert (st.seq_len, st.matched_tokens, st.page_indices) == (0, 0, ())
+    with pytest.raises(DuplicateRequest):
+        cache.admit_unnamed("u")
+    cache.grow("u", 10)
+    cache.mark_computed("u", 10)
+    assert cache.finish("u") == 0 and cache.pool.num_free == 8
+    s = cache.stats()
+    assert (s.queries, s.pages_cached, s.requests_live) == (0, 0, 0)
+
+
+def test_vocab_size_is_public_and_read_only():
+    assert make(vocab_size=100).vocab_size == 100 and make().vocab_size == 2**31 - 1
+    with pytest.raises(AttributeError):
+        make().vocab_size = 5
