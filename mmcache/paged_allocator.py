@@ -32,6 +32,7 @@ from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_int
 from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
 from mmcache.names import as_tokens
 from mmcache.pool import PagePool, can_hold, copy_pages
@@ -156,7 +157,7 @@ class PagedAllocator:
         Cold cached pages are evicted first; ``AllocationFailed`` (with ``pages_short``, ``request_id``, ``label``)
         is raised only when live requests alone need more than the label's pool, and then nothing changes.
         """
-        seq_len = int(seq_len)
+        seq_len = as_int(seq_len, "seq_len")
         if seq_len < 0:
             raise InvalidRequest(f"request {rid!r}: seq_len must be >= 0, got {seq_len}")
         with self._lock:

@@ -18,7 +18,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from mmcache.errors import OutOfPages, PageOwnershipError
+from mmcache.checks import as_ids, as_int
+from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
 
 
 class PagePool:
@@ -34,9 +35,9 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
-        if int(num_pages) <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.num_pages = int(num_pages)
+        self.num_pages = as_int(num_pages, "num_pages")
+        if self.num_pages <= 0:
+            raise InvalidRequest(f"num_pages must be positive, got {num_pages}")
         self.page_shape = tuple(int(s) for s in page_shape)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -69,9 +70,9 @@ class PagePool:
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with owner count 1, or raise ``OutOfPages`` and take none."""
-        n = int(n)
+        n = as_int(n, "a page count")
         if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
+            raise InvalidRequest(f"cannot allocate {n} pages")
         if n == 0:
             return []
         with self.lock:
@@ -111,8 +112,8 @@ class PagePool:
         return freed
 
     def _checked(self, pages, distinct: bool = False):
-        """Page ids as unique ids with multiplicities; raises on ids outside the pool."""
-        idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        """Page ids as unique ids with multiplicities; raises on non-integer ids and ids outside the pool."""
+        idx = as_ids(pages, "page ids")
         if idx.size == 0:
             return None, None
         if idx.min() < 0 or idx.max() >= self.num_pages:
@@ -137,7 +138,7 @@ class HostPagePool(PagePool):
         self.page_shape = tuple(int(s) for s in page_shape)
         self.pinned = bool(pin_memory)
         if self.pinned and not torch.cuda.is_available():
-            raise ValueError("pin_memory=True needs CUDA; use pin_memory=False on a CPU-only machine")
+            raise InvalidRequest("pin_memory=True needs CUDA; use pin_memory=False on a CPU-only machine")
         if self.page_shape and math.prod(self.page_shape) > 0:
             self.data = torch.zeros((self.num_pages, *self.page_shape), dtype=dtype, pin_memory=self.pinned)
 
@@ -158,7 +159,7 @@ def copy_pages(src: PagePool, src_pages: Sequence[int], dst: PagePool, dst_pages
     """``dst.data[dst_pages[i]] = src.data[src_pages[i]]`` for every i, across devices; a no-op for metadata-only
     pools. Blocking: when it returns, the source pages may be released and reused."""
     if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source page(s) for {len(dst_pages)} destination page(s)")
+        raise InvalidRequest(f"{len(src_pages)} source page(s) for {len(dst_pages)} destination page(s)")
     if not len(src_pages) or src.data is None:
         return
     rows = src.data.index_select(0, torch.as_tensor(list(src_pages), dtype=torch.long, device=src.data.device))

@@ -20,6 +20,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_int, as_names
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
 from mmcache.pool import PagePool
@@ -123,8 +124,8 @@ class PrefixCache:
         blobs = media_by_page(media, P, tokens.size)
         if names is None:
             names = chain(root, tokens, P, 0, blobs)
-        elif len(names) != tokens.size // P:
-            raise InvalidRequest(f"request {rid!r}: {len(names)} names for {tokens.size // P} full pages")
+        else:  # checked here, not at finish: a name that cannot be stored must not leave a request live
+            names = as_names(names, tokens.size // P, f"request {rid!r}")
         limit = (tokens.size - 1) // P
         mids = media_ids(blobs, range(limit))
         with self._lock:
@@ -135,7 +136,7 @@ class PrefixCache:
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             k = idx.size * P
-            rec = _Request(rid, tokens, blobs, root, salt_id, list(names), idx.tolist(), k, k, k)
+            rec = _Request(rid, tokens, blobs, root, salt_id, names, idx.tolist(), k, k, k)
             self._live[rid] = rec
             self._ended.pop(rid, None)
             c = self.index.counters
@@ -158,9 +159,9 @@ class PrefixCache:
     def grow(self, rid: Hashable, total_tokens: int) -> RequestState:
         """Hold pages for ``total_tokens``; evicts cold cached pages if needed and raises ``OutOfPages`` only when
         live requests alone need more than the pool (nothing changes then)."""
+        total_tokens = as_int(total_tokens, "total_tokens")
         with self._lock:
             rec = self._get(rid, live=True)
-            total_tokens = int(total_tokens)
             if total_tokens < rec.seq_len:
                 raise InvalidRequest(f"request {rid!r}: grow to {total_tokens} tokens is below the "
                                      f"{rec.seq_len} it already holds")
@@ -173,9 +174,9 @@ class PrefixCache:
 
     def mark_computed(self, rid: Hashable, total_tokens: int) -> RequestState:
         """Record that the KV of the first ``total_tokens`` tokens is written (never decreases, never past seq_len)."""
+        total_tokens = as_int(total_tokens, "total_tokens")
         with self._lock:
             rec = self._get(rid, live=True)
-            total_tokens = int(total_tokens)
             if not rec.computed <= total_tokens <= rec.seq_len:
                 raise InvalidRequest(f"request {rid!r}: computed tokens must stay within "
                                      f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
@@ -201,7 +202,7 @@ class PrefixCache:
         m = min(seq.size, rec.computed) // P if rec.named else 0
         if rec.protected is not None:  # a windowed label stores only its protected-prefix run
             m = min(m, rec.protected // P)
-        names = self._storable(rid, rec.names[:m])
+        names = rec.names[:m]
         if m > len(names):  # generated tokens extend the chain from the prompt's last full page
             start = len(names)
             names += chain(names[-1] if names else rec.root, seq[start * P:m * P], P, start, rec.media)
@@ -277,9 +278,9 @@ class PrefixCache:
     def protect_prefix(self, rid: Hashable, tokens: int) -> RequestState:
         """Make the request windowed: its first ``tokens`` are never released, and at teardown only their full pages
         are indexed (the KV after a released window is not what a fresh prefill would write)."""
+        tokens = as_int(tokens, "tokens")
         with self._lock:
             rec = self._get(rid, live=True)
-            tokens = int(tokens)
             if not 0 <= tokens <= rec.seq_len or rec.released and tokens != rec.protected:
                 raise InvalidRequest(f"request {rid!r}: cannot protect {tokens} tokens (holds {rec.seq_len}, "
                                      f"released {rec.released} pages)")
@@ -291,9 +292,9 @@ class PrefixCache:
         counted release: a page the index or another request also holds is decremented, never freed under them.
         The page being appended into is never released."""
         P = self.page_size
+        pages = as_int(pages, "pages")
         with self._lock:
             rec = self._get(rid, live=True)
-            pages = int(pages)
             keep = -(-(rec.protected or 0) // P)
             tail = max(0, (rec.seq_len - 1) // P - rec.released)  # held-list index of the page appended into
             written = rec.computed // P - rec.released  # held-list index of the first page not fully written
@@ -335,15 +336,3 @@ class PrefixCache:
         self._ended[rid] = None
         if len(self._ended) > _FINISHED_MEMORY:
             self._ended.popitem(last=False)
-
-    @staticmethod
-    def _storable(rid, names) -> list[int]:
-        """Names as Python ints that fit the uint64 name array. A lookup needs no check (a name only nominates);
-        storing does, and it happens here, before ``finish`` changes anything."""
-        try:
-            checked = np.array(names, dtype=np.uint64).tolist()
-        except (OverflowError, TypeError, ValueError):
-            checked = None
-        if checked != list(names):
-            raise InvalidRequest(f"request {rid!r}: page names must be unsigned 64-bit integers")
-        return checked

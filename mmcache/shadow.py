@@ -13,6 +13,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_names
 from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
 from mmcache.stats import ShadowStats
@@ -63,7 +64,8 @@ class ShadowIndex:
             raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
         root = chain_root(self.fingerprint, salt)
         blobs = media_by_page(media, P, tokens.size)
-        names = [int(x) for x in names] if names is not None else chain(root, tokens, P, 0, blobs)
+        names = chain(root, tokens, P, 0, blobs) if names is None else as_names(names, tokens.size // P,
+                                                                                 f"request {rid!r}")
         limit = (tokens.size - 1) // P
         mids = media_ids(blobs, range(limit))
         with self._lock:
@@ -78,7 +80,7 @@ class ShadowIndex:
             inflight = 0
             while k + inflight < limit and self._inflight[names[k + inflight]]:
                 inflight += 1
-            self._live[rid] = _Live(tokens, blobs, root, salt_id, list(names))
+            self._live[rid] = _Live(tokens, blobs, root, salt_id, names)
             self._inflight.update(names[:limit])
             match = ShadowMatch(rid, int(tokens.size), k, inflight)
             self.records.append(match)
