@@ -34,3 +34,147 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PagedAllocator helpers (tests/test_engine_*.py): two labels on real pools that carry data. Modules import them under
+# short names: ``from conftest import alloc_make as make``.
+import time  # noqa: E402
+
+from mmcache import EncoderKey, Fingerprint, PagePool, PrefixCache  # noqa: E402
+from mmcache.paged_allocator import PagedAllocator  # noqa: E402
+from mmcache.pool import HostPagePool  # noqa: E402
+
+ALLOC_P = 4
+# (k/v, slot, heads, dim) per label
+ALLOC_SHAPES = {"text": ((2, ALLOC_P, 2, 8), torch.float32), "audio": ((2, ALLOC_P, 1, 4), torch.float16)}
+ALLOC_LABELS = ["text", "audio"]
+ALLOC_MOD = 2039  # values stay exact in float16
+
+
+def alloc_make(text_pages=16, audio_pages=12, evict=1):
+    caches = {}
+    for label, pages in (("text", text_pages), ("audio", audio_pages)):
+        shape, dtype = ALLOC_SHAPES[label]
+        caches[label] = PrefixCache(PagePool(pages, shape, dtype),
+                                    Fingerprint(f"org/{label}@rev", page_size=ALLOC_P, kv_dtype=str(dtype)),
+                                    evict_batch_pages=evict)
+    return PagedAllocator(caches)
+
+
+def alloc_hosts(alloc, pages=16):
+    return {label: HostPagePool.like(alloc.cache(label).pool, pages) for label in ALLOC_LABELS}
+
+
+def alloc_generated(t: int) -> int:
+    return (t * 7) % 3  # the token a request "generates" at position t
+
+
+def alloc_sequence(prompt, upto):
+    return list(prompt) + [alloc_generated(t) for t in range(len(prompt), upto)]
+
+
+def alloc_values(label, salt, prompt, upto, rid=None) -> list[int]:
+    """The 'KV' of positions 0..upto-1: a rolling hash of the whole prefix, or of the request for no prompt."""
+    if prompt is None:
+        return [(hash(rid) % 97 * 31 + t) % ALLOC_MOD for t in range(upto)]
+    h, out = (hash(label) ^ hash(salt)) & 0xFFFF, []
+    for tok in alloc_sequence(prompt, upto):
+        h = (h * 1_000_003 + tok + 1) % (1 << 61)
+        out.append(h % ALLOC_MOD)
+    return out
+
+
+def alloc_page_of(state, t: int) -> int | None:
+    """The page holding token t (None inside a released window)."""
+    j = t // ALLOC_P - state.position_id_start // ALLOC_P
+    keep = -(-(state.protected_tokens or 0) // ALLOC_P)
+    if state.protected_tokens is not None and j >= keep:
+        j -= state.released_tokens // ALLOC_P
+        if j < keep:
+            return None
+    return state.page_indices[j]
+
+
+def alloc_write(alloc, rid, label, upto, vals):
+    """What an engine's forward pass does: write the KV of computed..upto-1 into the request's own pages."""
+    state, pool = alloc.get_state(rid, label), alloc.cache(label).pool
+    for t in range(state.computed_tokens, upto):
+        page = alloc_page_of(state, t)
+        assert pool.counts[page] == 1, "a request writes only into pages it owns alone"
+        pool.data[page, :, t % ALLOC_P] = vals[t]
+    return alloc.mark_computed(rid, label, upto)
+
+
+def alloc_held(alloc, rid, label):
+    """The KV bytes of every computed position the request holds, position by position."""
+    state, data = alloc.get_state(rid, label), alloc.cache(label).pool.data
+    ts = [t for t in range(state.computed_tokens) if alloc_page_of(state, t) is not None]
+    if not ts:
+        return ts, data[:0, :, 0]
+    return ts, data[[alloc_page_of(state, t) for t in ts], :, [t % ALLOC_P for t in ts]]
+
+
+def alloc_assert_exact(alloc, rid, label, expected):
+    ts, got = alloc_held(alloc, rid, label)
+    want = torch.tensor([expected[t] for t in ts], dtype=got.dtype).reshape(-1, *[1] * (got.dim() - 1))
+    assert torch.equal(got, want.expand_as(got)), f"request {rid!r} label {label!r} holds wrong KV"
+
+
+def alloc_snapshot(alloc, rids=()):
+    return ([alloc.cache(label).pool.counts.copy().tolist() for label in ALLOC_LABELS],
+            [alloc.cache(label).stats().pages_cached for label in ALLOC_LABELS],
+            [alloc.get_state(rid, label) for rid in rids for label in alloc.get_labels(rid)])
+
+
+def alloc_serve(alloc, rid, prompts, decode=4, salt=b""):
+    """A whole request: add with prompts, allocate, prefill + decode, remove with its outputs."""
+    alloc.add_request(rid, ALLOC_LABELS, token_ids=prompts, salt=salt)
+    outputs = {}
+    for label, prompt in prompts.items():
+        total = len(prompt) + decode
+        alloc.alloc(rid, label, total)
+        alloc_write(alloc, rid, label, total, alloc_values(label, salt, prompt, total))
+        outputs[label] = alloc_sequence(prompt, total)[len(prompt):]
+    alloc.remove_request(rid, output_ids=outputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# EncoderStore helpers (tests/test_encoder_store*.py); imported the same way.
+STORE_PB = 64  # page bytes in most tests: 16 float32 per page
+
+
+def store_key(i=0, fp="vit@abc/bf16/cpu", modality="image", salt=b"", ids=None):
+    return EncoderKey(bytes([i]) * 16, fp, modality, salt, ids)
+
+
+def store_floats(n, seed=0, dtype=torch.float32):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_same_value(a, b):
+    """Bit-exact equality of two values (tensors or containers of tensors), dtypes and container types included."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+        assert torch.equal(a, b) or (a.is_floating_point() or a.is_complex()) and a.isnan().any()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same_value(a[k], b[k])
+    else:
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_value(x, y)
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the other threads"
+        time.sleep(0.001)
+
+
+def store_all_free(store):
+    return store.pool.num_free == store.pool.num_pages and not store.pool.counts.any()
