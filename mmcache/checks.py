@@ -36,8 +36,9 @@ def as_ids(values, what: str) -> np.ndarray:
 def as_names(names, count: int, what: str) -> list[int]:
     """Page names as ``count`` Python ints in [0, 2**64); raises ``InvalidRequest`` otherwise.
 
-    A list of ints converts through ``array('Q')``, which range-checks each in C and refuses non-integers (a name
-    only nominates a lookup, but a stored one must fit the uint64 name array).
+    ``array('Q')`` range-checks every name in C and refuses non-integers (a name only nominates a lookup, but a
+    stored one must fit the uint64 name array); the names themselves are kept as given (numpy integer scalars
+    included: they hash and compare like ints), which spares a second conversion on the admit path.
     """
     if len(names) != count:
         raise InvalidRequest(f"{what}: {len(names)} names for {count} full pages")
@@ -46,6 +47,7 @@ def as_names(names, count: int, what: str) -> list[int]:
             raise InvalidRequest(f"{what}: page names must be unsigned 64-bit integers, got {names.dtype} values")
         return names.tolist()
     try:
-        return array.array("Q", names).tolist()
+        array.array("Q", names)
+        return list(names)
     except (TypeError, OverflowError):
         raise InvalidRequest(f"{what}: page names must be unsigned 64-bit integers") from None

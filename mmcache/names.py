@@ -141,6 +141,7 @@ def chain(parent: int, tokens: np.ndarray, page_size: int, first_page: int = 0,
     fall on the right pages. Trailing tokens that do not fill a page get no name.
     """
     n_pages = len(tokens) // page_size
+    parent = int(parent)  # a caller's name may be a numpy integer; the xxh64 seed must be an int
     step = page_size * tokens.itemsize
     buf = memoryview(tokens[: n_pages * page_size]).cast("B")
     hash64 = xxhash.xxh64_intdigest

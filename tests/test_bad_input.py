@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from digests.digest import Digest, hasher
-from mmcache import EncoderKey, EncoderStore, Fingerprint, PagedAllocator, PagePool, PrefixCache, ShadowIndex
+from mmcache import EncoderKey, EncoderStore, Fingerprint, PagedAllocator, PagePool, PrefixCache, ShadowIndex, page_names
 from mmcache.errors import InvalidRequest, MmcacheError
 
 P = 4
@@ -174,3 +174,13 @@ def test_bad_input_leaves_pool_and_cache_exactly_as_they_were(ops):
         with pytest.raises(MmcacheError):  # InvalidRequest, or PageOwnershipError for an integer id out of range
             calls[op](x)
         assert snapshot(cache) == before
+
+
+def test_numpy_integer_names_are_names_and_their_chain_extends():
+    cache = PrefixCache(PagePool(16), FP)
+    toks = list(range(1, 14))
+    cache.admit("a", toks, names=[np.uint64(x) for x in page_names(FP, toks)])
+    cache.grow("a", 20)
+    cache.mark_computed("a", 20)
+    assert cache.finish("a", list(range(20, 27))) == 5
+    assert cache.admit("b", toks + list(range(20, 27)) + [1]).matched_tokens == 20
