@@ -139,15 +139,15 @@ def main(argv=None) -> None:
         cache.finish(("sat", i), rng.integers(0, 32000, size=40))
     t_sat = (time.perf_counter() - t0) / 2000
     s = cache.stats()
-    rows.append(("saturated pool: evicted pages / eviction batch", f"{s['evicted_pages'] / s['eviction_batches']:.1f}",
-                 f"{s['shortfall_pages'] / s['eviction_batches']:.2f} pages short per batch; "
-                 f"{s['eviction_batches']} batches for 2000 requests", None))
+    rows.append(("saturated pool: evicted pages / eviction batch", f"{s.evicted_pages / s.eviction_batches:.1f}",
+                 f"{s.shortfall_pages / s.eviction_batches:.2f} pages short per batch; "
+                 f"{s.eviction_batches} batches for 2000 requests", None))
     rows.append(("saturated pool: per request (admit..finish, 9 pages)", f"{t_sat * 1e6:.0f} us", "", None))
 
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page
-    cache = PrefixCache(PagePool(4096), fp)
-    arrays = sum(a.nbytes for a in (cache._name, cache._tokens, cache._media_lo, cache._media_hi, cache._parent, cache._salt,
-                                    cache._depth, cache._tick, cache._indexed, cache.pool._counts)) / 4096
+    ix = PrefixCache(PagePool(4096), fp).index
+    arrays = sum(a.nbytes for a in (ix._name, ix._tokens, ix._media_lo, ix._media_hi, ix._parent, ix._salt,
+                                    ix._depth, ix._tick, ix._indexed, ix.pool._counts)) / 4096
     name, page = (1 << 63) + 12345, 4000
     per_entry = sys.getsizeof(name) + sys.getsizeof(page) + 8 * 3 * 1.5 + 8 * 1.5  # key, value, dict slot at 2/3 load
     rows.append((f"metadata per {P}-token page", f"{(arrays + per_entry) / 1024:.2f} KB",

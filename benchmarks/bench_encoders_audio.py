@@ -90,7 +90,7 @@ def hit_row(name: str, label: str, make, data: bytes, repeats: int) -> str:
     key = best(lambda: on.key(data), repeats, inner)
     k = on.key(data)
     get = best(lambda: on.store.get(k), repeats, inner)
-    assert on.store.stats()["misses"] == 1
+    assert on.store.stats().totals.misses == 1
     return (f"{name:<15}{label:<18}{forward * 1e3:>11.1f}{uncached * 1e3:>11.1f}{hit * 1e3:>9.3f}"
             f"{key * 1e3:>11.3f}{get * 1e3:>9.3f}{hit / forward:>11.3%}")
 
@@ -112,7 +112,7 @@ def miss_row(name: str, make, seconds: float, distinct: int, repeats: int) -> st
             t = time.perf_counter()  # the added work alone: digest + key, then a miss that stores ``out``
             on.store.get_or_compute(dataclasses.replace(on.key(data), salt=b"direct"), lambda: out).value
             direct.append(time.perf_counter() - t)
-    assert on.store.stats()["hits"] == 0
+    assert on.store.stats().totals.hits == 0
     m_off, m_direct = statistics.median(off_s), statistics.median(direct)
     diffs = [a - b for a, b in zip(on_s, off_s)]  # pair j ran store-on second when j is even
     added = (statistics.median(diffs[0::2]) + statistics.median(diffs[1::2])) / 2  # the order effect cancels

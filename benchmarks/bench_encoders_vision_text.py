@@ -74,7 +74,7 @@ def guard(name: str, items: list, off, on, out_of, on_call=None) -> None:
     """Print one all-miss row: ``off(x)`` vs ``on_call(x)`` (default ``on(x)``) in pairs over distinct ``items``,
     and the store's own work timed alone (key, i.e. digest; a miss lookup; the put of ``out_of(x)``)."""
     t_off, t_on = paired(off, on_call or on, items)
-    assert on.store.stats()["hits"] == 0, "items must be distinct"
+    assert on.store.stats().totals.hits == 0, "items must be distinct"
     outputs, scratch = [out_of(x) for x in items], EncoderStore(1 << 30)
     t = time.perf_counter()
     for x, out in zip(items, outputs):
@@ -176,7 +176,7 @@ def run(args, tmp: Path) -> None:
             got[side] = (off if side == "off" else on).encode_prompt(prompt, WAN_NEGATIVE)
             times[side] += time.perf_counter() - t
         exact &= all(torch.equal(a, b) for a, b in zip(got["on"], got["off"]))
-    stats = store.stats()
+    stats = store.stats().to_dict()
     n = len(requests)
     print(f"\n3. DiffusionDB replay: first {n} prompts in order + Wan's default negative prompt, "
           f"umT5-{args.replay_model} at 512 tokens, one prompt per forward")

@@ -15,7 +15,7 @@ from functools import partial
 
 import xxhash
 
-from mmcache.errors import InvalidMedia
+from mmcache.errors import InvalidMedia, InvalidRequest
 
 CHUNK = 1 << 20
 DEFAULT = "xxh3_128"
@@ -54,7 +54,7 @@ def hasher(algorithm: str = DEFAULT):
     try:
         return _HASHERS[algorithm]()
     except (KeyError, TypeError):
-        raise ValueError(f"unknown digest algorithm {algorithm!r}; expected one of {ALGORITHMS}") from None
+        raise InvalidRequest(f"unknown digest algorithm {algorithm!r}; expected one of {ALGORITHMS}") from None
 
 
 def update_from_file(h, path: str | os.PathLike) -> None:

@@ -27,7 +27,11 @@ class EncoderKey:
     verify_ids: bytes | None = None
 
     def __post_init__(self):
-        if isinstance(self.digest, (int, str)) or not bytes(self.digest):
+        try:
+            digest = None if isinstance(self.digest, (int, str)) else bytes(self.digest)
+        except TypeError:
+            digest = None
+        if not digest:
             raise InvalidRequest(f"a digest must be non-empty bytes-like, got {type(self.digest).__name__}")
         if not isinstance(self.salt, (bytes, bytearray)):
             raise InvalidRequest(f"salt must be bytes, got {type(self.salt).__name__}")
@@ -37,7 +41,7 @@ class EncoderKey:
             hash(self.fingerprint)
         except TypeError:
             raise InvalidRequest(f"fingerprint must be hashable, got {type(self.fingerprint).__name__}") from None
-        object.__setattr__(self, "digest", bytes(self.digest))
+        object.__setattr__(self, "digest", digest)
         object.__setattr__(self, "salt", bytes(self.salt))
         if self.verify_ids is not None and not isinstance(self.verify_ids, bytes):
             ids = self.verify_ids

@@ -26,14 +26,22 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mmcache.encoder_key import EncoderKey
-from mmcache.errors import EncoderOutputError, OutOfPages, PageOwnershipError
+from mmcache.checks import as_int
+from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.pool import PagePool
+from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 16  # byte offset of each tensor within an entry: every dtype view of the gathered bytes is aligned
 _ZERO = {**dict.fromkeys(("queries", "hits", "misses", "bytes_stored", "evictions", "evicted_bytes", "bypasses",
                           "joins", "collisions"), 0), "time_saved_s": 0.0}
+
+
+def _check_key(key) -> None:
+    if not isinstance(key, EncoderKey):
+        raise InvalidRequest(f"the encoder store is keyed by EncoderKey(digest, fingerprint, modality, ...), got "
+                             f"{type(key).__name__}")
 
 
 def _flatten(value, leaves: list) -> Any:
@@ -159,14 +167,17 @@ class EncoderStore:
     def __init__(self, capacity_bytes: int | None = None, page_bytes: int = 65536, device: str | torch.device = "cpu",
                  *, pool: PagePool | None = None, expect: tuple | None = None):
         if pool is None:
-            if capacity_bytes is None or int(capacity_bytes) < int(page_bytes) or int(page_bytes) <= 0:
-                raise ValueError(f"capacity_bytes ({capacity_bytes}) must hold at least one page of {page_bytes} "
-                                 f"bytes")
-            pool = PagePool(int(capacity_bytes) // int(page_bytes), (int(page_bytes),), torch.uint8, device)
+            if capacity_bytes is None:
+                raise InvalidRequest("an encoder store needs capacity_bytes or a pool")
+            capacity, page = as_int(capacity_bytes, "capacity_bytes"), as_int(page_bytes, "page_bytes")
+            if page <= 0 or capacity < page:
+                raise InvalidRequest(f"capacity_bytes ({capacity_bytes}) must hold at least one page of {page_bytes} "
+                                     f"bytes")
+            pool = PagePool(capacity // page, (page,), torch.uint8, device)
         elif capacity_bytes is not None:
-            raise ValueError("give capacity_bytes or pool, not both")
+            raise InvalidRequest("give capacity_bytes or pool, not both")
         if pool.data is None or pool.dtype != torch.uint8 or len(pool.page_shape) != 1:
-            raise ValueError(f"an encoder store needs a uint8 pool of shape (page_bytes,), got {pool!r}")
+            raise InvalidRequest(f"an encoder store needs a uint8 pool of shape (page_bytes,), got {pool!r}")
         self.pool = pool
         self.page_bytes = pool.page_shape[0]
         self.capacity_bytes = pool.num_pages * self.page_bytes
@@ -182,6 +193,7 @@ class EncoderStore:
     def get(self, key: EncoderKey):
         """A fresh copy of the value stored under ``key``, or None; one query, a hit or a miss (+ a collision when the
         name matches but the verifying ids do not)."""
+        _check_key(key)
         with self._lock:
             entry = self._lookup(key)
         return None if entry is None else self._gather(entry)
@@ -194,6 +206,7 @@ class EncoderStore:
         room because everything left is pinned) stores nothing and drops the replaced entry, so a get never returns
         anything but the last value put. ``compute_s`` is the encoder time each later hit saves.
         """
+        _check_key(key)
         leaves: list[torch.Tensor] = []
         tree = _flatten(value, leaves)
         if self.expect is not None:
@@ -237,6 +250,7 @@ class EncoderStore:
         join) and get private copies of its result, or the same exception re-raised; a failure stores nothing, so a
         later call retries. A caller never shares a tensor with the store or with another caller.
         """
+        _check_key(key)
         with self._lock:
             entry, flight = self._lookup(key), None
             if entry is None:
@@ -281,6 +295,7 @@ class EncoderStore:
 
         Marks the entry recently used; not counted as a query (a collision still counts).
         """
+        _check_key(key)
         with self._lock:
             entry = self._match(key)
             if entry is None:
@@ -294,13 +309,14 @@ class EncoderStore:
         with self._lock:
             self._drop(list(self._entries.values()))
 
-    def stats(self) -> dict:
-        """Counter totals, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
+    def stats(self) -> EncoderStoreStats:
+        """Counter ``totals``, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
         with self._lock:
-            return {**self._totals, "entries": len(self._entries), "capacity_bytes": self.capacity_bytes,
-                    "by_modality": {m: dict(c) for m, c in self._by_modality.items()}}
+            return EncoderStoreStats(EncoderCounters(**self._totals), len(self._entries), self.capacity_bytes,
+                                     {m: EncoderCounters(**c) for m, c in self._by_modality.items()})
 
     def __contains__(self, key: EncoderKey) -> bool:
+        _check_key(key)
         with self._lock:
             entry = self._entries.get(key.name)
             return entry is not None and entry.key.verify_ids == key.verify_ids

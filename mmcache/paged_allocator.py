@@ -32,14 +32,14 @@ from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_int
 from mmcache.errors import AllocationFailed, DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
-from mmcache.host_pool import can_hold, copy_pages
 from mmcache.names import as_tokens
-from mmcache.pool import PagePool
+from mmcache.pool import PagePool, can_hold, copy_pages
 from mmcache.prefix_cache import PrefixCache, RequestState
+from mmcache.stats import AllocatorStats
 
 _ENDED_MEMORY = 65536  # removed ids remembered only to say "already removed" rather than "never added"
-_NO_PROMPT = (0,)      # a label admitted without a prompt: one placeholder token, so nothing can match ((1-1)//P = 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,7 +126,7 @@ class PagedAllocator:
             if rid in self._requests:
                 raise DuplicateRequest(f"request {rid!r} is already added")
             for label, tokens in prompts.items():  # validate every prompt before admitting any
-                prompts[label] = as_tokens(tokens, self._caches[label]._vocab_limit)
+                prompts[label] = as_tokens(tokens, self._caches[label].vocab_size)
             entry = _Entry(dict.fromkeys(labels))
             admitted = []
             try:
@@ -157,7 +157,7 @@ class PagedAllocator:
         Cold cached pages are evicted first; ``AllocationFailed`` (with ``pages_short``, ``request_id``, ``label``)
         is raised only when live requests alone need more than the label's pool, and then nothing changes.
         """
-        seq_len = int(seq_len)
+        seq_len = as_int(seq_len, "seq_len")
         if seq_len < 0:
             raise InvalidRequest(f"request {rid!r}: seq_len must be >= 0, got {seq_len}")
         with self._lock:
@@ -167,7 +167,7 @@ class PagedAllocator:
                 raise InvalidRequest(f"request {rid!r} is offloaded; reload it first")
             fresh = entry.labels[label] is None
             if fresh:  # first alloc of a label without a prompt
-                cache.admit(rid, _NO_PROMPT)
+                cache.admit_unnamed(rid)
                 entry.labels[label] = False
             try:
                 state = cache.state(rid)
@@ -371,14 +371,12 @@ class PagedAllocator:
         with self._lock:
             return self._entry(rid).offloaded is not None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> AllocatorStats:
         """The allocator's own counts; each label's cache has its own ``stats()`` (pages, hits, evictions)."""
         with self._lock:
             entries = self._requests.values()
-            return {"requests": len(self._requests),
-                    "batches_in_flight": len(self._batches),
-                    "removals_queued": sum(e.removal is not None for e in entries),
-                    "requests_offloaded": sum(e.offloaded is not None for e in entries)}
+            return AllocatorStats(len(self._requests), len(self._batches), sum(e.removal is not None for e in entries),
+                                  sum(e.offloaded is not None for e in entries))
 
     # ----------------------------------------------------------------- internals (callers hold the lock)
     def _label(self, label: str, rid: Hashable = None, entry: _Entry | None = None) -> str:
@@ -437,7 +435,7 @@ class PagedAllocator:
         prompted = [label for label, admitted in entry.labels.items() if admitted]
         if isinstance(output_ids, Mapping) and any(entry.labels.get(label) is False for label in output_ids):
             raise InvalidRequest(f"request {rid!r}: output ids for a label without a prompt (never indexed)")
-        return {label: as_tokens(ids, self._caches[label]._vocab_limit)
+        return {label: as_tokens(ids, self._caches[label].vocab_size)
                 for label, ids in self._per_label(rid, output_ids, prompted, "output_ids").items()}
 
     def _remove(self, rid: Hashable, entry: _Entry, removal: _Removal) -> bool:

@@ -2,18 +2,24 @@
 
 An owner is anything with a defined end (a live request, the prefix index, the encoder store). The pool is the only
 place pages are freed: a page is on the free list exactly when its owner count is 0.
+
+HostPagePool is a PagePool in host memory that holds offloaded pages; ``copy_pages`` is the one copy between two
+pools. Offload copies a request's exclusively owned device pages into host pages of the same ``page_shape`` and
+dtype; reload copies them back into fresh device pages. Ownership works as on the device: the offload record is the
+host pages' only owner, and releasing them returns them to the host free list.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from mmcache.errors import OutOfPages, PageOwnershipError
+from mmcache.checks import as_ids, as_int
+from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
 
 
 class PagePool:
@@ -29,9 +35,9 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
-        if int(num_pages) <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.num_pages = int(num_pages)
+        self.num_pages = as_int(num_pages, "num_pages")
+        if self.num_pages <= 0:
+            raise InvalidRequest(f"num_pages must be positive, got {num_pages}")
         self.page_shape = tuple(int(s) for s in page_shape)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -64,9 +70,9 @@ class PagePool:
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with owner count 1, or raise ``OutOfPages`` and take none."""
-        n = int(n)
+        n = as_int(n, "a page count")
         if n < 0:
-            raise ValueError(f"cannot allocate {n} pages")
+            raise InvalidRequest(f"cannot allocate {n} pages")
         if n == 0:
             return []
         with self.lock:
@@ -106,8 +112,8 @@ class PagePool:
         return freed
 
     def _checked(self, pages, distinct: bool = False):
-        """Page ids as unique ids with multiplicities; raises on ids outside the pool."""
-        idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        """Page ids as unique ids with multiplicities; raises on non-integer ids and ids outside the pool."""
+        idx = as_ids(pages, "page ids")
         if idx.size == 0:
             return None, None
         if idx.min() < 0 or idx.max() >= self.num_pages:
@@ -120,3 +126,42 @@ class PagePool:
     def __repr__(self) -> str:
         kind = "metadata-only" if self.data is None else f"{tuple(self.page_shape)} {self.dtype} on {self.device}"
         return f"PagePool({self.num_pages} pages, {kind}, {self.num_free} free)"
+
+
+class HostPagePool(PagePool):
+    """``num_pages`` host pages of ``page_shape``/``dtype``; ``pin_memory=True`` allocates page-locked memory (needs
+    CUDA), so device-to-host copies run at full bandwidth."""
+
+    def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
+                 pin_memory: bool = False):
+        super().__init__(num_pages, (), dtype, "cpu")  # ids and counts; the slab is made here, pinned if asked
+        self.page_shape = tuple(int(s) for s in page_shape)
+        self.pinned = bool(pin_memory)
+        if self.pinned and not torch.cuda.is_available():
+            raise InvalidRequest("pin_memory=True needs CUDA; use pin_memory=False on a CPU-only machine")
+        if self.page_shape and math.prod(self.page_shape) > 0:
+            self.data = torch.zeros((self.num_pages, *self.page_shape), dtype=dtype, pin_memory=self.pinned)
+
+    @classmethod
+    def like(cls, pool: PagePool, num_pages: int, pin_memory: bool = False) -> "HostPagePool":
+        """A host pool whose pages can hold ``pool``'s pages."""
+        return cls(num_pages, pool.page_shape, pool.dtype, pin_memory)
+
+
+def can_hold(dst: PagePool, src: PagePool) -> bool:
+    """Whether ``dst``'s pages have ``src``'s page shape and dtype (both metadata-only counts as equal)."""
+    if dst.data is None or src.data is None:
+        return dst.data is None and src.data is None
+    return dst.page_shape == src.page_shape and dst.dtype == src.dtype
+
+
+def copy_pages(src: PagePool, src_pages: Sequence[int], dst: PagePool, dst_pages: Sequence[int]) -> None:
+    """``dst.data[dst_pages[i]] = src.data[src_pages[i]]`` for every i, across devices; a no-op for metadata-only
+    pools. Blocking: when it returns, the source pages may be released and reused."""
+    if len(src_pages) != len(dst_pages):
+        raise InvalidRequest(f"{len(src_pages)} source page(s) for {len(dst_pages)} destination page(s)")
+    if not len(src_pages) or src.data is None:
+        return
+    rows = src.data.index_select(0, torch.as_tensor(list(src_pages), dtype=torch.long, device=src.data.device))
+    dst.data.index_copy_(0, torch.as_tensor(list(dst_pages), dtype=torch.long, device=dst.data.device),
+                         rows.to(dst.data.device))

@@ -1,18 +1,14 @@
-"""PrefixCache: token-verified prefix reuse of KV pages, with cold-tail eviction (RFC phase 2).
+"""PrefixCache: the table of live requests over one PrefixIndex: token-verified prefix reuse of KV pages (RFC phase 2).
 
 One PrefixCache per pool (node × label × rank); labels never share pages. Every method that changes state validates
-its arguments first and holds ``self._lock`` while it mutates, so an error leaves the cache as it was. Names are
-computed outside the lock.
+its arguments first and holds ``self._lock`` while it mutates, so an error leaves the cache as it was. The index
+(``mmcache.prefix_index``) has no lock of its own and is driven only under this one, so a request's pages and the
+index change together. Names are computed outside the lock.
 
 Ownership: the index holds one owner on each indexed page, a live request one on each page it holds. The pool frees
-a page when its count reaches 0; this module never frees pages any other way.
-
-Chain invariants the eviction order relies on:
-- a live request holds index pages only as a prefix 0..k-1 of its chain, so a page only the index owns (count 1)
-  has no live holder below it either;
-- every touch of a page touches all its ancestors with the same tick, so ticks never increase along a chain, and
-  ordering by (tick, -depth) puts every page after all of its descendants: any prefix of that order is a set of
-  whole cold tails.
+a page when its count reaches 0; this module never frees pages any other way. A live request holds index pages only
+as a prefix of its chain (the index's eviction order relies on it): a lookup retains a verified chain prefix, and
+every page after it is fresh.
 """
 
 from __future__ import annotations
@@ -20,16 +16,19 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from itertools import repeat
 from typing import Hashable, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_int, as_names
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
 from mmcache.pool import PagePool
+from mmcache.prefix_index import PrefixIndex
+from mmcache.stats import PrefixCacheStats
 
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
+_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,6 +68,7 @@ class _Request:
     offloaded: int = 0          # while suspended: own pages handed back after the engine copied them out
     protected: int | None = None  # windowed label: tokens kept at the start; only their full pages are indexed
     released: int = 0           # windowed label: pages released after the protected run
+    named: bool = True          # False: admitted without a prompt (``admit_unnamed``); never matched nor indexed
 
     def state(self, page_size: int) -> RequestState:
         return RequestState(self.rid, tuple(self.pages), self.seq_len, self.first_page * page_size,
@@ -85,34 +85,28 @@ class PrefixCache:
     ``evict_batch_pages``: the least number of cached pages one eviction frees (default 1/64 of the pool), so a
     saturated pool evicts in batches instead of once per allocation.
     ``vocab_size``: if given, token ids must lie below it.
+    ``index``: the ``PrefixIndex`` of this cache's pool; read it, never drive it (its lock is this cache's).
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
                  vocab_size: int | None = None):
         self.pool = pool
         self.fingerprint = fingerprint
-        self.page_size = P = fingerprint.page_size
-        self.evict_batch_pages = max(1, evict_batch_pages or pool.num_pages // 64)
+        self.page_size = fingerprint.page_size
         self._vocab_limit = int(vocab_size) if vocab_size else np.iinfo(np.int32).max
-        n = pool.num_pages
-        # Verifying ids and chain metadata, preallocated and indexed by page id (valid where _indexed).
-        self._name = np.zeros(n, dtype=np.uint64)
-        self._tokens = np.zeros((n, P), dtype=np.int32)
-        self._media_lo = np.zeros(n, dtype=np.uint64)   # 128-bit media verifying id, split for 1-D gathers
-        self._media_hi = np.zeros(n, dtype=np.uint64)
-        self._parent = np.full(n, -1, dtype=np.int32)
-        self._salt = np.zeros(n, dtype=np.int32)
-        self._depth = np.zeros(n, dtype=np.int32)
-        self._tick = np.zeros(n, dtype=np.int64)
-        self._indexed = np.zeros(n, dtype=bool)
-        self._index: dict[int, int] = {}
-        self._salt_ids: dict[bytes, int] = {b"": 0}
-        self._clock = 0
+        self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64))
         self._live: dict[Hashable, _Request] = {}
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages",
-                                        "eviction_batches", "shortfall_pages", "stalls", "collisions"), 0)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must lie below this (the int32 maximum when no vocabulary size was given)."""
+        return self._vocab_limit
+
+    @property
+    def evict_batch_pages(self) -> int:
+        return self.index.evict_batch_pages
 
     # ----------------------------------------------------------------- engine contract
     def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
@@ -130,49 +124,59 @@ class PrefixCache:
         blobs = media_by_page(media, P, tokens.size)
         if names is None:
             names = chain(root, tokens, P, 0, blobs)
-        elif len(names) != tokens.size // P:
-            raise InvalidRequest(f"request {rid!r}: {len(names)} names for {tokens.size // P} full pages")
+        else:  # checked here, not at finish: a name that cannot be stored must not leave a request live
+            names = as_names(names, tokens.size // P, f"request {rid!r}")
         limit = (tokens.size - 1) // P
         mids = media_ids(blobs, range(limit))
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request {rid!r} is already live")
-            salt_id = self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
-            idx = self._match(names[:limit], tokens, mids, salt_id)
+            salt_id = self.index.salt_id(salt)
+            idx = self.index.match(names[:limit], tokens, mids, salt_id)
             self.pool.retain(idx, distinct=True)
-            self._touch(idx)
+            self.index.touch(idx)
             k = idx.size * P
-            rec = _Request(rid, tokens, blobs, root, salt_id, list(names), idx.tolist(), k, k, k)
+            rec = _Request(rid, tokens, blobs, root, salt_id, names, idx.tolist(), k, k, k)
             self._live[rid] = rec
             self._ended.pop(rid, None)
-            c = self._counters
+            c = self.index.counters
             c["queries"] += 1
             c["hits"] += bool(k)
             c["queried_tokens"] += int(tokens.size)
             c["hit_tokens"] += k
             return rec.state(P)
 
+    def admit_unnamed(self, rid: Hashable) -> RequestState:
+        """Start a request whose KV no token ids describe (e.g. a label fed by another model's hidden states): it
+        matches nothing, holds fresh pages from position 0 as it grows, and ``finish`` indexes none of them."""
+        with self._lock:
+            if rid in self._live:
+                raise DuplicateRequest(f"request {rid!r} is already live")
+            rec = self._live[rid] = _Request(rid, _NO_TOKENS, {}, 0, 0, [], [], 0, 0, 0, named=False)
+            self._ended.pop(rid, None)
+            return rec.state(self.page_size)
+
     def grow(self, rid: Hashable, total_tokens: int) -> RequestState:
         """Hold pages for ``total_tokens``; evicts cold cached pages if needed and raises ``OutOfPages`` only when
         live requests alone need more than the pool (nothing changes then)."""
+        total_tokens = as_int(total_tokens, "total_tokens")
         with self._lock:
             rec = self._get(rid, live=True)
-            total_tokens = int(total_tokens)
             if total_tokens < rec.seq_len:
                 raise InvalidRequest(f"request {rid!r}: grow to {total_tokens} tokens is below the "
                                      f"{rec.seq_len} it already holds")
             need = -(-total_tokens // self.page_size) - rec.pages_spanned()
             if need > 0:
-                self._make_room(need)
+                self.index.make_room(need)
                 rec.pages += self.pool.alloc(need)
             rec.seq_len = total_tokens
             return rec.state(self.page_size)
 
     def mark_computed(self, rid: Hashable, total_tokens: int) -> RequestState:
         """Record that the KV of the first ``total_tokens`` tokens is written (never decreases, never past seq_len)."""
+        total_tokens = as_int(total_tokens, "total_tokens")
         with self._lock:
             rec = self._get(rid, live=True)
-            total_tokens = int(total_tokens)
             if not rec.computed <= total_tokens <= rec.seq_len:
                 raise InvalidRequest(f"request {rid!r}: computed tokens must stay within "
                                      f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
@@ -195,10 +199,10 @@ class PrefixCache:
             rec = self._get(rid, live=True)
         out = as_tokens(output_ids, self._vocab_limit)
         seq = np.concatenate((rec.tokens, out)) if out.size else rec.tokens
-        m = min(seq.size, rec.computed) // P
+        m = min(seq.size, rec.computed) // P if rec.named else 0
         if rec.protected is not None:  # a windowed label stores only its protected-prefix run
             m = min(m, rec.protected // P)
-        names = self._storable(rid, rec.names[:m])
+        names = rec.names[:m]
         if m > len(names):  # generated tokens extend the chain from the prompt's last full page
             start = len(names)
             names += chain(names[-1] if names else rec.root, seq[start * P:m * P], P, start, rec.media)
@@ -206,9 +210,10 @@ class PrefixCache:
         with self._lock:
             if self._live.get(rid) is not rec:
                 raise UnknownRequest(f"request {rid!r} ended while finishing")
-            added = self._insert(rec, names, seq[:m * P].reshape(m, P), mids)
+            kept = set(self.index.insert(rec.pages, names, seq[:m * P].reshape(m, P), mids, rec.salt_id))
+            self.pool.release([p for j, p in enumerate(rec.pages) if j not in kept])  # the rest stay the index's
             self._end(rid)
-            return added
+            return len(kept)
 
     def abort(self, rid: Hashable) -> None:
         """End a request without indexing anything (its KV may be unusable); all its pages are released."""
@@ -241,15 +246,15 @@ class PrefixCache:
                 raise InvalidRequest(f"request {rid!r} is not suspended")
             j0 = rec.first_page
             mids = media_ids(rec.media, range(j0))
-            idx = self._match(rec.names[:j0], rec.tokens, mids, rec.salt_id)
+            idx = self.index.match(rec.names[:j0], rec.tokens, mids, rec.salt_id)
             self.pool.retain(idx, distinct=True)
             gap = j0 - idx.size
             try:
-                self._make_room(gap + rec.offloaded)
+                self.index.make_room(gap + rec.offloaded)
             except OutOfPages:
                 self.pool.release(idx)
                 raise
-            self._touch(idx)
+            self.index.touch(idx)
             fresh = self.pool.alloc(gap + rec.offloaded)
             rec.pages = idx.tolist() + fresh + rec.pages  # the gap, then the offloaded positions, then kept pages
             rec.first_page, rec.suspended, rec.offloaded = 0, False, 0
@@ -273,9 +278,9 @@ class PrefixCache:
     def protect_prefix(self, rid: Hashable, tokens: int) -> RequestState:
         """Make the request windowed: its first ``tokens`` are never released, and at teardown only their full pages
         are indexed (the KV after a released window is not what a fresh prefill would write)."""
+        tokens = as_int(tokens, "tokens")
         with self._lock:
             rec = self._get(rid, live=True)
-            tokens = int(tokens)
             if not 0 <= tokens <= rec.seq_len or rec.released and tokens != rec.protected:
                 raise InvalidRequest(f"request {rid!r}: cannot protect {tokens} tokens (holds {rec.seq_len}, "
                                      f"released {rec.released} pages)")
@@ -287,9 +292,9 @@ class PrefixCache:
         counted release: a page the index or another request also holds is decremented, never freed under them.
         The page being appended into is never released."""
         P = self.page_size
+        pages = as_int(pages, "pages")
         with self._lock:
             rec = self._get(rid, live=True)
-            pages = int(pages)
             keep = -(-(rec.protected or 0) // P)
             tail = max(0, (rec.seq_len - 1) // P - rec.released)  # held-list index of the page appended into
             written = rec.computed // P - rec.released  # held-list index of the first page not fully written
@@ -307,20 +312,14 @@ class PrefixCache:
     def clear(self) -> int:
         """Drop every index entry (live requests keep their pages); returns how many entries were dropped."""
         with self._lock:
-            pages = np.flatnonzero(self._indexed)
-            self._index.clear()
-            self._indexed[:] = False
-            self.pool.release(pages)
-            return int(pages.size)
+            return self.index.clear()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> PrefixCacheStats:
         with self._lock:
             counts = self.pool.counts
-            return {**self._counters,
-                    "pages_free": self.pool.num_free,
-                    "pages_live": int(np.count_nonzero(counts > self._indexed)),
-                    "pages_cached": len(self._index),
-                    "requests_live": len(self._live)}
+            return PrefixCacheStats(**self.index.counters, pages_free=self.pool.num_free,
+                                    pages_live=int(np.count_nonzero(counts > self.index.indexed)),
+                                    pages_cached=len(self.index), requests_live=len(self._live))
 
     # ----------------------------------------------------------------- internals (callers hold the lock)
     def _get(self, rid: Hashable, live: bool = False) -> _Request:
@@ -337,106 +336,3 @@ class PrefixCache:
         self._ended[rid] = None
         if len(self._ended) > _FINISHED_MEMORY:
             self._ended.popitem(last=False)
-
-    @staticmethod
-    def _storable(rid, names) -> list[int]:
-        """Names as Python ints that fit the uint64 name array. A lookup needs no check (a name only nominates);
-        storing does, and it happens here, before ``finish`` changes anything."""
-        try:
-            checked = np.array(names, dtype=np.uint64).tolist()
-        except (OverflowError, TypeError, ValueError):
-            checked = None
-        if checked != list(names):
-            raise InvalidRequest(f"request {rid!r}: page names must be unsigned 64-bit integers")
-        return checked
-
-    def _match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int) -> np.ndarray:
-        """Pages nominated by walking ``names`` to the first miss, cut at the first that fails verification.
-
-        Verification is one vectorized comparison of every nominated page's tokens, media, parent and salt; a page
-        is accepted only if its whole chain back to page 0 is the request's own, so a hash collision costs a miss.
-        """
-        # Probing past the first miss in C is cheaper than stopping there in a Python loop.
-        idx = np.fromiter(map(self._index.get, names, repeat(-1)), dtype=np.int64, count=len(names))
-        miss = np.flatnonzero(idx < 0)
-        if miss.size:
-            idx = idx[:miss[0]]
-        k, P = idx.size, self.page_size
-        if k == 0:
-            return idx
-        rows = self._tokens[idx]
-        expected = tokens[:k * P].reshape(k, P)
-        parents = np.empty(k, dtype=np.int32)
-        parents[0], parents[1:] = -1, idx[:-1]
-        ok = (self._parent[idx] == parents) & (self._salt[idx] == salt_id)
-        ok &= (self._media_lo[idx] == mids[:k, 0]) & (self._media_hi[idx] == mids[:k, 1])
-        if not (ok.all() and (rows == expected).all()):  # the common all-equal case skips the per-row reduction
-            ok &= (rows == expected).all(axis=1)
-            self._counters["collisions"] += 1
-            idx = idx[:int(np.argmin(ok))]
-        return idx
-
-    def _touch(self, pages) -> None:
-        if len(pages):
-            self._clock += 1
-            self._tick[pages] = self._clock
-
-    def _insert(self, rec: _Request, names: list[int], page_tokens: np.ndarray, mids: np.ndarray) -> int:
-        """Move the request's first ``len(names)`` pages into the index (see ``finish``) and release all the rest."""
-        chain_pages, new = [], []
-        parent = -1
-        for j, name in enumerate(names):
-            page = rec.pages[j]
-            if not self._indexed[page]:
-                other = self._index.get(name)
-                if other is None:
-                    self._index[name] = page  # the request's owner becomes the index's owner
-                    new.append(j)
-                elif self._same(other, page_tokens[j], mids[j], parent, rec.salt_id):
-                    page = other
-                else:
-                    self._counters["collisions"] += 1
-                    break
-            chain_pages.append(parent := page)
-        if new:
-            pages = [rec.pages[j] for j in new]
-            self._name[pages] = np.array([names[j] for j in new], dtype=np.uint64)
-            self._tokens[pages] = page_tokens[new]
-            self._media_lo[pages], self._media_hi[pages] = mids[new, 0], mids[new, 1]
-            self._parent[pages] = [chain_pages[j - 1] if j else -1 for j in new]
-            self._salt[pages] = rec.salt_id
-            self._depth[pages] = new
-            self._indexed[pages] = True
-        self._touch(chain_pages)
-        kept = set(new)
-        self.pool.release([p for j, p in enumerate(rec.pages) if j not in kept])
-        return len(new)
-
-    def _same(self, page: int, tokens: np.ndarray, mid: np.ndarray, parent: int, salt_id: int) -> bool:
-        return bool(self._parent[page] == parent and self._salt[page] == salt_id
-                    and self._media_lo[page] == mid[0] and self._media_hi[page] == mid[1]
-                    and (self._tokens[page] == tokens).all())
-
-    def _make_room(self, need: int) -> None:
-        """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
-        nothing) when even every page only the index holds would not cover the shortfall."""
-        short = need - self.pool.num_free
-        if short <= 0:
-            return
-        c = self._counters
-        cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
-        if cands.size < short:
-            c["stalls"] += 1
-            raise OutOfPages(short - int(cands.size), requested=need)
-        batch = min(int(cands.size), max(short, self.evict_batch_pages))
-        if batch < cands.size:
-            # Coldest first, deeper first among equal ticks: a prefix of this order is a set of whole cold tails.
-            key = self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
-            cands = cands[np.argpartition(key, batch - 1)[:batch]]
-        for name in self._name[cands].tolist():
-            del self._index[name]
-        self._indexed[cands] = False
-        self.pool.release(cands)
-        c["evicted_pages"] += batch
-        c["eviction_batches"] += 1
-        c["shortfall_pages"] += short

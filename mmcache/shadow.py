@@ -13,8 +13,10 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_names
 from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.stats import ShadowStats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,7 +64,8 @@ class ShadowIndex:
             raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
         root = chain_root(self.fingerprint, salt)
         blobs = media_by_page(media, P, tokens.size)
-        names = [int(x) for x in names] if names is not None else chain(root, tokens, P, 0, blobs)
+        names = chain(root, tokens, P, 0, blobs) if names is None else as_names(names, tokens.size // P,
+                                                                                 f"request {rid!r}")
         limit = (tokens.size - 1) // P
         mids = media_ids(blobs, range(limit))
         with self._lock:
@@ -77,7 +80,7 @@ class ShadowIndex:
             inflight = 0
             while k + inflight < limit and self._inflight[names[k + inflight]]:
                 inflight += 1
-            self._live[rid] = _Live(tokens, blobs, root, salt_id, list(names))
+            self._live[rid] = _Live(tokens, blobs, root, salt_id, names)
             self._inflight.update(names[:limit])
             match = ShadowMatch(rid, int(tokens.size), k, inflight)
             self.records.append(match)
@@ -117,14 +120,12 @@ class ShadowIndex:
                 del self._inflight[name]
         return live
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> ShadowStats:
         """Matched-page share and in-flight overlap over every request admitted so far."""
         with self._lock:
             recs = self.records
             pages = sum(r.prompt_tokens // self.page_size for r in recs)
             matched = sum(r.matched_pages for r in recs)
             inflight = sum(r.inflight_pages for r in recs)
-            return {"requests": len(recs), "prompt_pages": pages, "matched_pages": matched,
-                    "matched_page_share": matched / pages if pages else 0.0,
-                    "inflight_pages": inflight, "misses_held_in_flight": sum(r.inflight_pages > 0 for r in recs),
-                    "table_pages": len(self._table)}
+            return ShadowStats(len(recs), pages, matched, matched / pages if pages else 0.0, inflight,
+                               sum(r.inflight_pages > 0 for r in recs), len(self._table))

@@ -1,28 +1,22 @@
-"""Shared test helpers: where the real workload data lives, hypothesis profiles sized for a 2-core CI box, and a
-real tiny multimodal serving workload (``TinyChat``, fixtures ``tiny_model``, ``tiny_media``, ``tiny_chat``).
-
-``TinyChat`` is a real workload, not a mock: torch modules encode real PNG and WAV files, prefill runs an MLP over
-every uncached prompt token, decode runs one step per output token, and the cache-on path goes through a real
-PrefixCache (metadata-only pool) and a real EncoderStore. Test modules use it through the fixtures, never by import.
-"""
+"""Shared test helpers: where the real workload data lives, hypothesis profiles sized for a 2-core CI box, tiny
+models built through ``workloads.fixtures``, the tiny multimodal chat workload of the harness tests (``tiny_chat.py``,
+through the fixtures ``tiny_model``, ``tiny_media``, ``tiny_chat``), and the allocator and encoder-store helpers."""
 
 import dataclasses
 import os
-import wave
-from collections import Counter
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch import nn
 from hypothesis import HealthCheck, settings
 
-import digests
-from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
-from workloads.harness.metrics import RequestResult
-from workloads.harness.serving import Request
+from mmcache import EncoderKey, Fingerprint, PagePool, PrefixCache
+from mmcache.paged_allocator import PagedAllocator
+from mmcache.pool import HostPagePool
+from tiny_chat import TinyChat, TinyModel, make_media
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -83,7 +77,6 @@ def png_bytes(seed: int, size=(48, 40)) -> bytes:
     import io
 
     import numpy as np
-    from PIL import Image
 
     pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
     buf = io.BytesIO()
@@ -101,174 +94,6 @@ def save_tiny(tmp_path_factory, kind: str, build, *extra) -> Path:
             part.save_pretrained(folder)
 
     return fixtures.saved(tmp_path_factory.mktemp(kind), kind, kind, save)
-
-
-# ------------------------------------------------------------------------------- a tiny multimodal chat workload
-P = 16          # tokens per page
-WIDTH = 384     # hidden size: prefill costs ~1.2 MFLOP per uncached token
-PLACEHOLDER = 1  # image placeholder token id (16 of them, one page)
-
-
-def make_media(root: Path) -> dict[str, Path]:
-    """Two random 64x64 PNG images and a 0.5 s 16 kHz WAV voice, written as real files."""
-    rng = np.random.default_rng(0)
-    paths = {}
-    for k in range(2):
-        paths[f"img{k}"] = root / f"img{k}.png"
-        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(paths[f"img{k}"])
-    paths["voice"] = root / "voice.wav"
-    with wave.open(str(paths["voice"]), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(rng.integers(-3000, 3000, 8000, dtype=np.int16).tobytes())
-    return paths
-
-
-class TinyModel(nn.Module):
-    """A vision tower, a speaker encoder, a 4-layer MLP "language model" and a vocoder, seeded."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(1024, WIDTH)
-        self.mlp = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.GELU())))
-        self.vision = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 128, 3, stride=2),
-                                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, WIDTH))
-        self.speaker = nn.Sequential(nn.Conv1d(1, 64, 9, stride=2), nn.GELU(), nn.Conv1d(64, 128, 9, stride=2),
-                                     nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(128, WIDTH))
-        self.vocoder = nn.Linear(WIDTH, 1024)
-        self.eval()
-
-    @torch.inference_mode()
-    def encode(self, modality: str, path: Path) -> torch.Tensor:
-        if modality == "image":
-            pixels = np.asarray(digests.open_image(path).convert("RGB"), dtype=np.float32) / 255
-            return self.vision(torch.from_numpy(pixels).permute(2, 0, 1)[None])[0]
-        wav, _ = digests.load_wav(path)
-        return self.speaker(wav[None])[0]
-
-    @torch.inference_mode()
-    def prefill(self, tokens: np.ndarray, features: list[torch.Tensor]) -> torch.Tensor:
-        h = self.mlp(self.embed(torch.from_numpy(tokens.astype(np.int64))))
-        return h[-1] + sum(features, torch.zeros(WIDTH))
-
-    @torch.inference_mode()
-    def decode(self, h: torch.Tensor, token: int) -> torch.Tensor:
-        return self.mlp(h + self.embed.weight[token])
-
-    @torch.inference_mode()
-    def vocode(self, h: torch.Tensor) -> torch.Tensor:
-        return self.vocoder(h)
-
-
-@dataclasses.dataclass(frozen=True)
-class TinyTurn:
-    tokens: np.ndarray        # the whole prompt: history + this turn's user tokens
-    output: np.ndarray        # the reply (decode is teacher-forced, so the next turn's history is known)
-    image: Path | None        # an image whose placeholder page starts at image_at
-    image_at: int
-    voice: Path | None        # speak the reply in this reference voice
-
-
-class TinyChat:
-    """Sessions of turns re-sending their history after a shared 3-page system prompt; turn 0 shows an image (two
-    distinct images over the sessions), the last turn speaks its reply in one shared voice. ``missing``: request ids
-    whose image file does not exist (serve raises InvalidMedia)."""
-
-    name = "tiny-chat"
-
-    def __init__(self, model: TinyModel, media: dict[str, Path], sessions: int = 3, turns: int = 6,
-                 pool_pages: int = 512, missing: frozenset = frozenset()):
-        self.model = model
-        self.cache = PrefixCache(PagePool(pool_pages), Fingerprint(model="tiny-chat", page_size=P))
-        self.store = EncoderStore(capacity_bytes=1 << 20, page_bytes=4096)
-        rng = np.random.default_rng(1)
-        system = rng.integers(10, 1024, 3 * P, dtype=np.int32)
-        self._requests = []
-        for s in range(sessions):
-            history = system
-            for t in range(turns):
-                rid, user = f"s{s}t{t}", rng.integers(10, 1024, 64, dtype=np.int32)
-                image = None
-                if t == 0:
-                    image = media[f"img{s % 2}"] if rid not in missing else media["img0"].with_name("missing.png")
-                    user = np.concatenate([np.full(P, PLACEHOLDER, np.int32), user])
-                tokens = np.concatenate([history, user])
-                turn = TinyTurn(tokens, rng.integers(10, 1024, 12, dtype=np.int32), image, history.size,
-                            media["voice"] if t == turns - 1 else None)
-                self._requests.append(Request(rid, f"s{s}", 1000.0 + 0.5 * t + 0.1 * s, turn))
-                history = np.concatenate([tokens, turn.output])
-
-    def requests(self):
-        return self._requests
-
-    def _encode(self, modality: str, path: Path, cached: bool):
-        """(features, hit, digest); the digest is None with the cache off (nothing needs it)."""
-        if not cached:
-            return self.model.encode(modality, path), False, None
-        digest = digests.image(path) if modality == "image" else digests.audio(path)
-        key = EncoderKey(digest, f"tiny-{modality}", modality)
-        hit = key in self.store
-        return self.store.get_or_compute(key, lambda: self.model.encode(modality, path)).value, hit, digest
-
-    def serve(self, req: Request, cached: bool, clock) -> RequestResult:
-        turn, media, features, items, hits = req.payload, [], [], {}, {}
-        for modality, path in (("image", turn.image), ("speaker", turn.voice)):
-            if path is not None:
-                with clock.stage(modality):
-                    f, hit, digest = self._encode(modality, path, cached)
-                features.append(f)
-                items[modality], hits[modality] = 1, int(hit)
-                if modality == "image" and digest is not None:
-                    media.append((turn.image_at, digest))
-        n, out, matched = turn.tokens.size, turn.output, 0
-        if cached:  # media are encoded (or failed) before admit, so a bad file leaves the cache untouched
-            matched = self.cache.admit(req.rid, turn.tokens, media=media).matched_tokens
-            try:
-                self.cache.grow(req.rid, n + out.size)
-            except BaseException:
-                self.cache.abort(req.rid)
-                raise
-        with clock.stage("prefill"):
-            h = self.model.prefill(turn.tokens[matched:], features)
-        clock.token()
-        for token in out[:-1]:
-            h = self.model.decode(h, int(token))
-            clock.token()
-        if turn.voice is not None:
-            for _ in range(4):
-                self.model.vocode(h)
-                clock.audio_chunk()
-        if cached:
-            self.cache.mark_computed(req.rid, n + out.size - 1)  # the last sampled token's KV is never written
-            self.cache.finish(req.rid, out)
-        return RequestResult(prompt_tokens=n, hit_tokens=matched, prompt_pages=n // P, hit_pages=matched // P,
-                             output_tokens=out.size, encoder_items=items, encoder_hits=hits)
-
-    def cache_stats(self) -> dict:
-        return {"prefix": self.cache.stats(), "encoder": self.store.stats()}
-
-    def ceilings(self) -> dict[str, float]:
-        """Unbounded-cache hit rates over the requests that will succeed, in listed order (for this workload the
-        same as in any order that keeps each session's turns in order)."""
-        shadow, seen, items, hits = ShadowIndex(self.cache.fingerprint), set(), Counter(), Counter()
-        for req in self._requests:
-            turn = req.payload
-            paths = {"image": turn.image, "speaker": turn.voice}
-            if any(p is not None and not p.exists() for p in paths.values()):
-                continue
-            for m, p in paths.items():
-                if p is not None:
-                    items[m] += 1
-                    hits[m] += p in seen
-                    seen.add(p)
-            media = [(turn.image_at, digests.image(turn.image))] if turn.image else []
-            shadow.admit(req.rid, turn.tokens, media=media)
-            shadow.finish(req.rid, turn.output[:-1])
-        prompt = sum(r.prompt_tokens for r in shadow.records)
-        return {"prefix": sum(r.matched_pages for r in shadow.records) * P / prompt,
-                **{m: hits[m] / items[m] for m in items}}
 
 
 @pytest.fixture(scope="module")
@@ -305,3 +130,142 @@ class TinyChatKit:
 def tiny_chat(tiny_model, tiny_media) -> TinyChatKit:
     """A real tiny multimodal chat workload (see ``TinyChat``) on a warmed-up model and real media files."""
     return TinyChatKit(tiny_model, tiny_media)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# PagedAllocator helpers (tests/test_engine_*.py): two labels on real pools that carry data. Modules import them under
+# short names: ``from conftest import alloc_make as make``.
+
+ALLOC_P = 4
+# (k/v, slot, heads, dim) per label
+ALLOC_SHAPES = {"text": ((2, ALLOC_P, 2, 8), torch.float32), "audio": ((2, ALLOC_P, 1, 4), torch.float16)}
+ALLOC_LABELS = ["text", "audio"]
+ALLOC_MOD = 2039  # values stay exact in float16
+
+
+def alloc_make(text_pages=16, audio_pages=12, evict=1):
+    caches = {}
+    for label, pages in (("text", text_pages), ("audio", audio_pages)):
+        shape, dtype = ALLOC_SHAPES[label]
+        caches[label] = PrefixCache(PagePool(pages, shape, dtype),
+                                    Fingerprint(f"org/{label}@rev", page_size=ALLOC_P, kv_dtype=str(dtype)),
+                                    evict_batch_pages=evict)
+    return PagedAllocator(caches)
+
+
+def alloc_hosts(alloc, pages=16):
+    return {label: HostPagePool.like(alloc.cache(label).pool, pages) for label in ALLOC_LABELS}
+
+
+def alloc_generated(t: int) -> int:
+    return (t * 7) % 3  # the token a request "generates" at position t
+
+
+def alloc_sequence(prompt, upto):
+    return list(prompt) + [alloc_generated(t) for t in range(len(prompt), upto)]
+
+
+def alloc_values(label, salt, prompt, upto, rid=None) -> list[int]:
+    """The 'KV' of positions 0..upto-1: a rolling hash of the whole prefix, or of the request for no prompt."""
+    if prompt is None:
+        return [(hash(rid) % 97 * 31 + t) % ALLOC_MOD for t in range(upto)]
+    h, out = (hash(label) ^ hash(salt)) & 0xFFFF, []
+    for tok in alloc_sequence(prompt, upto):
+        h = (h * 1_000_003 + tok + 1) % (1 << 61)
+        out.append(h % ALLOC_MOD)
+    return out
+
+
+def alloc_page_of(state, t: int) -> int | None:
+    """The page holding token t (None inside a released window)."""
+    j = t // ALLOC_P - state.position_id_start // ALLOC_P
+    keep = -(-(state.protected_tokens or 0) // ALLOC_P)
+    if state.protected_tokens is not None and j >= keep:
+        j -= state.released_tokens // ALLOC_P
+        if j < keep:
+            return None
+    return state.page_indices[j]
+
+
+def alloc_write(alloc, rid, label, upto, vals):
+    """What an engine's forward pass does: write the KV of computed..upto-1 into the request's own pages."""
+    state, pool = alloc.get_state(rid, label), alloc.cache(label).pool
+    for t in range(state.computed_tokens, upto):
+        page = alloc_page_of(state, t)
+        assert pool.counts[page] == 1, "a request writes only into pages it owns alone"
+        pool.data[page, :, t % ALLOC_P] = vals[t]
+    return alloc.mark_computed(rid, label, upto)
+
+
+def alloc_held(alloc, rid, label):
+    """The KV bytes of every computed position the request holds, position by position."""
+    state, data = alloc.get_state(rid, label), alloc.cache(label).pool.data
+    ts = [t for t in range(state.computed_tokens) if alloc_page_of(state, t) is not None]
+    if not ts:
+        return ts, data[:0, :, 0]
+    return ts, data[[alloc_page_of(state, t) for t in ts], :, [t % ALLOC_P for t in ts]]
+
+
+def alloc_assert_exact(alloc, rid, label, expected):
+    ts, got = alloc_held(alloc, rid, label)
+    want = torch.tensor([expected[t] for t in ts], dtype=got.dtype).reshape(-1, *[1] * (got.dim() - 1))
+    assert torch.equal(got, want.expand_as(got)), f"request {rid!r} label {label!r} holds wrong KV"
+
+
+def alloc_snapshot(alloc, rids=()):
+    return ([alloc.cache(label).pool.counts.copy().tolist() for label in ALLOC_LABELS],
+            [alloc.cache(label).stats().pages_cached for label in ALLOC_LABELS],
+            [alloc.get_state(rid, label) for rid in rids for label in alloc.get_labels(rid)])
+
+
+def alloc_serve(alloc, rid, prompts, decode=4, salt=b""):
+    """A whole request: add with prompts, allocate, prefill + decode, remove with its outputs."""
+    alloc.add_request(rid, ALLOC_LABELS, token_ids=prompts, salt=salt)
+    outputs = {}
+    for label, prompt in prompts.items():
+        total = len(prompt) + decode
+        alloc.alloc(rid, label, total)
+        alloc_write(alloc, rid, label, total, alloc_values(label, salt, prompt, total))
+        outputs[label] = alloc_sequence(prompt, total)[len(prompt):]
+    alloc.remove_request(rid, output_ids=outputs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# EncoderStore helpers (tests/test_encoder_store*.py); imported the same way.
+STORE_PB = 64  # page bytes in most tests: 16 float32 per page
+
+
+def store_key(i=0, fp="vit@abc/bf16/cpu", modality="image", salt=b"", ids=None):
+    return EncoderKey(bytes([i]) * 16, fp, modality, salt, ids)
+
+
+def store_floats(n, seed=0, dtype=torch.float32):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_same_value(a, b):
+    """Bit-exact equality of two values (tensors or containers of tensors), dtypes and container types included."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+        assert torch.equal(a, b) or (a.is_floating_point() or a.is_complex()) and a.isnan().any()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same_value(a[k], b[k])
+    else:
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_value(x, y)
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the other threads"
+        time.sleep(0.001)
+
+
+def store_all_free(store):
+    return store.pool.num_free == store.pool.num_pages and not store.pool.counts.any()

@@ -127,7 +127,7 @@ def test_text_chats_sharing_a_system_prompt(folders, dtype, attn):
             assert got.matched_tokens == written
             written = (len(prompt) + NEW - 1) // P * P  # every full page of prompt and fed generated tokens
             prompt = prompt + got.output_ids
-    assert kv.prefix.stats()["hits"] == 5
+    assert kv.prefix.stats().hits == 5
 
 
 @pytest.mark.parametrize("dtype,attn", MODES, ids=IDS)
@@ -150,10 +150,10 @@ def test_vlm_chats_with_images_in_the_chain(folders, dtype, attn):
         written = (len(prompt.token_ids) + NEW - 1) // P * P
         prompt = chat.prompt(prompt, got.output_ids, tokens(5, 3 + t))
     # the same image behind the same text hits through the image; its last rows come from the encoder store
-    hits = store.stats()["hits"]
+    hits = store.stats().totals.hits
     same = Conversation(model, plain.embedder)
     got = same.turn("cat.again", chat.prompt(system, cat, tokens(9, 9)), vlm_serve)
-    assert got.matched_tokens == (6 + 16) // P * P and same.towers == 0 and store.stats()["hits"] == hits + 1
+    assert got.matched_tokens == (6 + 16) // P * P and same.towers == 0 and store.stats().totals.hits == hits + 1
     # the same tokens with a different image miss from the page of its first placeholder on
     other = Conversation(model, plain.embedder)
     got = other.turn("dog", chat.prompt(system, dog, tokens(9, 9)), vlm_serve)
@@ -180,7 +180,7 @@ def test_generate_with_a_paged_cache_equals_dynamic_cache(folders, kind, attn):
         fed = len(model._fed)
         got = chat.generate("second", second, **kwargs)
         ids, embed = torch.tensor([second.token_ids]), LlavaPrefill(model, processor()).embedder(second)
-    m = kv.prefix.stats()["hit_tokens"]
+    m = kv.prefix.stats().hit_tokens
     assert m >= 12 and sum(model._fed[fed:]) == ids.shape[1] - m + NEW - 1
     dyn = DynamicCache(config=model.config)
     replay(model, dyn, ids[0], chunk_spans(0, m, P), embed=embed)
@@ -209,4 +209,4 @@ def test_forced_name_collisions_cost_a_miss_never_a_wrong_answer(folders, attn):
     got = Conversation(model).turn("sibling", sibling, forced)
     assert got.matched_tokens == P  # page 0 verifies; page 1 is nominated by name but is not its own parent
     Conversation(model).turn("stranger", stranger, forced, expect_hit=False)
-    assert kv.prefix.stats()["collisions"] >= 2
+    assert kv.prefix.stats().collisions >= 2

@@ -1,64 +1,21 @@
 """EncoderStore on real pools and real tensors: bytes, ownership, eviction, single flight, validation, counters."""
 
-import contextlib
 import logging
-import random
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from digests import Digest
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidRequest, PageOwnershipError
 from mmcache.pool import PagePool
+from conftest import (STORE_PB as PB, store_key as key, store_floats as floats, assert_same_value as assert_same,
+                      store_all_free as all_free)
 
-PB = 64  # page bytes in most tests: 16 float32 per page
-
-
-def key(i=0, fp="vit@abc/bf16/cpu", modality="image", salt=b"", ids=None):
-    return EncoderKey(bytes([i]) * 16, fp, modality, salt, ids)
-
-
-def floats(n, seed=0, dtype=torch.float32):
-    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def assert_same(a, b):
-    """Bit-exact equality of two values (tensors or containers of tensors), dtypes and container types included."""
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
-        assert torch.equal(a, b) or (a.is_floating_point() or a.is_complex()) and a.isnan().any()
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            assert_same(a[k], b[k])
-    else:
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the other threads"
-        time.sleep(0.001)
-
-
-def all_free(store):
-    return store.pool.num_free == store.pool.num_pages and not store.pool.counts.any()
-
-
-# -- bytes in, same bytes out ----------------------------------------------------------------------------------------
 
 VALUES = {
     "float32": floats(37),
@@ -145,7 +102,7 @@ def test_lru_eviction_order_and_counts():
     assert store.get(key(0)) is not None  # 0 becomes the most recent: order 1, 2, 3, 0
     assert store.put(key(4), floats(32, 4))  # needs two pages: evicts 1 and 2 as one batch
     assert [k in store for k in map(key, range(5))] == [True, False, False, True, True]
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["evictions"], s["evicted_bytes"], s["entries"], s["bytes_stored"]) == (2, 2 * PB, 3, 4 * PB)
     assert store.pin(key(3)) is not None  # pinning touches too: order 0, 4, 3
     assert store.put(key(5), floats(16, 5))
@@ -167,7 +124,7 @@ def test_pinned_entries_are_never_evicted_and_full_pins_bypass():
     assert not store.put(key(10), floats(16, 10))  # no room: bypassed, nothing evicted, nothing raised
     assert_same(store.get_or_compute(key(11), lambda: floats(16, 11)).value, floats(16, 11))
     assert (store.pool.counts == before).all()
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["bypasses"], s["evictions"], s["entries"]) == (3, 1, 4)
     pins[0].release()
     pins[0].release()  # idempotent: never a second release of the pages
@@ -187,7 +144,7 @@ def test_a_pin_outlives_replacement_and_clear():
         pages = pin.pages
         store.put(key(), floats(20, 2))  # replaced: the pinned bytes stay put
         store.clear()
-        assert len(store) == 0 and store.stats()["bytes_stored"] == 0
+        assert len(store) == 0 and store.stats().totals.bytes_stored == 0
         assert_same(pin.value, floats(20, 1))
         assert all(store.pool.counts[p] == 1 for p in pages)
     assert all_free(store)
@@ -203,7 +160,7 @@ def test_too_large_output_is_bypassed_with_one_warning(caplog):
         assert_same(store.get_or_compute(key(1, modality="audio"), lambda: big).value, big)
     assert len(caplog.records) == 2
     assert all("audio" in r.getMessage() and "260" in r.getMessage() for r in caplog.records)
-    s = store.stats()
+    s = store.stats().to_dict()
     assert (s["bypasses"], s["by_modality"]["audio"]["bypasses"], s["entries"]) == (2, 2, 0)
     assert key(modality="audio", ids=[1]) not in store  # the put replaced the colliding entry: no stale answer
     assert all_free(store)
@@ -211,118 +168,6 @@ def test_too_large_output_is_bypassed_with_one_warning(caplog):
 
 # -- single flight ---------------------------------------------------------------------------------------------------
 
-def run_together(n, call):
-    """``call()`` on ``n`` threads released at once; returns results or exceptions in thread order."""
-    barrier = threading.Barrier(n)
-
-    def worker(_):
-        barrier.wait()
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            return exc
-
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(worker, range(n)))
-
-
-def test_concurrent_misses_compute_once_and_get_private_copies():
-    store, n, calls = EncoderStore(1 << 16, page_bytes=256), 8, []
-
-    def encode():
-        calls.append(threading.get_ident())
-        wait_for(lambda: store.stats()["joins"] == n - 1)  # every other caller is waiting on this computation
-        time.sleep(0.01)
-        return {"emb": floats(300, 7), "mask": torch.ones(300, dtype=torch.bool)}
-
-    results = run_together(n, lambda: store.get_or_compute(key(modality="text"), encode).value)
-    assert len(calls) == 1
-    expected = {"emb": floats(300, 7), "mask": torch.ones(300, dtype=torch.bool)}
-    for r in results:
-        assert_same(r, expected)
-    assert len({r["emb"].data_ptr() for r in results}) == n
-    results[0]["emb"].zero_()
-    results[1]["emb"].fill_(3)
-    assert_same(results[2], expected)
-    assert_same(store.get(key(modality="text")), expected)
-    s = store.stats()
-    assert (s["queries"], s["misses"], s["hits"], s["joins"]) == (n + 1, n, 1, n - 1)
-    assert s["time_saved_s"] >= 0.01 and not store._flights
-
-
-def test_failing_compute_reaches_every_waiter_and_stores_nothing():
-    store, n, calls = EncoderStore(1 << 16, page_bytes=256), 6, []
-
-    def broken():
-        calls.append(1)
-        wait_for(lambda: store.stats()["joins"] == n - 1)
-        raise RuntimeError("CUDA out of memory (simulated)")
-
-    errors = run_together(n, lambda: store.get_or_compute(key(), broken).value)
-    assert len(calls) == 1
-    assert all(e is errors[0] for e in errors) and isinstance(errors[0], RuntimeError)
-    assert len(store) == 0 and all_free(store) and not store._flights
-    assert_same(store.get_or_compute(key(), lambda: floats(10)).value, floats(10))  # a later call retries
-    assert key() in store
-
-    with pytest.raises(EncoderOutputError):  # a refused output is a failure too: raised, nothing stored
-        store.get_or_compute(key(1), lambda: "not a tensor").value
-    assert key(1) not in store and not store._flights
-
-
-def test_in_flight_name_with_other_ids_is_not_joined():
-    store, started, go = EncoderStore(1 << 16, page_bytes=256), threading.Event(), threading.Event()
-    a, b = key(ids=[1, 2, 3]), key(ids=[1, 2, 4])
-
-    def slow_a():
-        started.set()
-        assert go.wait(10)
-        return floats(8, 1)
-
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(store.get_or_compute, a, slow_a)
-        assert started.wait(10)
-        assert_same(store.get_or_compute(b, lambda: floats(8, 2)).value, floats(8, 2))  # never a's value
-        go.set()
-        assert_same(fut.result().value, floats(8, 1))
-    assert store.stats()["collisions"] == 1 and store.stats()["joins"] == 0
-    assert_same(store.get(a), floats(8, 1))
-
-
-def test_threads_hammering_a_small_pool_keep_values_and_counts_exact():
-    store, keys = EncoderStore(8 * PB, page_bytes=PB), [key(i) for i in range(12)]
-
-    def value(i):
-        return floats(16 * (1 + i % 3), i)
-
-    def work(seed):
-        rng = random.Random(seed)
-        for _ in range(300):
-            i, op = rng.randrange(len(keys)), rng.random()
-            if op < 0.6:
-                assert_same(store.get_or_compute(keys[i], lambda: value(i)).value, value(i))
-            elif op < 0.8:
-                got = store.get(keys[i])
-                assert got is None or torch.equal(got, value(i))
-            elif op < 0.95:
-                with (store.pin(keys[i]) or contextlib.nullcontext()) as pin:
-                    assert pin is None or torch.equal(pin.value, value(i))
-            else:
-                store.put(keys[i], value(i))
-
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(work, range(8)))
-    expected = np.zeros(store.pool.num_pages, dtype=np.int64)
-    for entry in store._entries.values():
-        expected[entry.pages] += 1
-    assert (store.pool.counts == expected).all() and not store._flights
-    s = store.stats()
-    assert s["queries"] == s["hits"] + s["misses"] and s["evictions"] > 0
-    store.clear()
-    assert all_free(store)
-
-
-# -- keys and validation ---------------------------------------------------------------------------------------------
 
 def test_verifying_ids_mismatch_is_a_miss_and_a_collision():
     store = EncoderStore(4096, page_bytes=PB)
@@ -333,7 +178,7 @@ def test_verifying_ids_mismatch_is_a_miss_and_a_collision():
     assert key(modality="text", ids=[5, 6, 8]) not in store
     assert store.pin(key(modality="text", ids=[5, 6])) is None
     assert_same(store.get(key(modality="text", ids=torch.tensor([5, 6, 7]))), floats(12))
-    s = store.stats()["by_modality"]["text"]
+    s = store.stats().to_dict()["by_modality"]["text"]
     assert (s["queries"], s["hits"], s["misses"], s["collisions"]) == (3, 1, 2, 3)
     other = key(modality="text", ids=np.array([9], dtype=np.int32))
     assert_same(store.get_or_compute(other, lambda: floats(3, 1)).value, floats(3, 1))  # replaces the colliding entry
@@ -345,7 +190,7 @@ def test_salt_fingerprint_and_modality_isolate():
     store.put(key(), floats(4))
     for other in (key(salt=b"tenant-b"), key(fp="vit@def/bf16/cpu"), key(modality="audio"), key(1)):
         assert store.get(other) is None and other not in store
-    assert store.stats()["collisions"] == 0
+    assert store.stats().totals.collisions == 0
 
 
 def test_key_normalisation_and_validation():
@@ -368,7 +213,7 @@ def test_changed_shape_or_dtype_is_refused_and_the_entry_kept():
     for junk in ("text", None, [torch.ones(2), 3], torch.ones(2).to_sparse(), torch.empty(2, device="meta")):
         with pytest.raises(EncoderOutputError):
             store.put(key(2), junk)
-    assert key(2) not in store and store.stats()["entries"] == 1
+    assert key(2) not in store and store.stats().entries == 1
 
 
 def test_expected_output_spec():
@@ -420,14 +265,14 @@ def test_counters_by_modality_and_time_saved():
         store.get_or_compute(key(0, modality="image"), lambda: pytest.fail("hit")).value
     store.get_or_compute(key(0, modality="speaker"), lambda: floats(4)).value
     assert store.get(key(5, modality="speaker")) is None
-    s = store.stats()
+    s = store.stats().to_dict()
     img, spk = s["by_modality"]["image"], s["by_modality"]["speaker"]
     assert (img["queries"], img["hits"], img["misses"], img["bytes_stored"]) == (4, 3, 1, 64)
     assert 3 * 0.02 <= img["time_saved_s"] < 3 * 1.0
     assert (spk["queries"], spk["hits"], spk["misses"], spk["bytes_stored"], spk["time_saved_s"]) == (2, 0, 2, 16, 0)
     assert (s["queries"], s["bytes_stored"], s["entries"], len(store)) == (6, 80, 2, 2)
     store.clear()
-    s = store.stats()
+    s = store.stats().to_dict()
     assert s["bytes_stored"] == 0 == s["by_modality"]["image"]["bytes_stored"] and s["queries"] == 6
 
 
@@ -450,137 +295,7 @@ def test_gpu_pool_roundtrip_and_eviction(device="cuda"):
     for i in range(3):
         store.put(key(i), big + i)
     assert key(0) not in store and torch.equal(store.get(key(2)), big + 2)
-    assert store.stats()["evictions"] == 1 and store.pool.data.device.type == device
+    assert store.stats().totals.evictions == 1 and store.pool.data.device.type == device
 
 
 # -- the whole state machine -----------------------------------------------------------------------------------------
-
-NUM_PAGES = 16
-KEYS = [key(i, modality=m) for i, m in enumerate(["image", "image", "text", "audio", "speaker"])] + [
-    key(9, modality="text", ids=[1, 2]), key(9, modality="text", ids=[1, 3])]  # one name, two inputs: collisions
-DTYPES = [torch.float32, torch.float16, torch.int64, torch.bool]
-
-
-def make_value(nel, seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-1000, 1000, (nel,), generator=g).to(dtype) if dtype != torch.float32 \
-        else torch.randn(nel, generator=g)
-
-
-class StoreMachine(RuleBasedStateMachine):
-    """Puts, gets, computes, pins, pressure and clears against a model: the last value put per key."""
-
-    def __init__(self):
-        super().__init__()
-        self.store = EncoderStore(NUM_PAGES * PB, page_bytes=PB)
-        self.last = {}  # key -> the value last put, or None when it cannot be stored any more
-        self.version = {}  # key -> bumps at every put or clear; a pin made at the current version must still hit
-        self.pins = []  # (pin, key, value, version)
-        self.fresh = 0
-
-    def _put(self, k, value):
-        ok = self.store.put(k, value)
-        self.last[k] = value if ok else None
-        self._bump(k)
-        return ok
-
-    def _bump(self, k):
-        for other in [k, *self.version]:  # a put replaces whatever entry has the key's name
-            if other.name == k.name:
-                self.version[other] = self.version.get(other, 0) + 1
-
-    @rule(k=st.sampled_from(KEYS), nel=st.sampled_from([0, 1, 15, 16, 17, 64, 200, 300]),
-          dtype=st.sampled_from(DTYPES), seed=st.integers(0, 99))
-    def put(self, k, nel, dtype, seed):
-        value = make_value(nel, seed, dtype)
-        stored = self.last.get(k)
-        if k in self.store and (stored.shape, stored.dtype) != (value.shape, value.dtype):
-            counts = self.store.pool.counts.copy()
-            with pytest.raises(EncoderOutputError):
-                self.store.put(k, value)
-            assert (self.store.pool.counts == counts).all()
-        else:
-            ok = self._put(k, value)
-            assert not ok or nel * value.element_size() <= NUM_PAGES * PB
-
-    @rule(k=st.sampled_from(KEYS))
-    def get(self, k):
-        got = self.store.get(k)
-        if got is None:
-            assert k not in self.store
-            self.last[k] = None
-        else:
-            assert_same(got, self.last[k])
-
-    @rule(k=st.sampled_from(KEYS), nel=st.sampled_from([1, 16, 100]), seed=st.integers(0, 99))
-    def get_or_compute(self, k, nel, seed):
-        value = make_value(nel, seed, torch.float32)
-        was = self.last.get(k) if k in self.store else None
-        got = self.store.get_or_compute(k, lambda: value).value
-        assert_same(got, value if was is None else was)
-        if was is None:
-            self.last[k] = value if k in self.store else None
-            self._bump(k)
-
-    @rule(k=st.sampled_from(KEYS))
-    def pin(self, k):
-        p = self.store.pin(k)
-        assert (p is None) == (k not in self.store)
-        if p is not None:
-            self.pins.append((p, k, self.last[k], self.version[k]))
-
-    @precondition(lambda self: len(self.store))
-    @rule(i=st.integers(0, 100))
-    def pin_stored(self, i):
-        entries = list(self.store._entries.values())
-        self.pin(entries[i % len(entries)].key)
-
-    @precondition(lambda self: self.pins)
-    @rule(i=st.integers(0, 100))
-    def unpin(self, i):
-        p, *_ = self.pins.pop(i % len(self.pins))
-        p.release()
-
-    @rule(pages=st.integers(1, NUM_PAGES))
-    def pressure(self, pages):
-        self.fresh += 1
-        self._put(key(100 + self.fresh % 100, modality="video"), make_value(pages * PB // 4, self.fresh,
-                                                                             torch.float32))
-
-    @rule()
-    def clear(self):
-        self.store.clear()
-        self.last = {k: None for k in self.last}
-        self.version = {k: v + 1 for k, v in self.version.items()}
-        assert len(self.store) == 0 and self.store.stats()["bytes_stored"] == 0
-        if not self.pins:
-            assert all_free(self.store)
-
-    @invariant()
-    def owner_counts_match_entries_and_pins(self):
-        pool, expected = self.store.pool, np.zeros(NUM_PAGES, dtype=np.int64)
-        for entry in self.store._entries.values():
-            expected[entry.pages] += 1
-        for p, *_ in self.pins:
-            expected[list(p.pages)] += 1
-        assert (pool.counts == expected).all()
-        assert pool.num_free + int((pool.counts > 0).sum()) == pool.num_pages
-        assert sorted(pool._free) == sorted(np.flatnonzero(pool.counts == 0).tolist())  # no page freed twice
-        assert self.store.stats()["bytes_stored"] == sum(e.nbytes for e in self.store._entries.values())
-
-    @invariant()
-    def pinned_entries_stay(self):
-        for p, k, value, version in self.pins:
-            assert_same(p.value, value)
-            if self.version[k] == version:  # no put or clear since the pin: never evicted
-                assert k in self.store
-
-    def teardown(self):
-        for p, *_ in self.pins:
-            p.release()
-        self.store.clear()
-        assert all_free(self.store)
-
-
-TestStoreMachine = StoreMachine.TestCase
-TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

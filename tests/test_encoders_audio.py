@@ -105,7 +105,7 @@ def counted():
 
 def stored_state(store):
     """Entries, bytes, free pages and owners: equal before and after means nothing was stored, dropped or leaked."""
-    return len(store), store.stats()["bytes_stored"], store.pool.num_free, int(store.pool.counts.sum())
+    return len(store), store.stats().totals.bytes_stored, store.pool.num_free, int(store.pool.counts.sum())
 
 
 # -- bit-exact reuse -------------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_cached_equals_uncached_bit_for_bit(make, kind, spec, tmp_path):
     assert torch.equal(off(data), expected)  # the uncached pipeline is deterministic
     for given in (data, path, str(path)):  # a miss, then two hits: a file and its bytes share one entry
         assert torch.equal(got := on(given), expected) and got.dtype == expected.dtype
-    assert on.store.stats()["misses"] == 1 and on.store.stats()["hits"] == 2
+    assert on.store.stats().totals.misses == 1 and on.store.stats().totals.hits == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -143,7 +143,7 @@ def test_waveform_input_is_cached_apart_from_its_file(make, kind):
     from_file, from_array = enc(data), enc((samples.astype(np.float32), 24000))
     assert torch.equal(from_file, from_array)  # the same samples computed twice, once per key
     assert torch.equal(enc((torch.from_numpy(samples.astype(np.float32)), 24000)), from_array)  # numpy = torch
-    assert len(enc.store) == 2 and enc.store.stats()["hits"] == 1
+    assert len(enc.store) == 2 and enc.store.stats().totals.hits == 1
 
 
 def test_whisper_output_is_the_models_own_encoder_output(whisper):
@@ -195,7 +195,7 @@ def test_seedtts_rows_replay_three_misses_three_hits(make, counted, data_dir):
         for utt_id, prompt_text, prompt_wav, target_text in rows:
             assert torch.equal(enc(seed / prompt_wav), uncached[prompt_wav]), utt_id
         assert calls == {"decode": 3, "features": 3, "forward": 3}
-        assert {k: store.stats()["by_modality"][kind][k] for k in ("hits", "misses")} == {"hits": 3, "misses": 3}
+        assert {k: store.stats().to_dict()["by_modality"][kind][k] for k in ("hits", "misses")} == {"hits": 3, "misses": 3}
     assert len(store) == 6
 
 
@@ -209,7 +209,7 @@ def test_different_wavs_never_share_an_output(make, kind):
     variants.append(bytes(one_sample))
     enc, off = make(kind, new_store()), make(kind, None)
     outs = [enc(v) for v in variants]
-    assert len(enc.store) == len(variants) and enc.store.stats()["hits"] == 0
+    assert len(enc.store) == len(variants) and enc.store.stats().totals.hits == 0
     for v, out in zip(variants, outs):  # each cached answer is its own input's, on later hits too
         assert torch.equal(enc(v), off(v)) and torch.equal(out, off(v))
     for i in range(len(outs)):
@@ -222,13 +222,13 @@ def test_salt_and_weights_separate_entries(make, kind, whisper_dir, speaker_dir)
     store = new_store()
     a, b = make(kind, store), make(kind, store, salt=b"tenant-b")
     a(wav(12)), b(wav(12))
-    assert store.stats()["misses"] == 2
+    assert store.stats().totals.misses == 2
     reloaded = (CachedAudioEncoder(WhisperModel.from_pretrained(whisper_dir), WhisperFeatureExtractor.from_pretrained(
         whisper_dir), store) if kind == "audio" else CachedSpeakerEncoder(SpeakerEncoder.from_pretrained(speaker_dir),
                                                                            store))
     assert reloaded.fingerprint == a.fingerprint  # same weights loaded again: same entries
     reloaded(wav(12))
-    assert store.stats()["hits"] == 1
+    assert store.stats().totals.hits == 1
     with torch.no_grad():
         next(reloaded.module.parameters()).view(-1)[0] += 1
     assert module_fingerprint(reloaded.module) != a.fingerprint
@@ -309,7 +309,7 @@ def test_feature_extractor_settings_enter_the_key(whisper):
     a, b = CachedAudioEncoder(model, fe, store), CachedAudioEncoder(model, padded, store)
     assert a.fingerprint == b.fingerprint and a.key(wav(20)) != b.key(wav(20))
     assert not torch.equal(a(wav(20)), b(wav(20)))
-    assert store.stats()["misses"] == 2 and torch.equal(b(wav(20)), CachedAudioEncoder(model, padded, None)(wav(20)))
+    assert store.stats().totals.misses == 2 and torch.equal(b(wav(20)), CachedAudioEncoder(model, padded, None)(wav(20)))
 
 
 def test_mismatched_feature_extractor_is_refused(whisper):

@@ -131,7 +131,7 @@ def test_vision_hit_equals_miss_equals_uncached_and_skips_decode_and_forward(tow
     hits = [enc(data), enc(path), enc(bytearray(data))]  # a file, its path and its bytes share one entry
     assert (calls[0] - before[0], decodes[0] - before[1]) == (len(hooked), 1), "a hit decoded or ran the model"
     assert all(torch.equal(x, want) for x in [miss, *hits])
-    image = s.stats()["by_modality"]["image"]
+    image = s.stats().to_dict()["by_modality"]["image"]
     assert (image["hits"], image["misses"]) == (3, 1)
     hits[0].add_(1)  # a caller's tensor never aliases the store
     assert torch.equal(enc(data), want)
@@ -172,7 +172,7 @@ def test_real_images_never_share_an_output(towers, data_dir):
         assert enc.key(a) != enc.key(b)
         for p in (a, b, a, b, b, a):
             assert torch.equal(enc(p), want[p])
-    assert len(shared) == 4 and shared.stats()["hits"] == 8
+    assert len(shared) == 4 and shared.stats().totals.hits == 8
 
     model, proc, _ = towers["clip"]  # one image, two processor settings: two entries, each exact
     other = type(proc)(**{**proc.to_dict(), "resample": Image.Resampling.BILINEAR})
@@ -187,14 +187,14 @@ def test_corrupt_or_missing_image_raises_invalid_media_and_stores_nothing(towers
     s, good = store(), png(4)
     enc = CachedVisionEncoder(model, proc, s)
     want = enc(good)
-    before = len(s), s.stats()["bytes_stored"], calls[0]
+    before = len(s), s.stats().totals.bytes_stored, calls[0]
     bad = [good[: len(good) // 2], good[:60], b"\x89PNG\r\n\x1a\n" + bytes(100), b"not an image", tmp_path / "nope.png"]
     for data in bad:
         with pytest.raises(InvalidMedia):
             enc(data)
     with pytest.raises(InvalidMedia):
         enc(1234)
-    assert (len(s), s.stats()["bytes_stored"], calls[0]) == before
+    assert (len(s), s.stats().totals.bytes_stored, calls[0]) == before
     assert torch.equal(enc(good), want) and calls[0] == before[2]
 
 
@@ -255,7 +255,7 @@ def test_prompt_encoder_equals_the_pipelines_encode_and_hits_skip_the_encoder(wa
         assert all(torch.equal(g, w) for g, w in zip(got, want)) and got[0].shape == (1, L, 32)
     assert calls[0] - before == 2, "only the first request runs the encoder"
     assert torch.equal(enc.encode(" a cat walking on grass, cinematic lighting "), want[0])  # cleans alike: a hit
-    assert calls[0] - before == 2 and s.stats()["hits"] == 5
+    assert calls[0] - before == 2 and s.stats().totals.hits == 5
 
     uncached = CachedPromptEncoder.from_pipeline(pipe, None, max_sequence_length=L)
     two = pipeline_encode(pipe, prompt, NEGATIVE, num_videos_per_prompt=2)
@@ -291,7 +291,7 @@ def test_negative_prompt_hits_from_the_second_request_on(wan, count_forwards):
     for prompt in ["a cat", "a robot", "a cat", "sunset over grass"]:
         before = calls[0]
         enc.encode_prompt(prompt, NEGATIVE)
-        text = s.stats()["by_modality"]["text"]
+        text = s.stats().to_dict()["by_modality"]["text"]
         seen.append((calls[0] - before, text["hits"], text["misses"]))
     assert seen == [(2, 0, 2), (1, 1, 3), (0, 3, 3), (1, 4, 4)]
     assert len(s) == 4

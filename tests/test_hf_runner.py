@@ -30,7 +30,7 @@ def test_a_failed_request_is_aborted_and_indexes_nothing(tiny_llama):
         with runner.request(kv, "bad", prompt, config=tiny_llama.config) as lease:
             runner.replay(tiny_llama, lease.cache, prompt, runner.chunk_spans(0, 13, P))
             raise RuntimeError("boom")
-    assert kv.prefix.stats()["requests_live"] == 0
+    assert kv.prefix.stats().requests_live == 0
     first = runner.serve(tiny_llama, kv, "first", prompt, max_new_tokens=NEW)
     assert first.matched_tokens == 0  # the failed request's written pages never reached the index
     assert runner.serve(tiny_llama, kv, "again", prompt, max_new_tokens=NEW).matched_tokens == 12
@@ -90,7 +90,7 @@ def test_two_salts_never_share_an_encoder_entry_and_one_salt_does(tiny_llava):
         served[k] = llava.serve(f"r{k}", prompt, max_new_tokens=1, salt=salt)
         assert served[k].matched_tokens == 0
     assert [served[k].encoder_hits for k in range(3)] == [0, 0, 1]  # b missed a's entry; a's second use hit
-    assert store.stats()["entries"] == 2 and store.stats()["hits"] == 1
+    assert store.stats().entries == 2 and store.stats().totals.hits == 1
     assert torch.equal(llava.encoder(image, salt=b"tenant-a"), llava.encoder(image, salt=b"tenant-b"))
 
 

@@ -81,3 +81,9 @@ def test_bad_media_marks_are_refused(media):
 def test_salt_must_be_bytes():
     with pytest.raises(InvalidRequest):
         page_names(FP, TOKENS, salt="tenant")
+
+
+@given(st.lists(st.integers(0, 2**31 - 2), max_size=64))
+def test_list_fast_path_equals_the_array_path(ids):
+    fast, slow = as_tokens(ids), as_tokens(np.array(ids, dtype=np.int64))
+    assert fast.dtype == slow.dtype == np.int32 and fast.flags.c_contiguous and (fast == slow).all()

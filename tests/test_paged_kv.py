@@ -71,7 +71,7 @@ def test_pages_hold_exactly_the_kv_transformers_computes(model):
     pos = 9
     assert torch.equal(kv.pool.data[state.page_indices[pos // P], 1, 0, pos % P], dyn.layers[1].keys[0, :, pos])
     assert kv.finish("r", paged.output_ids) == n // P
-    assert kv.prefix.stats()["pages_cached"] == n // P and kv.rid is None
+    assert kv.prefix.stats().pages_cached == n // P and kv.rid is None
 
 
 def test_admission_makes_the_model_skip_the_matched_prefix(model):
@@ -129,7 +129,7 @@ def test_out_of_pages_raises_before_any_write(model):
     prompt = tokens(10, 6)
     with pytest.raises(OutOfPages):
         serve(model, kv, "long", prompt, max_new_tokens=4)  # 10 + 3 fed tokens need 4 pages
-    assert kv.rid is None and kv.pool.num_free == 3 and kv.prefix.stats()["pages_cached"] == 0
+    assert kv.rid is None and kv.pool.num_free == 3 and kv.prefix.stats().pages_cached == 0
     kv.admit("r", prompt)
     replay(model, kv, prompt, chunk_spans(0, 10, P), max_new_tokens=3)
     state = kv.state()
@@ -144,11 +144,11 @@ def test_cached_pages_are_evicted_for_a_live_request_and_outputs_stay_exact(mode
     kv = PagedKVCache.for_model(model, num_pages=8, page_size=P, evict_batch_pages=1)
     for seed in range(3):  # 3 x 3 written pages: the index fills the pool
         serve(model, kv, f"fill{seed}", tokens(13, 10 + seed), max_new_tokens=1)
-    assert kv.prefix.stats()["pages_cached"] >= 6
+    assert kv.prefix.stats().pages_cached >= 6
     prompt = tokens(21, 20)
     got = serve(model, kv, "new", prompt, max_new_tokens=5)
     want = replay(model, DynamicCache(config=model.config), prompt, chunk_spans(0, 21, P), max_new_tokens=5)
-    assert kv.prefix.stats()["evicted_pages"] > 0
+    assert kv.prefix.stats().evicted_pages > 0
     assert got.output_ids == want.output_ids and all(map(torch.equal, got.logits, want.logits))
 
 

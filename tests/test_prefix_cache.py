@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 
 import pytest
@@ -33,7 +34,7 @@ def test_second_request_hits_prompt_and_generated_pages():
     assert again.matched_tokens == 12 and again.seq_len == 12 and again.position_id_start == 0
     assert len(again.page_indices) == 3
     s = cache.stats()
-    assert s["hits"] == 1 and s["hit_tokens"] == 12 and s["pages_live"] == 3 and s["requests_live"] == 1
+    assert s.hits == 1 and s.hit_tokens == 12 and s.pages_live == 3 and s.requests_live == 1
 
 
 def test_full_match_still_leaves_the_last_token_to_compute():
@@ -52,8 +53,8 @@ def test_forced_collision_all_names_equal_stays_exact():
     cache.abort("b")
     # same prompt: page 0 verifies, page 1 is nominated as a's page 0 again and fails the parent check
     assert cache.admit("c", a + [1], names=collide(13)).matched_tokens == 4
-    assert cache.stats()["collisions"] == 3      # a's own finish stopped at page 1, then b and c
-    assert cache.stats()["pages_cached"] == 1
+    assert cache.stats().collisions == 3      # a's own finish stopped at page 1, then b and c
+    assert cache.stats().pages_cached == 1
 
 
 def test_salts_never_share_pages():
@@ -90,7 +91,7 @@ def test_teardown_mid_prefill_indexes_only_written_pages():
     cache.mark_computed("a", 10)                                     # 2 full pages written, the third half
     assert cache.finish("a") == 2
     assert cache.admit("b", list(range(20))).matched_tokens == 8
-    assert cache.stats()["pages_cached"] == 2
+    assert cache.stats().pages_cached == 2
 
 
 def test_equal_pages_are_not_duplicated_when_two_requests_finish():
@@ -101,7 +102,7 @@ def test_equal_pages_are_not_duplicated_when_two_requests_finish():
         cache.mark_computed(rid, 12)
     assert cache.finish("a") == 3 and cache.finish("b") == 0
     s = cache.stats()
-    assert s["pages_cached"] == 3 and s["pages_free"] == 32 - 3
+    assert s.pages_cached == 3 and s.pages_free == 32 - 3
 
 
 def test_bytes_written_by_one_request_are_read_by_the_next():
@@ -124,7 +125,7 @@ def test_eviction_drops_cold_tails_first_and_live_requests_never_fail_because_of
     cache.admit("x", list(range(200, 220)))
     cache.grow("x", 20)                                              # 5 pages: needs 3 evicted
     s = cache.stats()
-    assert s["evicted_pages"] == 3 and s["stalls"] == 0
+    assert s.evicted_pages == 3 and s.stalls == 0
     # the cold run lost its tail, not its head; the hot run is intact
     cache.abort("x")
     assert cache.admit("old2", list(range(16))).matched_tokens == 4
@@ -141,8 +142,8 @@ def test_out_of_pages_only_when_live_demand_exceeds_the_pool_and_changes_nothing
         cache.grow("a", 24)                                          # 6 pages > 4
     assert err.value.shortfall == 2
     after = cache.stats()
-    assert after["stalls"] == before["stalls"] + 1
-    assert {k: v for k, v in after.items() if k != "stalls"} == {k: v for k, v in before.items() if k != "stalls"}
+    assert after.stalls == before.stalls + 1
+    assert dataclasses.replace(after, stalls=before.stalls) == before
     assert cache.state("a").seq_len == 12
 
 
@@ -151,8 +152,8 @@ def test_eviction_is_batched_under_saturation():
     for i in range(40):                                              # distinct prompts fill the pool
         serve(cache, i, [i] * 8 + [1])
     s = cache.stats()
-    assert s["stalls"] == 0 and s["evicted_pages"] >= s["shortfall_pages"]
-    assert s["evicted_pages"] / s["eviction_batches"] >= 8
+    assert s.stalls == 0 and s.evicted_pages >= s.shortfall_pages
+    assert s.evicted_pages / s.eviction_batches >= 8
 
 
 def test_suspend_releases_shared_pages_and_resume_relooks_them_up():
@@ -163,7 +164,7 @@ def test_suspend_releases_shared_pages_and_resume_relooks_them_up():
     cache.mark_computed("b", 18)
     own = cache.suspend("b")
     assert st.matched_tokens == 12 and len(own) == 2 and cache.state("b").position_id_start == 12
-    assert cache.stats()["pages_live"] == 2
+    assert cache.stats().pages_live == 2
     with pytest.raises(InvalidRequest):
         cache.grow("b", 30)                                          # suspended requests do not grow
     back = cache.resume("b")
@@ -237,8 +238,8 @@ def test_concurrent_requests_from_threads_keep_counts_exact():
     for t in threads:
         t.join()
     s = cache.stats()
-    assert s["requests_live"] == 0 and s["pages_live"] == 0
-    assert (cache.pool.counts == cache._indexed).all()              # every owned page is owned by the index alone
+    assert s.requests_live == 0 and s.pages_live == 0
+    assert (cache.pool.counts == cache.index.indexed).all()              # every owned page is owned by the index alone
     cache.clear()
     assert cache.pool.num_free == 256
 
@@ -261,7 +262,7 @@ def test_windowed_label_stores_only_its_protected_prefix_and_releases_through_co
         cache.suspend("w")
     assert cache.finish("w", [1, 2, 3, 4]) == 0                      # page 0 is already indexed; nothing after it
     s = cache.stats()
-    assert s["pages_cached"] == 4 and s["pages_live"] == 0
+    assert s.pages_cached == 4 and s.pages_live == 0
 
 
 def test_windowed_request_grows_past_its_released_window():
@@ -272,7 +273,7 @@ def test_windowed_request_grows_past_its_released_window():
     cache.protect_prefix("w", 4)
     cache.release_oldest("w", 2)                                     # holds pages at positions 0 and 3
     st = cache.grow("w", 24)                                         # positions 4 and 5: two new pages
-    assert len(st.page_indices) == 4 and cache.stats()["pages_live"] == 4
+    assert len(st.page_indices) == 4 and cache.stats().pages_live == 4
 
 
 def test_offload_releases_own_pages_and_resume_gives_fresh_ones_at_the_same_positions():
@@ -285,10 +286,29 @@ def test_offload_releases_own_pages_and_resume_gives_fresh_ones_at_the_same_posi
     cache.mark_computed("b", 18)
     own = cache.suspend("b")
     saved = cache.pool.data[own].clone()                             # the engine copies them to host memory
-    assert cache.release_suspended("b") == 2 and cache.stats()["pages_live"] == 0
+    assert cache.release_suspended("b") == 2 and cache.stats().pages_live == 0
     back = cache.resume("b")
     assert back.computed_tokens == 18 and len(back.page_indices) == 5
     cache.pool.data[list(back.page_indices[3:])] = saved             # ...and back into the fresh pages
     cache.finish("b")
     hit = cache.admit("c", list(range(12)) + [5] * 6 + [0])
     assert torch.equal(cache.pool.data[list(hit.page_indices[3:4])], kv[3:4])
+
+
+def test_unnamed_request_holds_pages_but_is_never_matched_nor_indexed():
+    cache = make(num_pages=8)
+    st = cache.admit_unnamed("u")
+    assert (st.seq_len, st.matched_tokens, st.page_indices) == (0, 0, ())
+    with pytest.raises(DuplicateRequest):
+        cache.admit_unnamed("u")
+    cache.grow("u", 10)
+    cache.mark_computed("u", 10)
+    assert cache.finish("u") == 0 and cache.pool.num_free == 8
+    s = cache.stats()
+    assert (s.queries, s.pages_cached, s.requests_live) == (0, 0, 0)
+
+
+def test_vocab_size_is_public_and_read_only():
+    assert make(vocab_size=100).vocab_size == 100 and make().vocab_size == 2**31 - 1
+    with pytest.raises(AttributeError):
+        make().vocab_size = 5

@@ -188,7 +188,7 @@ class CacheMachine(RuleBasedStateMachine):
         holders = np.zeros(PAGES, dtype=np.int32)
         for rid in self.live:
             np.add.at(holders, list(self.cache.state(rid).page_indices), 1)
-        holders += self.cache._indexed
+        holders += self.cache.index.indexed
         assert (self.cache.pool.counts == holders).all()
 
     @invariant()
@@ -199,10 +199,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def index_and_arrays_agree(self):
-        idx = self.cache._index
-        assert sorted(idx.values()) == np.flatnonzero(self.cache._indexed).tolist()
+        idx = self.cache.index._pages
+        assert sorted(idx.values()) == np.flatnonzero(self.cache.index.indexed).tolist()
         for name, page in idx.items():
-            assert int(self.cache._name[page]) == name
+            assert int(self.cache.index._name[page]) == name
 
     def teardown(self):
         for rid in list(self.live):

@@ -17,7 +17,7 @@ def test_shadow_matches_what_an_unbounded_cache_realizes():
         cache.finish(rid, [9, 9, 9, 9])
         shadow.finish(rid, [9, 9, 9, 9])
     s = shadow.stats()
-    assert s["requests"] == 6 and s["matched_pages"] == sum(r.matched_pages for r in shadow.records) > 0
+    assert s.requests == 6 and s.matched_pages == sum(r.matched_pages for r in shadow.records) > 0
 
 
 def test_shadow_records_misses_that_an_in_flight_request_held():
@@ -27,7 +27,7 @@ def test_shadow_records_misses_that_an_in_flight_request_held():
     assert m.matched_pages == 0 and m.inflight_pages == 4
     shadow.finish("a")
     assert shadow.admit("c", list(range(17))).matched_pages == 4
-    assert shadow.stats()["misses_held_in_flight"] == 1
+    assert shadow.stats().misses_held_in_flight == 1
 
 
 def test_shadow_verifies_like_the_cache_and_rejects_unknown_ids():

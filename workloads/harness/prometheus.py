@@ -19,14 +19,14 @@ from workloads.harness.metrics import RequestRecord, RunResult
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-PREFIX_COUNTERS = {  # PrefixCache.stats() key -> help
+PREFIX_COUNTERS = {  # PrefixCache.stats().to_dict() key -> help
     "queries": "Prefix cache lookups (one per admitted request).",
     "hits": "Prefix cache lookups that matched at least one page.",
     "queried_tokens": "Prompt tokens looked up in the prefix cache.",
     "hit_tokens": "Prompt tokens served from the prefix cache.",
     "evicted_pages": "Cached KV pages evicted to make room for live requests.",
 }
-ENCODER_COUNTERS = {  # EncoderStore.stats()["by_modality"][m] key -> help
+ENCODER_COUNTERS = {  # EncoderStore.stats().to_dict()["by_modality"][m] key -> help
     "queries": "Encoder cache lookups.",
     "hits": "Encoder cache lookups served from the store.",
 }

@@ -164,7 +164,7 @@ class ImageGen:
         return RequestResult(output_tokens=1, encoder_items={"text": 2}, encoder_hits={"text": hits})
 
     def cache_stats(self) -> dict:
-        return {"encoder": self.store.stats()}
+        return {"encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """``text``: 1 - distinct prompt keys (the negative included) / prompt encodes (two per request), the rate an

@@ -80,7 +80,7 @@ class TextWorkload:
                              hit_pages=matched // P, output_tokens=len(out))
 
     def cache_stats(self) -> dict:
-        return {"prefix": self.kv.prefix.stats()}
+        return {"prefix": self.kv.prefix.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """The unbounded-cache prefix hit rate over the prompts in trace order."""

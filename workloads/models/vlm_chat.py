@@ -193,7 +193,7 @@ class VlmChat:
                              encoder_hits={"image": served.encoder_hits})
 
     def cache_stats(self) -> dict:
-        return {"prefix": self.kv.prefix.stats(), "encoder": self.store.stats()}
+        return {"prefix": self.kv.prefix.stats().to_dict(), "encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """Unbounded-cache hit rates in trace order over the requests that can succeed. Replies are stood in by zeros:

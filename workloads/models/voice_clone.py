@@ -276,7 +276,7 @@ class VoiceClone:
                              encoder_hits={"audio": int(found.hit)})
 
     def cache_stats(self) -> dict:
-        return {"prefix": self.kv.prefix.stats(), "encoder": self.store.stats()}
+        return {"prefix": self.kv.prefix.stats().to_dict(), "encoder": self.store.stats().to_dict()}
 
     def ceilings(self) -> dict[str, float]:
         """Unbounded-cache hit rates over the requests that will succeed (a reference that decodes), in service

@@ -184,7 +184,7 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, o
         bar.update(1)
     r.drain()
     bar.close()
-    stats = r.cache.stats()
+    stats = r.cache.stats().to_dict()
     run.evicted_pages, run.eviction_batches = stats["evicted_pages"], stats["eviction_batches"]
     run.collisions = stats["collisions"]
     run.elapsed_s = time.perf_counter() - started

@@ -1,0 +1,93 @@
+"""Typed statistics: one frozen snapshot per ``stats()`` call, read by attribute; ``to_dict()`` gives the flat dict
+that JSON reports and Prometheus consume.
+
+A snapshot is taken under its owner's lock, so its fields are mutually consistent; it never changes afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Snapshot:
+    def to_dict(self) -> dict:
+        """The fields as a plain dict, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixCacheStats(_Snapshot):
+    """``PrefixCache.stats()``: index counters since creation, then the pool and the live table now.
+
+    ``pages_live`` counts pages some live request holds (indexed or not); ``pages_cached`` the indexed pages.
+    """
+
+    queries: int = 0
+    hits: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_pages: int = 0
+    eviction_batches: int = 0
+    shortfall_pages: int = 0
+    stalls: int = 0
+    collisions: int = 0
+    pages_free: int = 0
+    pages_live: int = 0
+    pages_cached: int = 0
+    requests_live: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EncoderCounters(_Snapshot):
+    """One set of ``EncoderStore`` counters (all modalities, or one). ``bytes_stored`` is what is stored now; the
+    rest only grow. ``time_saved_s`` sums the encoder time of the misses whose stored outputs later hits returned."""
+
+    queries: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_stored: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    bypasses: int = 0
+    joins: int = 0
+    collisions: int = 0
+    time_saved_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EncoderStoreStats(_Snapshot):
+    """``EncoderStore.stats()``: the counter ``totals``, ``entries`` and ``capacity_bytes`` now, and the counters
+    per modality. ``to_dict()`` flattens the totals into the top level (the shape reports read)."""
+
+    totals: EncoderCounters = EncoderCounters()
+    entries: int = 0
+    capacity_bytes: int = 0
+    by_modality: dict[str, EncoderCounters] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {**self.totals.to_dict(), "entries": self.entries, "capacity_bytes": self.capacity_bytes,
+                "by_modality": {m: c.to_dict() for m, c in self.by_modality.items()}}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShadowStats(_Snapshot):
+    """``ShadowIndex.stats()``: matched-page share and in-flight overlap over every request admitted so far."""
+
+    requests: int = 0
+    prompt_pages: int = 0
+    matched_pages: int = 0
+    matched_page_share: float = 0.0
+    inflight_pages: int = 0
+    misses_held_in_flight: int = 0
+    table_pages: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocatorStats(_Snapshot):
+    """``PagedAllocator.stats()``: the allocator's own counts (each label's cache has its ``PrefixCacheStats``)."""
+
+    requests: int = 0
+    batches_in_flight: int = 0
+    removals_queued: int = 0
+    requests_offloaded: int = 0

@@ -1,0 +1,53 @@
+"""Typed stats: frozen snapshots read by attribute, whose ``to_dict()`` keeps the dict shape reports consume."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from mmcache import EncoderKey, EncoderStore, Fingerprint, PagedAllocator, PagePool, PrefixCache, ShadowIndex
+from mmcache.stats import EncoderCounters, EncoderStoreStats, PrefixCacheStats
+
+COUNTERS = ["queries", "hits", "misses", "bytes_stored", "evictions", "evicted_bytes", "bypasses", "joins",
+            "collisions", "time_saved_s"]
+
+
+def test_prefix_cache_stats_are_a_frozen_snapshot_with_the_documented_keys():
+    cache = PrefixCache(PagePool(8), Fingerprint("m", page_size=4))
+    cache.admit("a", np.arange(9))
+    s = cache.stats()
+    assert isinstance(s, PrefixCacheStats) and s.queries == 1 and s.requests_live == 1
+    assert list(s.to_dict()) == ["queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages",
+                                 "eviction_batches", "shortfall_pages", "stalls", "collisions", "pages_free",
+                                 "pages_live", "pages_cached", "requests_live"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.hits = 3
+    cache.abort("a")
+    assert s.requests_live == 1 and cache.stats().requests_live == 0  # a snapshot never changes
+
+
+def test_encoder_store_stats_to_dict_is_the_flat_report_shape():
+    store = EncoderStore(capacity_bytes=4096, page_bytes=1024)
+    key = EncoderKey(b"d" * 16, "enc", "image")
+    store.put(key, torch.ones(10))
+    store.get(key)
+    s = store.stats()
+    assert isinstance(s, EncoderStoreStats) and isinstance(s.by_modality["image"], EncoderCounters)
+    assert (s.totals.hits, s.totals.bytes_stored, s.entries, s.capacity_bytes) == (1, 40, 1, 4096)
+    d = s.to_dict()
+    assert list(d) == COUNTERS + ["entries", "capacity_bytes", "by_modality"]
+    assert d["by_modality"] == {"image": {**dict.fromkeys(COUNTERS, 0), "queries": 1, "hits": 1,
+                                          "bytes_stored": 40, "time_saved_s": 0.0}}
+    assert d["hits"] == 1 and isinstance(d["time_saved_s"], float)
+
+
+def test_shadow_and_allocator_stats_are_typed():
+    shadow = ShadowIndex(Fingerprint("m", page_size=4))
+    shadow.admit("a", np.arange(9))
+    assert shadow.stats().to_dict() == {"requests": 1, "prompt_pages": 2, "matched_pages": 0,
+                                        "matched_page_share": 0.0, "inflight_pages": 0,
+                                        "misses_held_in_flight": 0, "table_pages": 0}
+    alloc = PagedAllocator({"text": PrefixCache(PagePool(8), Fingerprint("m", page_size=4))})
+    alloc.add_request("a", ["text"])
+    assert alloc.stats().requests == 1
