@@ -4,14 +4,12 @@
    reused pages into fresh ones with one ``index_select``/``index_copy_`` along dim 1 vs a plain device-to-device
    copy of the same bytes, in the same run (ratio; no non-contiguous staging copy is made).
 2. Pool devices: a PagePool built on "cuda" accepts K/V on "cuda:0".
-3. The bit-exact gate in bf16 on CUDA through M*'s cache manager: run tests/test_mstar_cache_manager.py with
-   MMCACHE_GATE_DEVICE=cuda (the real flashinfer when importable, else the stand-in).
+Not in it yet (left): the bit-exact gate in bf16 on CUDA and the drop-in under M*'s real FlashInfer path
+(tests/test_mstar_cache_manager.py runs on the CPU only; it needs a device parameter first).
 
     python benchmarks/gpu_check.py
 """
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,10 +64,6 @@ def main():
     print(torch.cuda.get_device_name(0), torch.__version__)
     bandwidth()
     devices()
-    env = {**os.environ, "MMCACHE_GATE_DEVICE": "cuda"}
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_mstar_cache_manager.py"], cwd=ROOT,
-                         env=env)
-    sys.exit(rc)
 
 
 if __name__ == "__main__":
