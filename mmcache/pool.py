@@ -22,6 +22,19 @@ from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
 
 
+def canonical_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index made explicit: "cuda" means the current CUDA device (0 when CUDA is absent), so a
+    pool built on "cuda" and tensors on "cuda:0" compare equal (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
+def same_device(a: str | torch.device, b: str | torch.device) -> bool:
+    return canonical_device(a) == canonical_device(b)
+
+
 class PagePool:
     """``num_pages`` pages of ``page_shape`` allocated once, plus one owner count per page.
 
@@ -40,7 +53,7 @@ class PagePool:
             raise InvalidRequest(f"num_pages must be positive, got {num_pages}")
         self.page_shape = tuple(int(s) for s in page_shape)
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.data: torch.Tensor | None = None
         if self.page_shape and math.prod(self.page_shape) > 0:
             # Pages are always written before they are read, so the slab need not be zeroed (nor touched) up front.

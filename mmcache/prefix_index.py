@@ -19,8 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mmcache.errors import OutOfPages
 from mmcache.pool import PagePool
+from mmcache.reclaim import Clock, reclaim
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -34,8 +34,9 @@ class PrefixIndex:
     advances the eviction and collision ones, its user the query ones.
     """
 
-    def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int):
+    def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int, clock: Clock | None = None):
         self.pool = pool
+        self.clock = clock or Clock()  # shared by every owner on the pool, so their ticks compare
         self.page_size = P = page_size
         self.evict_batch_pages = evict_batch_pages
         n = pool.num_pages
@@ -51,7 +52,6 @@ class PrefixIndex:
         self._indexed = np.zeros(n, dtype=bool)
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
-        self._clock = 0
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     def __len__(self) -> int:
@@ -97,8 +97,7 @@ class PrefixIndex:
     def touch(self, pages) -> None:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains)."""
         if len(pages):
-            self._clock += 1
-            self._tick[pages] = self._clock
+            self._tick[pages] = self.clock.tick()
 
     def insert(self, pages: list[int], names: list[int], page_tokens: np.ndarray, mids: np.ndarray,
                salt_id: int) -> list[int]:
@@ -142,27 +141,34 @@ class PrefixIndex:
 
     def make_room(self, need: int) -> None:
         """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
-        nothing) when even every page only the index holds would not cover the shortfall."""
-        short = need - self.pool.num_free
-        if short <= 0:
-            return
-        c = self.counters
+        nothing) when even every page only the index holds would not cover the shortfall. The choice of what to
+        evict lives in ``mmcache.reclaim``; this index is its only owner here."""
+        reclaim(self.pool, need, (self,), self.evict_batch_pages)
+
+    def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Pages only the index holds (count 1) and their eviction keys: lower goes first.
+
+        Key = (tick, -depth) folded into one int64: coldest first, deeper first among equal ticks, so any prefix of
+        the order is a set of whole cold tails (see the module docstring)."""
         cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
-        if cands.size < short:
-            c["stalls"] += 1
-            raise OutOfPages(short - int(cands.size), requested=need)
-        batch = min(int(cands.size), max(short, self.evict_batch_pages))
-        if batch < cands.size:
-            # Coldest first, deeper first among equal ticks: a prefix of this order is a set of whole cold tails.
-            key = self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
-            cands = cands[np.argpartition(key, batch - 1)[:batch]]
-        for name in self._name[cands].tolist():
+        return cands, self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
+
+    def evict(self, pages: np.ndarray, short: int) -> None:
+        """Drop ``pages`` (a prefix of the candidate order, all held only by the index) and release them."""
+        c = self.counters
+        if short:
+            c["eviction_batches"] += 1
+            c["shortfall_pages"] += short
+        if not len(pages):
+            return
+        for name in self._name[pages].tolist():
             del self._pages[name]
-        self._indexed[cands] = False
-        self.pool.release(cands)
-        c["evicted_pages"] += batch
-        c["eviction_batches"] += 1
-        c["shortfall_pages"] += short
+        self._indexed[pages] = False
+        self.pool.release(pages)
+        c["evicted_pages"] += len(pages)
+
+    def stalled(self) -> None:
+        self.counters["stalls"] += 1
 
     def clear(self) -> int:
         """Drop every entry and release the index's owner on its pages; returns how many were dropped."""

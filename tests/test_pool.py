@@ -65,3 +65,12 @@ def test_free_list_matches_zero_counts(ops):
         counts = pool.counts
         assert sorted(pool._free) == np.flatnonzero(counts == 0).tolist()
         assert (np.bincount(held, minlength=6) == counts).all()
+
+
+def test_cuda_without_an_index_is_the_current_device():
+    """A pool built on "cuda" accepts tensors on "cuda:0" (torch.device("cuda") != torch.device("cuda:0")); no GPU
+    is needed to check the comparison, and a metadata-only pool allocates nothing on the device."""
+    from mmcache.pool import canonical_device, same_device
+    assert same_device("cuda", "cuda:0") and same_device("cpu", torch.device("cpu"))
+    assert not same_device("cpu", "cuda:0")
+    assert PagePool(4, device="cuda").device == canonical_device("cuda") and canonical_device("cuda").index is not None

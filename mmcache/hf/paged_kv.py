@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from mmcache.errors import InvalidRequest
 from mmcache.names import Fingerprint, as_tokens
-from mmcache.pool import PagePool
+from mmcache.pool import PagePool, same_device
 from mmcache.prefix_cache import PrefixCache, RequestState
 
 from encoders.base import module_fingerprint
@@ -61,7 +61,8 @@ class PagedKVLayer(CacheLayerMixin):
         pool = self.cache.pool
         _, _, _, heads, head_dim = pool.page_shape
         for t in (key_states, value_states):
-            if (t.dtype, t.device, t.shape[1], t.shape[-1]) != (pool.dtype, pool.device, heads, head_dim):
+            fits = (t.dtype, t.shape[1], t.shape[-1]) == (pool.dtype, heads, head_dim)
+            if not (fits and same_device(t.device, pool.device)):
                 raise InvalidRequest(f"layer {self.layer_idx}: K/V of {t.dtype} on {t.device} with {t.shape[1]} "
                                      f"heads of {t.shape[-1]} do not fit the pool ({pool!r})")
         self.device, self.is_initialized = key_states.device, True

@@ -1,0 +1,74 @@
+"""The one place that chooses what cached data to evict from a pool when a live owner needs pages.
+
+Every cache on a pool (the prefix index of each label, the encoder store) is an *evictable owner*: it offers
+``eviction_candidates() -> (pages, keys)`` (pages only it holds, with an int64 key; lower is evicted first) and
+``evict(pages, short)``. ``reclaim`` merges the candidates of all owners on the pool and evicts the lowest keys as one
+batch, so one kind of cached data can never starve another, and a live request fails only when every cached page
+together would not cover its shortfall. Keys are recency ticks from one ``Clock`` shared by the owners of a pool
+(an owner may fold a tie-breaker into its key, as the prefix index folds chain depth), so they compare across kinds.
+A later tier (host memory) hooks in here: whatever leaves the pool leaves through ``evict``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from mmcache.errors import OutOfPages
+from mmcache.pool import PagePool
+
+
+class Clock:
+    """A monotonic tick shared by the owners of one pool (``itertools.count`` is atomic under the GIL)."""
+
+    def __init__(self):
+        self._count = itertools.count(1)
+
+    def tick(self) -> int:
+        return next(self._count)
+
+
+class Evictable(Protocol):
+    def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def evict(self, pages: np.ndarray, short: int) -> None: ...
+
+    def stalled(self) -> None: ...
+
+
+def reclaimable(owners: Sequence[Evictable]) -> int:
+    """How many pages evicting every candidate of ``owners`` would free."""
+    return sum(len(o.eviction_candidates()[0]) for o in owners)
+
+
+def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable], batch: int = 1) -> int:
+    """Make ``need`` pages free on ``pool`` by evicting at least ``max(shortfall, batch)`` of the coldest candidate
+    pages across ``owners`` (all of them if fewer); returns the pages evicted. Raises ``OutOfPages`` and evicts
+    nothing when all candidates together cannot cover the shortfall. Callers serialize calls on one pool."""
+    short = need - pool.num_free
+    if short <= 0:
+        return 0
+    found = [o.eviction_candidates() for o in owners]
+    total = sum(len(pages) for pages, _ in found)
+    if total < short:
+        for o in owners:
+            o.stalled()
+        raise OutOfPages(short - total, requested=need)
+    n = min(total, max(short, batch))
+    if len(owners) == 1:
+        pages, keys = found[0]
+        if n < total:
+            pages = pages[np.argpartition(keys, n - 1)[:n]]
+        owners[0].evict(pages, short)
+        return n
+    which = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, _) in enumerate(found)])
+    pages = np.concatenate([p for p, _ in found])
+    keys = np.concatenate([k for _, k in found])
+    if n < total:
+        pick = np.argpartition(keys, n - 1)[:n]
+        pages, which = pages[pick], which[pick]
+    for i, owner in enumerate(owners):
+        owner.evict(pages[which == i], short if i == 0 else 0)
+    return n
