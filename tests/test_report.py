@@ -102,7 +102,8 @@ def _inked(img: Image.Image) -> float:
     return float((gray < 200).mean())
 
 
-@pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="no headless browser: apt-get install chromium (.ci/run does)")
+@pytest.mark.skipif(shutil.which(CHROMIUM) is None,
+                    reason="no headless browser: apt-get install chromium (.ci/run does)")
 def test_report_renders_in_headless_chromium(report, tmp_path):
     *_, html_path, _ = report
     first = tmp_path / "first.png"  # the first screen a reader sees: title, summary table
