@@ -1,22 +1,23 @@
-"""Live Prometheus metrics: a real HTTP scrape of a tiny replay, parsed back; the Grafana dashboard's metric names."""
+"""Live Prometheus metrics: a real HTTP scrape of a tiny replay, parsed back; the Grafana dashboard's metric names.
+(A real Prometheus server evaluating every dashboard query: test_prometheus_server.py.)"""
 
 import json
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workloads.harness.prometheus import Exporter
+from workloads.harness.metrics import SLO
+from workloads.harness.prometheus import DASHBOARD, Exporter, cache_outcome, dashboard_queries
 from workloads.harness.serving import Schedule, compare
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "workloads" / "harness" / "grafana" / "mmcache_dashboard.json"
+SLO_ = SLO(ttft_s=0.05)
 
 @pytest.fixture(scope="module")
 def scraped(tiny_chat, tmp_path_factory):
     """Both runs of a replay observed by an exporter on a free loopback port, then one scrape over HTTP."""
-    exporter = Exporter()
+    exporter = Exporter(slo=SLO_)
     port = exporter.serve(0)
     try:
         factory = tiny_chat.factory(pool_pages=40,
@@ -42,7 +43,7 @@ def test_scrape_matches_the_runs(scraped):
     assert value(samples, "mmcache_requests_total", outcome="ok") == len(off.completed) + len(on.completed) == 34
     assert value(samples, "mmcache_requests_total", outcome="error") == 2
     prefix = on.cache_stats["prefix"]  # the cache-off run never queries, so the counters are the cache-on run's
-    for k in ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages"):
+    for k in ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "stalls"):
         assert value(samples, f"mmcache_prefix_cache_{k}_total") == prefix[k]
     assert prefix["evicted_pages"] > 0
     assert value(samples, "mmcache_prefix_cache_hit_tokens_total") == sum(r.result.hit_tokens for r in on.completed)
@@ -52,20 +53,42 @@ def test_scrape_matches_the_runs(scraped):
         assert value(samples, "mmcache_encoder_cache_queries_total", modality=m) == stats["queries"]
         assert value(samples, "mmcache_encoder_cache_hits_total", modality=m) == stats["hits"]
         assert value(samples, "mmcache_encoder_cache_bytes", modality=m) == stats["bytes_stored"] > 0
+        assert value(samples, "mmcache_encoder_cache_saved_seconds_total", modality=m) == pytest.approx(
+            stats["time_saved_s"])
     assert value(samples, "mmcache_encoder_cache_hits_total", modality="speaker") == 2
+    assert value(samples, "mmcache_prefix_cache_prompt_pages_total") == sum(r.result.prompt_pages for r in on.completed)
+    assert value(samples, "mmcache_prefix_cache_matched_pages_total") == sum(r.result.hit_pages for r in on.completed)
+    for run in (off, on):
+        assert value(samples, "mmcache_requests_slo_met_total", cached=run.label) == sum(map(SLO_.met, run.records))
+
+
+def test_series_exist_at_zero_before_the_first_request():
+    registry = Exporter().registry  # nothing observed yet: every panel's series is already there, at 0
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in registry.collect() for s in f.samples}
+    assert value(samples, "mmcache_time_to_first_audio_seconds_count", cached="on", cache_outcome="miss") == 0
+    assert value(samples, "mmcache_requests_slo_met_total", cached="off") == 0
+    assert value(samples, "mmcache_pool_pages", state="live") == 0
 
 
 @pytest.mark.parametrize("metric, latency", [("mmcache_time_to_first_token_seconds", "ttft"),
                                              ("mmcache_time_to_first_audio_seconds", "ttfa"),
                                              ("mmcache_inter_token_latency_seconds", "itl"),
-                                             ("mmcache_e2e_request_latency_seconds", "e2e")])
+                                             ("mmcache_e2e_request_latency_seconds", "e2e"),
+                                             ("mmcache_request_queue_time_seconds", "queue"),
+                                             ("mmcache_request_inference_time_seconds", "service")])
 def test_latency_histograms_per_cache_state(scraped, metric, latency):
     off, on, samples = scraped
     for run in (off, on):
-        values = run.latencies(latency)
-        assert value(samples, f"{metric}_count", cached=run.label) == values.size > 0
-        assert value(samples, f"{metric}_sum", cached=run.label) == pytest.approx(values.sum())
-        assert value(samples, f"{metric}_bucket", cached=run.label, le="+Inf") == values.size
+        for hit in ("hit", "miss"):
+            values = [v for r in run.completed if cache_outcome(r) == hit for v in r.latency(latency)]
+            labels = dict(cached=run.label, cache_outcome=hit)
+            assert value(samples, f"{metric}_count", **labels) == len(values)
+            assert value(samples, f"{metric}_sum", **labels) == pytest.approx(sum(values))
+            assert value(samples, f"{metric}_bucket", le="+Inf", **labels) == len(values)
+        assert sum(value(samples, f"{metric}_count", cached=run.label, cache_outcome=h) for h in ("hit", "miss")) \
+            == run.latencies(latency).size > 0
+    assert value(samples, f"{metric}_count", cached="off", cache_outcome="hit") == 0  # cache off: all misses
+    assert value(samples, f"{metric}_count", cached="on", cache_outcome="hit") > 0
 
 
 def test_registry_is_dedicated(scraped):
@@ -78,12 +101,21 @@ def test_grafana_dashboard_queries_only_exported_metrics(scraped):
     exported = {name for name, _ in samples}
     board = json.loads(DASHBOARD.read_text())
     assert board["schemaVersion"] >= 39 and board["__inputs"][0]["name"] == "DS_PROMETHEUS"
-    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
-    assert all(p["datasource"]["uid"] == "${DS_PROMETHEUS}" for p in board["panels"])
+    [var] = board["templating"]["list"]  # provisioned without the import step, the variable picks the data source
+    assert (var["name"], var["type"], var["query"]) == ("DS_PROMETHEUS", "datasource", "prometheus")
+    assert all(p["datasource"]["uid"] == "${DS_PROMETHEUS}" and
+               all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"]) for p in board["panels"])
+    exprs = [e for *_, e in dashboard_queries()]
     queried = {m for e in exprs for m in re.findall(r"\bmmcache_\w+", e)}
     assert queried - exported == set()
     assert {"mmcache_time_to_first_token_seconds_bucket", "mmcache_time_to_first_audio_seconds_bucket",
-            "mmcache_prefix_cache_hit_tokens_total", "mmcache_encoder_cache_hits_total",
-            "mmcache_pool_pages"} <= queried
+            "mmcache_prefix_cache_hit_tokens_total", "mmcache_encoder_cache_hits_total", "mmcache_pool_pages",
+            "mmcache_prefix_cache_stalls_total", "mmcache_requests_slo_met_total",
+            "mmcache_encoder_cache_saved_seconds_total", "mmcache_prefix_cache_matched_pages_total"} <= queried
     quantiles = [e for e in exprs if "histogram_quantile" in e]
-    assert quantiles and all("by (le, cached)" in e and "_bucket[5m]" in e for e in quantiles)
+    assert quantiles and all(re.search(r"by \(le, (cached|cache_outcome)\)", e) and "_bucket" in e
+                             and "[$__rate_interval]" in e for e in quantiles)
+    assert all("[5m]" not in e for e in exprs)  # Grafana sizes the window to the scrape interval
+    assert sum('cache_outcome' in e and 'first_audio' in e for e in quantiles) == 2  # TTFA p50/p99 hit vs miss
+    ids = [p["id"] for p in board["panels"]]
+    assert len(set(ids)) == len(ids)

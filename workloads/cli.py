@@ -340,12 +340,29 @@ def _linger(exporter, seconds: float, port: int) -> None:
 
 
 def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
+    started = time.perf_counter()
+    exporter, port = None, args.metrics_port
+    if port is not None:  # up before the models load, so a scraper sees every series at 0 before the first request
+        from workloads.harness.prometheus import Exporter
+        exporter = Exporter(slo=slo)
+        try:
+            port = exporter.serve(port)
+        except OSError as e:
+            return _fail(f"--metrics-port {port}: {e}")
+        print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    try:
+        return _replay_and_report(args, schedule, slo, progress, started, exporter, port)
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def _replay_and_report(args, schedule, slo, progress: bool, started: float, exporter, port) -> int:
     from mmcache.errors import MmcacheError
     from workloads.harness.metrics import failure_lines, summary_table
     from workloads.harness.report import report_json, write_report
     from workloads.harness.serving import compare
     name = args.target
-    started = time.perf_counter()
     try:
         options = _options(args)
         if name == "mixed":
@@ -363,34 +380,21 @@ def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
           f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
-    exporter = port = None
-    if args.metrics_port is not None:
-        from workloads.harness.prometheus import Exporter
-        exporter = Exporter()
-        try:
-            port = exporter.serve(args.metrics_port)
-        except OSError as e:
-            return _fail(f"--metrics-port {args.metrics_port}: {e}")
-        print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
-    try:
-        off, on = compare(make, schedule, observer=exporter, progress=progress)
-        print(summary_table(off, on, slo))
-        print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
-              f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
-        for line in failure_lines(off, on):
-            print(f"failed: {line}")
-        print(f"total {time.perf_counter() - started:.1f} s")
-        if args.html:
-            paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
-            print("wrote " + " and ".join(map(str, paths)))
-        elif args.json:
-            args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
-            print(f"wrote {args.json}")
-        if exporter is not None and args.metrics_linger:
-            _linger(exporter, args.metrics_linger, port)
-    finally:
-        if exporter is not None:
-            exporter.close()
+    off, on = compare(make, schedule, observer=exporter, progress=progress)
+    print(summary_table(off, on, slo))
+    print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
+          f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
+    for line in failure_lines(off, on):
+        print(f"failed: {line}")
+    print(f"total {time.perf_counter() - started:.1f} s")
+    if args.html:
+        paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
+        print("wrote " + " and ".join(map(str, paths)))
+    elif args.json:
+        args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    if exporter is not None and args.metrics_linger:
+        _linger(exporter, args.metrics_linger, port)
     return 0
 
 

@@ -3,21 +3,36 @@
 An ``Exporter`` owns a dedicated ``CollectorRegistry`` (never the process-global one), so several can live in one
 process and nothing else the process registers leaks into a scrape. ``serve(port)`` exposes it over HTTP
 (``prometheus_client.start_http_server``, loopback unless told otherwise); pass the exporter as ``observer`` to
-``serving.serve_run`` / ``serving.compare``.
+``serving.serve_run`` / ``serving.compare``. Names follow vLLM's and SGLang's: counters end in ``_total``, times are
+in seconds, sizes in bytes, and what varies is a label (``cached``, ``cache_outcome``, ``modality``, ``state``).
 
-Cache counters follow the workload's ``cache_stats()``: each advances by the growth of its statistic since the
-previous sample of the same run (a run starts with a fresh workload, whose statistics start at 0), so they stay
-monotonic across runs. Gauges hold the latest sample. Latency histograms carry ``cached="on"|"off"``; only completed
-requests are observed in them, every request in ``mmcache_requests_total{outcome="ok"|"error"}``.
+- Cache counters (``mmcache_prefix_cache_*_total``, ``mmcache_encoder_cache_*_total{modality}``) follow the
+  workload's ``cache_stats()``: each advances by the growth of its statistic since the previous sample of the same
+  run (a run starts with a fresh workload, whose statistics start at 0), so they stay monotonic across runs. The
+  cache-off run bypasses the caches, so they only move in the cache-on run. Gauges hold the latest sample.
+- Page counters (``mmcache_prefix_cache_{prompt,matched}_pages_total``) come from the completed requests of the
+  cache-on run: their ratio is the matched-page share.
+- Latency histograms carry ``cached="on"|"off"`` and ``cache_outcome="hit"|"miss"`` (hit: the request reused
+  something, a prefix page or an encoder output; every cache-off request is a miss). Their buckets span tens of
+  milliseconds to minutes, so first-token and first-audio SLOs fall on bucket bounds. Only completed requests are
+  observed in them; every request in ``mmcache_requests_total{outcome="ok"|"error"}``, and those that meet the
+  ``SLO`` in ``mmcache_requests_slo_met_total{cached}`` (its rate is the goodput).
+- Every series a dashboard panel reads exists from the first scrape (at 0), before the first request: a rate needs
+  a sample before the first increase, and a replay is often shorter than a few scrape intervals.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from workloads.harness.metrics import RequestRecord, RunResult
+from workloads.harness.metrics import SLO, RequestRecord, RunResult
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+DASHBOARD = Path(__file__).resolve().parent / "grafana" / "mmcache_dashboard.json"
+LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
+                   30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 PREFIX_COUNTERS = {  # PrefixCache.stats().to_dict() key -> help
     "queries": "Prefix cache lookups (one per admitted request).",
@@ -25,38 +40,79 @@ PREFIX_COUNTERS = {  # PrefixCache.stats().to_dict() key -> help
     "queried_tokens": "Prompt tokens looked up in the prefix cache.",
     "hit_tokens": "Prompt tokens served from the prefix cache.",
     "evicted_pages": "Cached KV pages evicted to make room for live requests.",
+    "stalls": "Admissions that waited for live requests to finish because live demand filled the pool.",
 }
-ENCODER_COUNTERS = {  # EncoderStore.stats().to_dict()["by_modality"][m] key -> help
-    "queries": "Encoder cache lookups.",
-    "hits": "Encoder cache lookups served from the store.",
+ENCODER_COUNTERS = {  # EncoderStore.stats().to_dict()["by_modality"][m] key -> (name suffix, help)
+    "queries": ("queries", "Encoder cache lookups."),
+    "hits": ("hits", "Encoder cache lookups served from the store."),
+    "time_saved_s": ("saved_seconds", "Encoder time the hits saved: the measured time of the misses that computed "
+                                      "the outputs they returned."),
+}
+PAGE_COUNTERS = {  # RequestResult field -> (name, help)
+    "prompt_pages": ("mmcache_prefix_cache_prompt_pages_total", "Full prompt pages of completed cache-on requests."),
+    "hit_pages": ("mmcache_prefix_cache_matched_pages_total", "Prompt pages of completed cache-on requests matched "
+                                                              "in the prefix cache."),
 }
 LATENCIES = {  # metrics.LATENCIES key -> (name, help, buckets)
-    "ttft": ("mmcache_time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS),
-    "ttfa": ("mmcache_time_to_first_audio_seconds", "Time to first audio chunk.", LATENCY_BUCKETS),
+    "ttft": ("mmcache_time_to_first_token_seconds", "Time to first token (queueing included).", LATENCY_BUCKETS),
+    "ttfa": ("mmcache_time_to_first_audio_seconds", "Time to first audio chunk (queueing included).",
+             LATENCY_BUCKETS),
     "itl": ("mmcache_inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS),
     "e2e": ("mmcache_e2e_request_latency_seconds", "Arrival to last output.", LATENCY_BUCKETS),
+    "queue": ("mmcache_request_queue_time_seconds", "Arrival to start of service.", LATENCY_BUCKETS),
+    "service": ("mmcache_request_inference_time_seconds", "Measured model time of a request (no queueing).",
+                LATENCY_BUCKETS),
 }
 POOL_STATES = ("free", "live", "cached")
 OUTCOMES = ("ok", "error")
+CACHED = ("off", "on")
+CACHE_OUTCOMES = ("hit", "miss")
+
+
+def dashboard_queries(path: Path = DASHBOARD) -> list[tuple[str, str, str]]:
+    """``(panel title, refId, PromQL)`` of every query of the Grafana dashboard at ``path``, in panel order."""
+    board = json.loads(Path(path).read_text())
+    return [(p["title"], t["refId"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
+
+
+def cache_outcome(record: RequestRecord) -> str:
+    """``"hit"`` when a completed request reused anything (a prefix page, an encoder output), else ``"miss"``."""
+    return "hit" if any(record.result.hits().values()) else "miss"
 
 
 class Exporter:
-    """The mmcache metrics of one process on a registry of their own; an ``Observer`` of the serving loop."""
+    """The mmcache metrics of one process on a registry of their own; an ``Observer`` of the serving loop.
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    ``slo`` decides which completed requests count in ``mmcache_requests_slo_met_total`` (no bound: all of them).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, slo: SLO = SLO()):
         self.registry = reg = registry if registry is not None else CollectorRegistry()
+        self.slo = slo
         self.prefix = {k: Counter(f"mmcache_prefix_cache_{k}_total", doc, registry=reg)
                        for k, doc in PREFIX_COUNTERS.items()}
-        self.encoder = {k: Counter(f"mmcache_encoder_cache_{k}_total", doc, ["modality"], registry=reg)
-                        for k, doc in ENCODER_COUNTERS.items()}
+        self.pages = {k: Counter(name, doc, registry=reg) for k, (name, doc) in PAGE_COUNTERS.items()}
+        self.encoder = {k: Counter(f"mmcache_encoder_cache_{suffix}_total", doc, ["modality"], registry=reg)
+                        for k, (suffix, doc) in ENCODER_COUNTERS.items()}
         self.encoder_bytes = Gauge("mmcache_encoder_cache_bytes", "Bytes of encoder outputs stored.", ["modality"],
                                    registry=reg)
-        self.pool_pages = Gauge("mmcache_pool_pages", "Prefix-cache pool pages by state.", ["state"], registry=reg)
-        self.latency = {k: Histogram(name, doc, ["cached"], buckets=buckets, registry=reg)
+        self.pool_pages = Gauge("mmcache_pool_pages", "Prefix-cache pool pages by state: free, live (held by a live "
+                                "request, indexed or not), cached (indexed; a matched page is live and cached).",
+                                ["state"], registry=reg)
+        self.latency = {k: Histogram(name, doc, ["cached", "cache_outcome"], buckets=buckets, registry=reg)
                         for k, (name, doc, buckets) in LATENCIES.items()}
         self.requests = Counter("mmcache_requests_total", "Requests served, by outcome.", ["outcome"], registry=reg)
-        for outcome in OUTCOMES:  # present at 0 before the first request
+        self.slo_met = Counter("mmcache_requests_slo_met_total", f"Completed requests that met the SLO ({slo}).",
+                               ["cached"], registry=reg)
+        for outcome in OUTCOMES:  # every series a panel reads is present at 0 before the first request
             self.requests.labels(outcome=outcome)
+        for cached in CACHED:
+            self.slo_met.labels(cached=cached)
+            for hist in self.latency.values():
+                for hit in CACHE_OUTCOMES:
+                    hist.labels(cached=cached, cache_outcome=hit)
+        for state in POOL_STATES:
+            self.pool_pages.labels(state=state)
         self._last: dict[tuple, float] = {}
         self._server = self._thread = None
 
@@ -75,14 +131,24 @@ class Exporter:
 
     def start(self, run: RunResult) -> None:
         self._last.clear()
+        for m in run.ceilings.keys() - {"prefix"}:  # the workload's encoder modalities, at 0 until first used
+            for counter in self.encoder.values():
+                counter.labels(modality=m)
+            self.encoder_bytes.labels(modality=m)
 
     def observe(self, run: RunResult, record: RequestRecord, cache_stats: dict) -> None:
         self.requests.labels(outcome="ok" if record.ok else "error").inc()
         if record.ok:
+            hit = cache_outcome(record)
             for k, hist in self.latency.items():
-                child = hist.labels(cached=run.label)
+                child = hist.labels(cached=run.label, cache_outcome=hit)
                 for value in record.latency(k):
                     child.observe(value)
+            if self.slo.met(record):
+                self.slo_met.labels(cached=run.label).inc()
+            if run.cached:
+                for k, counter in self.pages.items():
+                    counter.inc(getattr(record.result, k))
         prefix = cache_stats.get("prefix")
         if prefix is not None:
             for k, counter in self.prefix.items():
