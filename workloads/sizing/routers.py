@@ -23,7 +23,7 @@ from typing import Sequence
 
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
 
-ROUTERS = ("random", "round-robin", "affinity", "cache-aware")
+from workloads.sizing.router_names import ROUTERS
 
 
 class RandomRouter:
