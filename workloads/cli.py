@@ -3,6 +3,8 @@
     mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai|sharegpt] [--tokenizer PATH]
                    [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
+    mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,cache-aware]
+                   [--pool-tokens TOTAL] [--affinity-threshold N] [--key-pages K]
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
                    [--metrics-port PORT] [--metrics-linger S] [--page-size P] [--max-new-tokens N] [--pool-pages N]
