@@ -65,3 +65,8 @@ class AllocationFailed(OutOfPages):
         super().__init__(pages_short, requested)
         self.pages_short, self.request_id, self.label = pages_short, request_id, label
         self.args = (f"request {request_id!r}, label {label!r}: {self.args[0]}",)
+
+
+class RefusedByGroup(MmcacheError):
+    """Another rank of a tensor-parallel group could not admit or hold a request, so this rank undid it too
+    (``mmcache.tp``); the rank that failed raises its own error."""

@@ -309,6 +309,26 @@ class PrefixCache:
             rec.released += pages
             return rec.state(P)
 
+    # ----------------------------------------------------------------- TP agreement hook (mmcache.tp; issue 12)
+    def trim_match(self, rid: Hashable, pages: int) -> RequestState:
+        """Keep only the first ``pages`` matched pages of a request that has not grown past its match (just
+        admitted): the rest are released (they stay the index's) and the counters count only what is kept."""
+        pages = as_int(pages, "pages")
+        P = self.page_size
+        with self._lock:
+            rec = self._get(rid, live=True)
+            k = rec.matched // P
+            if rec.seq_len != rec.matched or not 0 <= pages <= k:
+                raise InvalidRequest(f"request {rid!r}: can trim its match of {k} page(s) to [0, {k}] only before "
+                                     f"it grows, got {pages}")
+            if pages < k:
+                self.pool.release(rec.pages[pages:])
+                del rec.pages[pages:]
+                rec.seq_len = rec.computed = rec.matched = pages * P
+                self.index.counters["hit_tokens"] -= (k - pages) * P
+                self.index.counters["hits"] -= pages == 0
+            return rec.state(P)
+
     def clear(self) -> int:
         """Drop every index entry (live requests keep their pages); returns how many entries were dropped."""
         with self._lock:

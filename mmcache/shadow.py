@@ -15,7 +15,7 @@ import numpy as np
 
 from mmcache.checks import as_names
 from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
-from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.names import Fingerprint, _digest_bytes, as_tokens, chain, chain_root, media_by_page, media_ids
 from mmcache.stats import ShadowStats
 
 
@@ -28,6 +28,35 @@ class ShadowMatch:
     prompt_tokens: int
     matched_pages: int
     inflight_pages: int
+
+
+class ReplicaSpread:
+    """How many replicas each repeated prefix lands on: per page name (a name stands for its whole prefix), the set
+    of replicas whose requests held it, as a bit mask over replica numbers given in first-seen order.
+
+    ``mean``/``max`` are over the names seen at least twice; 1.0 means every repeated prefix stayed on one replica,
+    R that every one was spread over all R (one copy per replica)."""
+
+    def __init__(self):
+        self._replicas: dict[Hashable, int] = {}
+        self._masks: dict[int, int] = {}
+        self._seen: Counter[int] = Counter()
+
+    def add(self, names: Sequence[int], replica: Hashable) -> None:
+        bit = 1 << self._replicas.setdefault(replica, len(self._replicas))
+        masks = self._masks
+        for name in names:
+            masks[name] = masks.get(name, 0) | bit
+        self._seen.update(names)
+
+    def summary(self) -> tuple[int, float, int]:
+        """``(repeated prefixes, mean replicas per repeated prefix, most replicas of one)``."""
+        spreads = [self._masks[n].bit_count() for n, c in self._seen.items() if c > 1]
+        return len(spreads), (sum(spreads) / len(spreads) if spreads else 0.0), max(spreads, default=0)
+
+    @property
+    def replicas(self) -> int:
+        return len(self._replicas)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -44,6 +73,10 @@ class ShadowIndex:
 
     Invariant: an entry is added only at ``finish`` and never removed, so ``matched_pages`` is the ceiling an
     infinite pool would realize. Nothing here is visible to the engine being measured.
+
+    Phase 1's side effects: every media digest admitted is counted (``duplicate_media_rate``: the share already seen
+    before, i.e. the encoder runs a digest-keyed store would save), and ``admit(..., replica=r)`` records which
+    data-parallel replica served the request (``ReplicaSpread``: how many replicas a repeated prefix lands on).
     """
 
     def __init__(self, fingerprint: Fingerprint):
@@ -54,10 +87,13 @@ class ShadowIndex:
         self._salt_ids: dict[bytes, int] = {b"": 0}
         self._live: dict[Hashable, _Live] = {}
         self._inflight: Counter[int] = Counter()
+        self._media_seen: set[tuple[bytes, bytes]] = set()
+        self._media_items = self._repeated_media = 0
+        self.spread = ReplicaSpread()
         self._lock = threading.Lock()
 
     def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
-              names: Sequence[int] | None = None) -> ShadowMatch:
+              names: Sequence[int] | None = None, replica: Hashable = 0) -> ShadowMatch:
         P = self.page_size
         tokens = as_tokens(token_ids)
         if tokens.size == 0:
@@ -68,9 +104,15 @@ class ShadowIndex:
                                                                                  f"request {rid!r}")
         limit = (tokens.size - 1) // P
         mids = media_ids(blobs, range(limit))
+        digests = [(bytes(salt), _digest_bytes(d)) for _, d in media or ()]  # media_by_page has checked each mark
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request {rid!r} is already live")
+            for d in digests:
+                self._repeated_media += d in self._media_seen
+                self._media_seen.add(d)
+            self._media_items += len(digests)
+            self.spread.add(names[:limit], replica)
             salt_id = self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
             k, parent = 0, None
             while k < limit and self._table.get(names[k]) == (parent, salt_id, tokens[k * P:(k + 1) * P].tobytes(),
@@ -121,11 +163,18 @@ class ShadowIndex:
         return live
 
     def stats(self) -> ShadowStats:
-        """Matched-page share and in-flight overlap over every request admitted so far."""
+        """Matched-page share, in-flight overlap, duplicate media and replica spread over every request so far."""
         with self._lock:
             recs = self.records
             pages = sum(r.prompt_tokens // self.page_size for r in recs)
             matched = sum(r.matched_pages for r in recs)
             inflight = sum(r.inflight_pages for r in recs)
-            return ShadowStats(len(recs), pages, matched, matched / pages if pages else 0.0, inflight,
-                               sum(r.inflight_pages > 0 for r in recs), len(self._table))
+            repeated, mean, most = self.spread.summary()
+            return ShadowStats(requests=len(recs), prompt_pages=pages, matched_pages=matched,
+                               matched_page_share=matched / pages if pages else 0.0, inflight_pages=inflight,
+                               misses_held_in_flight=sum(r.inflight_pages > 0 for r in recs),
+                               table_pages=len(self._table), media_items=self._media_items,
+                               repeated_media=self._repeated_media,
+                               duplicate_media_rate=self._repeated_media / self._media_items if self._media_items
+                               else 0.0, replicas=self.spread.replicas, repeated_prefixes=repeated,
+                               replica_spread_mean=mean, replica_spread_max=most)

@@ -81,6 +81,13 @@ class ShadowStats(_Snapshot):
     inflight_pages: int = 0
     misses_held_in_flight: int = 0
     table_pages: int = 0
+    media_items: int = 0                # media marks admitted
+    repeated_media: int = 0             # of them, digests (under their salt) seen before
+    duplicate_media_rate: float = 0.0
+    replicas: int = 0                   # distinct replicas given to admit
+    repeated_prefixes: int = 0          # page names admitted at least twice
+    replica_spread_mean: float = 0.0    # replicas per repeated prefix, mean over them
+    replica_spread_max: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -38,3 +38,21 @@ def test_shadow_verifies_like_the_cache_and_rejects_unknown_ids():
     assert shadow.admit("c", list(range(9)), salt=b"x", names=[1, 2]).matched_pages == 0
     with pytest.raises(UnknownRequest):
         shadow.finish("zzz")
+
+
+def test_shadow_counts_duplicate_media_per_salt():
+    shadow = ShadowIndex(FP)
+    shadow.admit("a", list(range(9)), media=[(0, b"img1"), (4, b"img2")])
+    shadow.admit("b", list(range(9)), media=[(0, b"img1")])
+    shadow.admit("c", list(range(9)), media=[(0, b"img1")], salt=b"tenant")  # another tenant: not a repeat
+    s = shadow.stats()
+    assert (s.media_items, s.repeated_media) == (4, 1) and s.duplicate_media_rate == 0.25
+
+
+def test_shadow_replica_spread_counts_replicas_per_repeated_prefix():
+    shadow = ShadowIndex(FP)
+    for rid, replica in enumerate([0, 0, 1, 2]):       # one 2-page prefix on three replicas
+        shadow.admit(rid, list(range(9)), replica=replica)
+    shadow.admit("alone", list(range(50, 59)), replica=3)  # seen once: not a repeated prefix
+    s = shadow.stats()
+    assert (s.replicas, s.repeated_prefixes, s.replica_spread_mean, s.replica_spread_max) == (4, 2, 3.0, 3)

@@ -47,7 +47,10 @@ def test_shadow_and_allocator_stats_are_typed():
     shadow.admit("a", np.arange(9))
     assert shadow.stats().to_dict() == {"requests": 1, "prompt_pages": 2, "matched_pages": 0,
                                         "matched_page_share": 0.0, "inflight_pages": 0,
-                                        "misses_held_in_flight": 0, "table_pages": 0}
+                                        "misses_held_in_flight": 0, "table_pages": 0, "media_items": 0,
+                                        "repeated_media": 0, "duplicate_media_rate": 0.0, "replicas": 1,
+                                        "repeated_prefixes": 0, "replica_spread_mean": 0.0,
+                                        "replica_spread_max": 0}
     alloc = PagedAllocator({"text": PrefixCache(PagePool(8), Fingerprint("m", page_size=4))})
     alloc.add_request("a", ["text"])
     assert alloc.stats().requests == 1

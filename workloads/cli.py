@@ -3,6 +3,8 @@
     mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai|sharegpt] [--tokenizer PATH]
                    [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
+    mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,cache-aware]
+                   [--pool-tokens TOTAL] [--affinity-threshold N] [--key-pages K]
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
                    [--metrics-port PORT] [--metrics-linger S] [--page-size P] [--max-new-tokens N] [--pool-pages N]
@@ -37,12 +39,14 @@ from workloads import registry
 from workloads.options import ModelWorkloadOptions
 from workloads.sizes import parse_size, parse_sizes
 from workloads.sizing.ordering import ORDERS
+from workloads.sizing.router_names import DEFAULT_REPLICA_POOL, ROUTERS
 from workloads.sizing.service import ServiceModel
 
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
-TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer")
+TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
+             "router", "affinity_threshold", "key_pages")
 MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "metrics_linger",
               "max_new_tokens", "pool_pages", "encoder_bytes")
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
@@ -77,6 +81,23 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}; it must be finite and positive, with "
                                          f"units {BYTE_UNITS}")
     return value
+
+
+def _replica_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = [0]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"must be replica counts >= 1 separated by commas, got {text!r}")
+    return counts
+
+
+def _routers(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",")]
+    if unknown := [n for n in names if n not in ROUTERS]:
+        raise argparse.ArgumentTypeError(f"unknown router {unknown[0]!r}; expected {', '.join(ROUTERS)}")
+    return names
 
 
 def _seconds(text: str) -> float:
@@ -135,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timestamp order: uncached prompt tokens prefilled per second (default %(default)g)")
     rp.add_argument("--tpot", type=float, default=ServiceModel.s_per_output_token, metavar="S",
                     help="timestamp order: seconds per output token (default %(default)g)")
+    rp.add_argument("--replicas", type=_replica_counts, metavar="R[,R...]",
+                    help="replay over R data-parallel replicas (e.g. 2,4,8), each with pool/R tokens: the one "
+                    f"--pool-tokens size is the TOTAL (default {DEFAULT_REPLICA_POOL}); timestamp order; prints hit "
+                    "rate, duplicated pages, replica spread, per-replica load and TTFT p50/p99 per router, against "
+                    "one pool of the same total size")
+    rp.add_argument("--router", type=_routers, default=list(ROUTERS), metavar="POLICY[,...]",
+                    help=f"with --replicas: {', '.join(ROUTERS)} (default: all; random is M*'s choice today)")
+    rp.add_argument("--affinity-threshold", type=int, metavar="N",
+                    help="affinity router: the preferred replica is taken while it has fewer than N live requests "
+                    "(default 16)")
+    rp.add_argument("--key-pages", type=int, metavar="K",
+                    help="affinity router: the key is the name of the first K full pages (default 1)")
     rp.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     rp.add_argument("--plot", type=Path, metavar="OUT.png", help="draw realized reuse vs pool size as a PNG")
     rp.add_argument("--no-progress", action="store_true",
@@ -238,6 +271,8 @@ def replay_command(args, defaults: dict) -> int:
         return _fail("--tokenizer: Mooncake traces hold block ids, not text")
     if args.page_size is not None and args.page_size < 1:
         return _fail(f"--page-size must be >= 1, got {args.page_size}")
+    if problem := _replica_problem(args, defaults):
+        return _fail(problem)
     progress = _progress(args)
     from mmcache.errors import TraceError
     from workloads.sizing.sweep import format_table, run_sweep, sweep_json
@@ -258,6 +293,8 @@ def replay_command(args, defaults: dict) -> int:
     print(f"{trace.kind} trace {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
           f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
     service = ServiceModel(args.prefill_rate, args.tpot)
+    if args.replicas:
+        return _replica_replay(args, defaults, trace, page_size, service, started)
     sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
                       in_flight=args.in_flight, service=service, progress=progress)
     print(format_table(sweep))
@@ -271,6 +308,53 @@ def replay_command(args, defaults: dict) -> int:
         from workloads.sizing.plot import plot_sweeps
         plot_sweeps([sweep], args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _replica_pool(args, defaults: dict) -> int:
+    return (args.pool_tokens if args.pool_tokens != defaults["pool_tokens"] else parse_sizes(DEFAULT_REPLICA_POOL))[0]
+
+
+def _replica_problem(args, defaults: dict) -> str | None:
+    """Why the --replicas options cannot run, checked before the trace loads."""
+    if not args.replicas:
+        return next((f"--{d.replace('_', '-')}: only with --replicas" for d in ("affinity_threshold", "key_pages")
+                     if getattr(args, d) is not None), None)
+    sizes = args.pool_tokens if args.pool_tokens != defaults["pool_tokens"] else [_replica_pool(args, defaults)]
+    if args.order != "timestamp":
+        return "--replicas: replica replays run in timestamp order (the service model needs arrival times)"
+    if len(sizes) != 1:
+        return f"--replicas: give one --pool-tokens size, the total over the replicas (got {len(sizes)})"
+    if sizes[0] is None:
+        return "--replicas: the total pool must be finite"
+    for flag, value in (("--affinity-threshold", args.affinity_threshold), ("--key-pages", args.key_pages)):
+        if value is not None and value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    return None
+
+
+def _replica_replay(args, defaults: dict, trace, page_size: int, service: ServiceModel, started: float) -> int:
+    """``--replicas``: one R = 1 reference run of the total pool, then every R x router."""
+    from workloads.sizing.replicas import format_replica_table, replay_replicas
+    total = _replica_pool(args, defaults)
+    kw = dict(page_size=page_size, pool_tokens=total, service=service, threshold=args.affinity_threshold,
+              key_pages=args.key_pages)
+    try:
+        one = replay_replicas(trace, replicas=1, router="random", **kw)
+        runs = [replay_replicas(trace, replicas=r, router=p, **kw) for r in args.replicas for p in args.router]
+    except ValueError as e:
+        return _fail(str(e))
+    print(f"total pool {total:,} tokens, split evenly over the replicas; TTFT from the service model "
+          f"({service.prefill_tokens_per_s:g} prefill tokens/s per replica, one prefill at a time)")
+    print(format_replica_table(runs, one))
+    print(f"total {time.perf_counter() - started:.1f} s")
+    if args.json:
+        doc = {"trace": trace.source, "kind": trace.kind, "page_size": page_size, "pool_tokens_total": total,
+               "service_model": {"prefill_tokens_per_s": service.prefill_tokens_per_s,
+                                 "s_per_output_token": service.s_per_output_token},
+               "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs]}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -10,7 +10,7 @@ Trace loaders are referenced the same way (``LOADERS``: format -> ``module:funct
 
 A replay target is resolved in this order:
 1. nothing: the embedded Mooncake slice shipped in ``workloads/data`` (works in any clone, offline);
-2. a registered name: its ``data_path`` under the shared data folder (``find_data``). Names win over same-named
+2. a registered name: its ``data_path`` under the shared data folder (``find_data``); a generated one needs none. Names win over same-named
    files in the working directory; write ``./agent`` to mean the file;
 3. an existing path, read in ``--format`` (default: ``chat.detect_format``: a folder is mini-swe-agent trajectories,
    a file Mooncake JSONL, OpenAI chat JSONL or ShareGPT JSON).
@@ -36,6 +36,7 @@ LOADERS = {  # trace format -> "module:function(path, limit=..., [tokenizer=...]
     "swe-agent": "workloads.traces.swe_agent:load_swe_agent",
     "openai": "workloads.traces.chat:load_openai_chat",
     "sharegpt": "workloads.traces.chat:load_sharegpt",
+    "hot-prefix": "workloads.traces.hot_prefix:load_hot_prefix",  # generated: reads nothing
 }
 TOKENIZED = ("swe-agent", "openai", "sharegpt")  # formats with text, read with a tokenizer
 
@@ -47,6 +48,7 @@ class TraceWorkload:
     data_path: str             # relative to the shared data folder
     description: str
     aliases: tuple[str, ...] = ()
+    generated: bool = False    # built by its loader from fixed parameters: no data, works in any clone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,8 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
                   "Mooncake FAST'25 conversation trace (12,031 requests, 512-token blocks)"),
     TraceWorkload("agent", "swe-agent", "mini-swe-agent/trajs",
                   "mini-swe-agent SWE-bench trajectories (real agent text, tokenized)", ("swe-agent", "mini-swe-agent")),
+    TraceWorkload("hot-prefix", "hot-prefix", "", "generated: 1,000 multi-turn users under 8 system prompts "
+                  "picked by a Zipf law (s=1.1), for replica routing", ("skew",), generated=True),
     ModelWorkload("vlm-chat", "workloads.models.vlm_chat:factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
                   "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)"),
     ModelWorkload("image-gen", "workloads.models.image_gen:factory", "diffusiondb/diffusiondb_5k.jsonl",
@@ -125,6 +129,8 @@ def resolve(target: str | None, data: str | Path | None = None, fmt: str = "auto
     if target is None:
         return "mooncake", embedded_slice()
     w = BY_NAME.get(target)
+    if isinstance(w, TraceWorkload) and w.generated:
+        return w.format, Path(w.name)
     if isinstance(w, TraceWorkload):
         return w.format, find_data(target, data) / w.data_path
     path = Path(target)

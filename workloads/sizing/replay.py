@@ -128,7 +128,8 @@ class _Replayer:
                 waited = True
                 self.finish_earliest()
 
-    def step(self, req: TextRequest) -> None:
+    def step(self, req: TextRequest) -> int | None:
+        """Admit ``req`` (finishing what must end first) and run it; its matched tokens, or None if it failed."""
         run, P = self.run, self.run.page_size
         if run.order == "timestamp":
             self.clock = max(self.clock, req.arrival_s)
@@ -144,7 +145,7 @@ class _Replayer:
         run.prompt_tokens += n
         if -(-(n + out) // P) > run.pool_pages:
             run.failed += 1
-            return
+            return None
         state = self.cache.admit(req.rid, req.token_ids, names=req.names)
         run.hit_tokens += state.matched_tokens
         self.live[req.rid] = req
@@ -156,12 +157,16 @@ class _Replayer:
             self.cache.mark_computed(req.rid, n + out - 1)
         run.stalls += waited
         run.peak_live_requests = max(run.peak_live_requests, len(self.live))
-        if run.order == "timestamp":
-            end = self.clock + self.service.duration(n - state.matched_tokens, out)
-        else:
-            end = float(self.seq)
-        heapq.heappush(self.ends, (end, self.seq, req.rid))
+        heapq.heappush(self.ends, (self.end_of(req, state.matched_tokens), self.seq, req.rid))
         self.seq += 1
+        return state.matched_tokens
+
+    def end_of(self, req: TextRequest, matched: int) -> float:
+        """When the admitted request ``req`` ends: the service model's duration from now in timestamp order, its
+        admission sequence number in round-robin order."""
+        if self.run.order == "timestamp":
+            return self.clock + self.service.duration(req.prompt_len - matched, req.output_len)
+        return float(self.seq)
 
     def drain(self) -> None:
         while self.live:

@@ -1,0 +1,137 @@
+"""TP agreement: 2 and 4 real processes on 127.0.0.1 with gloo, each rank its own pool and PrefixCache. After every
+admission all ranks hold the same matched length and the KV pages of the request hold the same bytes, which equal
+what a fresh prefill writes (a deterministic function of the token prefix stands in for the KV)."""
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mmcache import Fingerprint, PagePool, PrefixCache, page_names
+from mmcache.errors import OutOfPages, RefusedByGroup
+from mmcache.tp import TPAgreement
+
+P = 4
+
+
+def _kv(tokens: np.ndarray) -> torch.Tensor:
+    """The stand-in KV of every position: (prefix sum, position), exact in float64."""
+    t = torch.from_numpy(tokens.astype(np.float64))
+    return torch.stack([torch.cumsum(t, 0), torch.arange(len(t), dtype=torch.float64)], dim=1)
+
+
+class Rank:
+    def __init__(self, rank, world, pages=64):
+        self.rank, self.world = rank, world
+        self.pool = PagePool(pages, page_shape=(P, 2), dtype=torch.float64)
+        self.tp = TPAgreement(PrefixCache(self.pool, Fingerprint("m", tp_rank=rank, tp_size=world, page_size=P)))
+
+    def run(self, rid, tokens, out=(), names=None):
+        """Admit with agreement, check the group, 'prefill' what was not matched, finish."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        st = self.tp.admit(rid, tokens, names=names, reserve_tokens=len(tokens) + len(out))
+        self.check(st, tokens)
+        seq = np.concatenate([tokens, np.asarray(out, dtype=np.int32)])
+        kv = _kv(seq)
+        for j, page in enumerate(st.page_indices):
+            if j * P >= st.matched_tokens:
+                n = min(P, len(seq) - j * P)
+                self.pool.data[page, :n] = kv[j * P:j * P + n]
+        self.tp.mark_computed(rid, len(seq))
+        self.tp.finish(rid, output_ids=out)
+        return st
+
+    def check(self, st, tokens):
+        got = torch.tensor([st.matched_tokens])
+        allm = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(allm, got)
+        assert len({int(m) for m in allm}) == 1, f"matched lengths differ: {allm}"
+        k = st.matched_tokens
+        mine = self.pool.data[list(st.page_indices[:k // P])].reshape(-1, 2)
+        assert torch.equal(mine, _kv(tokens)[:k]), "a matched page does not hold what a prefill writes"
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        assert all(torch.equal(e, mine) for e in every)
+
+
+def _scenarios(rank, world, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(0)  # same seed: every rank sees the same traffic
+        base = rng.integers(0, 1000, 12).tolist()
+        # identical traffic: agreement is a no-op
+        r = Rank(rank, world)
+        r.run("a", base + [1, 2], out=[7, 7, 7])
+        assert r.run("b", base + [3]).matched_tokens == 12
+        # one rank evicted its pages: everyone keeps none
+        if rank == world - 1:
+            r.tp.clear()
+        st = r.run("c", base + [4])
+        assert st.matched_tokens == 0 and r.tp.stats().requests_live == 0
+        # a smaller pool on one rank: it keeps fewer pages; the group keeps what it kept
+        r = Rank(rank, world, pages=6 if rank == 1 else 64)
+        r.run("d", base + [5, 6, 7])                          # 4 pages
+        r.run("e", rng.integers(0, 1000, 14).tolist())        # rank 1 evicts part of d's chain
+        matched = r.run("f", base + [8]).matched_tokens
+        assert matched < 12 and r.pool.counts.sum() == len(r.tp.index)
+        # a rank whose pool is full of live requests at admission: all ranks refuse, nothing is left held
+        r = Rank(rank, world, pages=8)
+        r.run("g", base + [1])
+        if rank == 0:
+            r.tp.admit_unnamed("hog")
+            r.tp.grow("hog", 6 * P)
+        err = OutOfPages if rank == 0 else RefusedByGroup
+        with pytest.raises(err):
+            r.tp.admit("h", np.asarray(base + [2], dtype=np.int32), reserve_tokens=13)
+        assert r.tp.stats().requests_live == (1 if rank == 0 else 0)
+        if rank == 0:
+            r.tp.abort("hog")
+        assert r.run("h", base + [2]).matched_tokens < 12  # rank 0 evicted part of g's chain for the hog
+        # a forced collision on one rank: its index holds other tokens under the request's names
+        r = Rank(rank, world)
+        target = np.asarray(base + [9], dtype=np.int32)
+        names = page_names(r.tp.fingerprint, target)
+        if rank == 1:
+            r.run("evil", rng.integers(0, 1000, 13).tolist(), names=names)
+        else:
+            rng.integers(0, 1000, 13)
+            r.run("first", target)
+        st = r.run("target", target)
+        assert st.matched_tokens == 0
+        if rank == 1:
+            assert r.tp.stats().collisions >= 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_agree_on_the_matched_length_and_hold_the_same_bytes(world):
+    mp.spawn(_scenarios, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def test_trim_match_releases_the_extra_retains_and_only_before_growth():
+    pool = PagePool(16)
+    cache = PrefixCache(pool, Fingerprint("m", page_size=P))
+    cache.admit("a", list(range(13)))
+    cache.grow("a", 13)
+    cache.mark_computed("a", 13)
+    cache.finish("a")
+    st = cache.admit("b", list(range(13)))
+    assert st.matched_tokens == 12 and pool.counts.sum() == 6
+    with pytest.raises(Exception):
+        cache.trim_match("b", 4)
+    st = cache.trim_match("b", 1)
+    assert st.matched_tokens == st.seq_len == 4 and len(st.page_indices) == 1 and pool.counts.sum() == 4
+    assert cache.stats().hit_tokens == 4
+    cache.grow("b", 13)
+    with pytest.raises(Exception):
+        cache.trim_match("b", 0)
