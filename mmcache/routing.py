@@ -8,7 +8,7 @@ moves only the keys whose top choice it is or was. The top replica is taken whil
 past it, or for a prompt with no full page, the choice is today's uniform random one.
 
 Nothing here holds cache contents, so nothing it holds can go stale; the load it reads is the caller's live count.
-The core imports no engine: the M* conductor adapter is ``mmcache.mstar_routing``.
+The core imports no engine: the M* conductor adapter is ``mmcache.mstar.conductor``.
 """
 
 from __future__ import annotations

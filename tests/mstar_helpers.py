@@ -18,7 +18,8 @@ def require_mstar():
         if importlib.util.find_spec(dep) is None:
             pytest.skip(f"M*'s import dependency {dep!r} is missing: pip install -e '.[mstar]'",
                         allow_module_level=True)
-    import mmcache.mstar  # noqa: F401  (puts M* on sys.path)
+    from mmcache.mstar.vendor import import_mstar
+    import_mstar()  # puts M* on sys.path
 
 
 def config(max_num_pages=16, page_size=4, num_layers=1, num_kv_heads=1, head_dim=2):

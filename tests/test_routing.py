@@ -3,13 +3,12 @@ adapter, driven on M*'s real ``WorkerGraph`` and ``RequestData`` objects (the co
 processes and sockets, so the adapter's method runs on an instance built without it)."""
 
 import inspect
-import os
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from mmcache.mstar.vendor import import_mstar, mstar_root
 from hypothesis import given, strategies as st
 
 from mmcache import Fingerprint, page_names
@@ -68,24 +67,16 @@ def test_affinity_spreads_distinct_prefixes_over_every_replica():
 
 
 # ----------------------------------------------------------------- M*'s conductor
-def _mstar_path() -> Path | None:
-    env = os.environ.get("MMCACHE_MSTAR")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "vendor" / "mstar"
-    return path if (path / "mstar").is_dir() else None
-
-
 @pytest.fixture(scope="module")
 def mstar():
-    path = _mstar_path()
-    if path is None:
+    if mstar_root() is None:
         pytest.skip("M* not found: set MMCACHE_MSTAR or place it at ../shared/vendor/mstar")
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+    import_mstar()
     try:
         from mstar.conductor import conductor
         from mstar.graph.base import GraphNode
         from mstar.model.base import WorkerGraph
-        from mmcache import mstar_routing
+        from mmcache.mstar import conductor as mstar_routing
     except ImportError as e:
         pytest.skip(f"M*'s import dependencies are missing ({e}): pip install 'mmcache[mstar]'")
     return conductor, GraphNode, WorkerGraph, mstar_routing

@@ -1,14 +1,20 @@
-"""mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``PrefixPagedAllocationManager``).
+"""mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``allocator``) and replica affinity in
+M*'s conductor (``conductor``).
 
-Importing this package imports M* (``mmcache.mstar.vendor.import_mstar``); the core (``mmcache``) never imports it.
+M* is found through ``vendor`` (``$MMCACHE_MSTAR`` or ``../shared/vendor/mstar``) and imported by the modules that
+need it, when they are imported: ``import mmcache.mstar.vendor`` works without M*, so callers can check for it and
+skip; the names below import M* on first access. The core (``mmcache``) never imports this package.
 """
 
-from mmcache.mstar.vendor import import_mstar
+import importlib
 
-import_mstar()
+_EXPORTS = {"CountedPageAllocator": "allocator", "PrefixPagedAllocationManager": "allocator",
+            "PrefixReuse": "allocator", "install": "allocator", "AffinityConductor": "conductor"}
 
-from mmcache.mstar.allocator import (  # noqa: E402
-    CountedPageAllocator, PrefixPagedAllocationManager, PrefixReuse, install,
-)
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["CountedPageAllocator", "PrefixPagedAllocationManager", "PrefixReuse", "install"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

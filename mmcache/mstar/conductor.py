@@ -11,8 +11,8 @@ request: ``route_names(body)`` reads ``body.model_kwargs["mmcache_route_names"]`
 them with ``mmcache.page_names``; a list of ints). Override ``route_names`` in a subclass to derive them otherwise.
 A request without names is placed as today.
 
-Importing this module imports M* (``mstar`` must be importable: ``$MMCACHE_MSTAR`` or ../shared/vendor/mstar on
-``sys.path``, with M*'s own dependencies: ``pip install 'mmcache[mstar]'``).
+Importing this module imports M* (found by ``mmcache.mstar.vendor``; M*'s own dependencies: ``pip install
+'mmcache[mstar]'``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from __future__ import annotations
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-from mstar.conductor.conductor import Conductor
 
+from mmcache.mstar.vendor import import_mstar
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
+
+import_mstar()
+from mstar.conductor.conductor import Conductor  # noqa: E402
 
 ROUTE_NAMES_KWARG = "mmcache_route_names"
 
