@@ -2,7 +2,8 @@
 sharing off and on, and mmcache's runner (``mmcache.hf.runner.serve`` over ``PagedKVCache``), on one random-weight
 Llama from ``workloads.fixtures``, replaying the same requests in the same arrival order.
 
-Traces: MT-Bench two-turn chats, ShareGPT, mini-swe-agent sessions (the first calls of a few sessions). Pools: from
+Traces: MT-Bench two-turn chats, ShareGPT (the shared sample is single-turn: nothing to reuse, it shows the cost of
+the caches alone), mini-swe-agent sessions (the first calls of a few sessions, interleaved). Pools: from
 just above the largest request to unbounded (every distinct prompt page fits). Per pool size and engine: prompt tokens
 computed, realized reuse vs the ceiling (what an unbounded exact prefix cache could match: full pages of earlier
 prompts, the last prompt token always computed), TTFT p50/p99, requests/s, and whether the outputs equal the
@@ -51,7 +52,9 @@ def load_model(which: str, model_dir: Path):
 
 
 def load_calls(trace: str, args) -> list[Call]:
-    """The trace's calls in arrival order (ties: session order), swe-agent sessions cut to their first calls."""
+    """The trace's calls in arrival order (ties: session order). Chat logs carry no times, so call i of every session
+    arrives at i; swe-agent sessions, cut to their first ``--calls`` calls, do the same (sessions start together
+    and interleave, as concurrent agents do) unless ``--swe-order timestamp`` keeps their recorded times."""
     from workloads.traces.chat import load_sharegpt
     from workloads.traces.mt_bench import load_mt_bench
     from workloads.traces.swe_agent import load_swe_agent
@@ -65,7 +68,8 @@ def load_calls(trace: str, args) -> list[Call]:
     keyed = []
     for s_i, s in enumerate(t.sessions):
         for i in range(min(len(s.calls), args.calls if trace == "swe-agent" else len(s.calls))):
-            keyed.append(((s.calls[i].arrival_s, s_i, i), s, i))
+            t_i = i if trace == "swe-agent" and args.swe_order == "index" else s.calls[i].arrival_s
+            keyed.append(((t_i, s_i, i), s, i))
     keyed.sort(key=lambda x: x[0])
     return [Call(r.rid, r.session, r.token_ids.tolist()) for r in (s.build(i) for _, s, i in keyed)]
 
@@ -140,6 +144,7 @@ def main(argv=None) -> None:
     ap.add_argument("--questions", type=int, default=40, help="MT-Bench questions / ShareGPT conversations")
     ap.add_argument("--sessions", type=int, default=3, help="mini-swe-agent sessions")
     ap.add_argument("--calls", type=int, default=4, help="first calls of each mini-swe-agent session")
+    ap.add_argument("--swe-order", choices=("index", "timestamp"), default="index")
     ap.add_argument("--pools", default="0,0.25,0.5,1", help="pool sizes as fractions of unbounded (every "
                     "distinct prompt page plus the largest request, over the peer's 15%% margin), floored at the "
                     "largest request (0: that floor)")
