@@ -161,6 +161,9 @@ def main(argv=None) -> None:
     print(f"# model: random-weight Llama ({args.model}) hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
           f"{cfg.num_key_value_heads} KV heads; page {P}, prefill chunk {args.batch_tokens}, {args.new_tokens} new "
           f"tokens, peer in flight {args.inflight}, {args.runs} runs (median, min-max)")
+    if args.inflight > 1:
+        print("# mmcache serves one request at a time and its TTFT starts when its serve starts (no queueing): "
+              "compare req/s, not TTFT, against the peer's in-flight requests")
     warm = [Call("warm", "warm", list(range(3, 3 + 4 * P)))]
     run_peer(model, warm, share=True, pages=64, args=args), run_ours(model, warm, pages=64, args=args)
     for trace in args.traces.split(","):
