@@ -1,0 +1,144 @@
+"""A real peer to measure mmcache against: transformers' continuous-batching engine (``generation/continuous_batching``)
+with its own paged KV and prefix sharing, driven request by request in a trace's order.
+
+What the driver relies on (transformers 5.24, read in its source):
+- the engine is configured by ``ContinuousBatchingConfig`` only (``page_size``, ``num_blocks``, ``max_batch_tokens``,
+  ``allow_block_sharing``); ``init_continuous_batching`` + ``start()`` once per configuration, then ``add_request``
+  one at a time, because ``add_requests`` reverse-sorts the prompts when sharing is on;
+- it keeps no counters: the tokens a request took from the cache come from its DEBUG line
+  ``Found a prefix match of N tokens for request R`` (``PagedAttentionCache.search_prefix_match``), and the tokens
+  every forward was fed from a forward pre-hook on the model (a cross-check: prefill + decode tokens);
+- ``record_timestamps=True`` stamps each generated token; TTFT is the first stamp minus the request's creation time
+  (``add_request``), the same origin as mmcache's runner (arrival at submission).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import re
+import time
+from typing import Sequence
+
+import torch
+
+MATCH_LINE = re.compile(r"Found a prefix match of (\d+) tokens for request (\S+)")
+CB_LOGGER = "ContinuousBatchingLogger"  # continuous_batching/utils.py: the logger every module of the engine uses
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One request of a replay: its id, its session (a later call of a session is sent only after the earlier one
+    finished), and its prompt."""
+
+    rid: str
+    session: str
+    token_ids: list[int]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one engine did with one call: generated ids, prompt tokens taken from its cache, time to first token."""
+
+    rid: str
+    output_ids: list[int]
+    matched_tokens: int
+    ttft_s: float
+
+
+class _MatchLog(logging.Filter):
+    """On the engine's logger: collects its ``Found a prefix match`` lines (request id -> matched tokens) and passes
+    on only the records at or above ``shown`` (the level the logger had before it was lowered to DEBUG)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matched: dict[str, int] = {}
+        self.shown = logging.WARNING
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        m = MATCH_LINE.search(record.getMessage()) if record.levelno == logging.DEBUG else None
+        if m:
+            self.matched[m.group(2)] = int(m.group(1))
+        return record.levelno >= self.shown
+
+
+class PeerEngine:
+    """transformers' ``ContinuousBatchingManager`` over ``model``, started on ``__enter__`` and stopped on
+    ``__exit__`` (the model's attention implementation is restored then), with sharing on or off.
+
+    ``fed_tokens`` counts every input id the model was fed while the engine ran (prefill and decode)."""
+
+    def __init__(self, model, *, share: bool, page_size: int, num_blocks: int, max_batch_tokens: int = 256,
+                 max_new_tokens: int = 8):
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.model, self.max_new_tokens = model, max_new_tokens
+        self.cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
+                                                  max_batch_tokens=max_batch_tokens, allow_block_sharing=share)
+        # greedy, no EOS: every request generates exactly max_new_tokens, like mmcache's runner
+        self.gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
+        self.fed_tokens = 0
+        self._log = _MatchLog()
+
+    def __enter__(self) -> PeerEngine:
+        logger = logging.getLogger(CB_LOGGER)
+        self._level, self._log.shown = logger.level, logger.getEffectiveLevel()
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(self._log)
+        self._hook = self.model.register_forward_pre_hook(self._count, with_kwargs=True)
+        self.manager = self.model.init_continuous_batching(generation_config=self.gen_config,
+                                                           continuous_batching_config=self.cb_config)
+        self.manager.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.manager.stop(block=True)
+        finally:
+            self._hook.remove()
+            logger = logging.getLogger(CB_LOGGER)
+            logger.removeFilter(self._log)
+            logger.setLevel(self._level)
+
+    def _count(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            self.fed_tokens += int(ids.numel())
+
+    @property
+    def num_blocks(self) -> int:
+        """The blocks the engine actually holds (it rounds ``num_blocks`` up to whole sectors)."""
+        return self.manager.batch_processor.cache.num_blocks
+
+    def replay(self, calls: Sequence[Call], inflight: int = 1, timeout_s: float = 600.0) -> list[Outcome]:
+        """Send ``calls`` in order, at most ``inflight`` at once, a call only after its session's previous call
+        finished; returns the outcomes in call order. Any failed request raises ``RuntimeError``."""
+        pending = collections.deque(calls)
+        running: dict[str, Call] = {}
+        busy: set[str] = set()  # sessions with a call running
+        results: dict[str, Outcome] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending or running:
+            while len(running) < inflight:
+                nxt = next((c for c in pending if c.session not in busy), None)
+                if nxt is None:
+                    break
+                pending.remove(nxt)
+                self.manager.add_request(list(map(int, nxt.token_ids)), request_id=nxt.rid,
+                                         max_new_tokens=self.max_new_tokens, record_timestamps=True)
+                running[nxt.rid] = nxt
+                busy.add(nxt.session)
+            out = self.manager.get_result(timeout=1.0)
+            if out is None:
+                if time.monotonic() > deadline or not self.manager.is_running():
+                    raise RuntimeError(f"the peer engine stopped answering ({len(running)} requests running)")
+                continue
+            if out.error is not None:
+                raise RuntimeError(f"the peer engine failed request {out.request_id}: {out.error}")
+            call = running.pop(out.request_id)
+            busy.discard(call.session)
+            results[call.rid] = Outcome(call.rid, list(out.generated_tokens), self._log.matched.get(call.rid, 0),
+                                        out.timestamps[0] - out.created_time)
+        return [results[c.rid] for c in calls]
