@@ -17,7 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import mmcache.mstar  # noqa: E402,F401  (puts M* on sys.path)
+from mmcache.mstar.vendor import import_mstar  # noqa: E402
+
+import_mstar()  # puts M* on sys.path
 from mstar_helpers import config, dropin_manager, kv_tensor, mstar_manager  # noqa: E402
 
 
