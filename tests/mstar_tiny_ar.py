@@ -112,7 +112,7 @@ def submodule_class():
             return {rid: {"logits": [logits[i:i + 1]]} for i, rid in enumerate(engine_inputs.request_ids)}
 
         def postprocess(self, request_id, request_info, outputs, inputs=None, **kwargs):
-            if "new_token" in outputs:
+            if "new_token" in outputs and hasattr(self.alloc, "append_tokens"):
                 self.alloc.append_tokens(request_id, "main", outputs["new_token"][0].view(-1).tolist())
 
     return TinyARSubmodule
@@ -170,7 +170,7 @@ def step(eng, feeds: dict[str, list[int]]) -> dict[str, int]:
         out = eng.execute_batch(batch)
     finally:
         eng.finalize_batch(batch)
-    assert not out.allocation_failed and not out.failed_requests
+    assert not out.allocation_failed and not out.failed_requests, (out.alloc_pages_short, out.failed_requests)
     return {rid: int(out.per_request_output_tensors[rid]["new_token"][0]) for rid in feeds}
 
 
