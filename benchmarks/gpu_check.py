@@ -4,8 +4,11 @@
    reused pages into fresh ones with one ``index_select``/``index_copy_`` along dim 1 vs a plain device-to-device
    copy of the same bytes, in the same run (ratio; no non-contiguous staging copy is made).
 2. Pool devices: a PagePool built on "cuda" accepts K/V on "cuda:0".
-Not in it yet (left): the bit-exact gate in bf16 on CUDA and the drop-in under M*'s real FlashInfer path
-(tests/test_mstar_cache_manager.py runs on the CPU only; it needs a device parameter first).
+3. The bit-exact gate in bf16 on CUDA (sdpa and eager): a tiny Llama (seeded, no hub) served through the runner
+   with PagedKVCache on "cuda" (cache on: the second request reuses the first one's pages) vs a DynamicCache replay
+   of the same chunk schedule (cache off), every forward's logits compared with ``torch.equal``.
+Not in it yet (left): the drop-in under M*'s real FlashInfer path (needs flashinfer installed on the GPU machine).
+Without CUDA it exits at once with a message saying so.
 
     python benchmarks/gpu_check.py
 """
@@ -58,12 +61,45 @@ def devices():
     print("PagePool('cuda') accepts tensors on cuda:0: ok")
 
 
+def gate(P=4, new=5, device="cuda", dtype=torch.bfloat16):
+    """Cache on vs off on one chunk schedule, bf16 on CUDA: exits non-zero on the first unequal logits (``device``
+    and ``dtype`` only let the logic be tried on a CPU: ``python -c "import gpu_check; gpu_check.gate(device='cpu')"``)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from mmcache.hf.paged_kv import PagedKVCache
+    from mmcache.hf.runner import replay, serve
+    g = torch.Generator().manual_seed(0)
+    system, q1, q2 = (torch.randint(0, 500, (n,), generator=g).tolist() for n in (10, 7, 9))
+    for attn in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn)
+        model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+        kv = PagedKVCache.for_model(model, num_pages=64, page_size=P)
+        assert kv.pool.device.type == torch.device(device).type
+        first = serve(model, kv, "a", system + q1, max_new_tokens=new)
+        second = serve(model, kv, "b", system + q2, max_new_tokens=new)
+        assert second.matched_tokens == len(system) // P * P > 0, second.matched_tokens
+        # off: the matched prefix recomputed in the chunks the first request computed it in, then b's own chunks
+        n = len(system + q2)
+        own = [s for s in second.spans if s[1] <= n]  # b's prefill chunks (its decode spans end past n)
+        spans = [s for s in first.spans if s[1] <= second.matched_tokens] + own
+        off = replay(model, DynamicCache(), system + q2, spans, max_new_tokens=new)
+        skipped = len(spans) - len(own)
+        ok = off.output_ids == second.output_ids and len(off.logits) - skipped == len(second.logits) and all(
+            torch.equal(a, b) for a, b in zip(off.logits[skipped:], second.logits))
+        print(f"bit-exact gate, {dtype} on {device}, {attn}: {'ok' if ok else 'FAILED'} "
+              f"({second.matched_tokens} tokens reused, {len(second.logits)} forwards compared)")
+        if not ok:
+            sys.exit(1)
+
+
 def main():
     if not torch.cuda.is_available():
-        sys.exit("gpu_check needs a CUDA device")
+        sys.exit("gpu_check: no CUDA device here; nothing was checked (run it on a machine with one GPU)")
     print(torch.cuda.get_device_name(0), torch.__version__)
     bandwidth()
     devices()
+    gate()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,24 @@
 """EncoderStore: digest-keyed encoder outputs in pages of a PagePool, owned and evicted like KV pages (RFC phase 3a).
 
 An output (a tensor, or a tuple/list/dict of tensors) is laid out as bytes over ceil(nbytes / page_bytes) pages of a
-uint8 pool and gathered back into fresh tensors on a hit, so no tensor a caller holds ever aliases stored bytes
+pool and gathered back into fresh tensors on a hit, so no tensor a caller holds ever aliases stored bytes
 (sglang-omni #258: encoder state leaking between requests).
 
-Ownership: the store holds one owner on each indexed entry's pages, a pin one more, a hit one more while it copies
-out. The pool frees a page when its count reaches 0; this module never frees pages any other way. Eviction is LRU by
-entry, runs only when a put needs pages, and takes only entries whose pages the store alone owns (count 1).
+Page shape: the store views any pool's pages as bytes, so KV pages and encoder outputs share one pool (one pool per
+node). A page is ``page_bytes`` = the bytes of one page of the pool's tensor, whatever its ``page_shape`` and dtype
+(a KV page of shape (2, page_size, heads, head_dim) in bf16 is 4·page_size·heads·head_dim bytes), and an entry spans
+ceil(nbytes / page_bytes) of them viewed as uint8. ``page_data``/``page_dim`` serve a tensor whose pages lie in
+another dimension (M*'s KV tensor ``[layers, pages, 2, page_size, heads, head_dim]``, page in dim 1): a page's bytes
+are then its slices in every layer, in layer order, moved with one indexed copy and no per-page loop.
 
-Locking: one lock per store guards the index, the in-flight table and the counters; it is taken before the pool's
-lock, never after. Byte copies run outside it: a put writes into pages it alone owns and nobody can see, then
+Ownership: the store holds one owner on each indexed entry's pages, a pin one more, a hit one more while it copies
+out. The pool frees a page when its count reaches 0; this module never frees pages any other way. Eviction
+(``mmcache.reclaim``) runs only when an owner of the pool needs pages (a put here, a live request's growth in a prefix
+cache on the same pool), takes only entries whose pages the store alone owns (count 1), whole entries, and orders them
+with the prefix indexes' pages by recency on the pool's one clock (``_Entry.tick``: the last put, hit or pin).
+
+Locking: the pool's ``cache_lock`` (shared with every other cache on the pool, so eviction across kinds is atomic)
+guards the index, the in-flight table and the counters; it is taken before the pool's page lock, never after. Byte copies run outside it: a put writes into pages it alone owns and nobody can see, then
 publishes them; a hit retains its entry's pages under the lock and gathers without it.
 """
 
@@ -20,15 +29,16 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from mmcache.encoder_key import EncoderKey
 from mmcache.checks import as_int
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.pool import PagePool
+from mmcache.reclaim import reclaim
 from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
@@ -84,6 +94,7 @@ class _Entry:
     layout: tuple  # (shape, dtype, byte offset) per tensor
     nbytes: int
     compute_s: float  # encoder time of the miss that stored it: what each hit saves
+    tick: int = 0     # the pool clock at its last put, hit or pin: its eviction key
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,8 +160,32 @@ class EncoderPin:
         self.release()
 
 
+class _PageBytes:
+    """Pages of a tensor viewed as bytes: ``data`` as ``(A, num_pages, B)`` uint8 with the page in the middle, so
+    ``page_bytes = A·B`` (A = 1 when pages lie in dim 0). ``write``/``read`` move whole pages with one indexed copy."""
+
+    def __init__(self, data: torch.Tensor, page_dim: int, num_pages: int):
+        if not data.is_contiguous() or data.dim() <= page_dim or data.shape[page_dim] != num_pages:
+            raise InvalidRequest(f"page data {tuple(data.shape)} must be contiguous with the pool's {num_pages} "
+                                 f"pages in dim {page_dim}")
+        a = math.prod(data.shape[:page_dim])
+        self.view = data.view(-1).view(torch.uint8).view(a, num_pages, -1)
+        self.device = data.device
+        self.page_bytes = a * self.view.shape[2]
+
+    def write(self, index: torch.Tensor, blob: torch.Tensor) -> None:
+        """Pages ``index`` := ``blob`` (``len(index) * page_bytes`` bytes)."""
+        a, b = self.view.shape[0], self.view.shape[2]
+        self.view.index_copy_(1, index, blob.view(len(index), a, b).transpose(0, 1))
+
+    def read(self, index: torch.Tensor) -> torch.Tensor:
+        """A fresh 1-D copy of pages ``index`` in order (never aliases a page)."""
+        rows = self.view.index_select(1, index)
+        return (rows if rows.shape[0] == 1 else rows.transpose(0, 1).contiguous()).view(-1)
+
+
 class EncoderStore:
-    """Encoder outputs by ``EncoderKey``, in pages of one uint8 ``PagePool`` with ``page_shape == (page_bytes,)``.
+    """Encoder outputs by ``EncoderKey``, in pages of one ``PagePool`` viewed as bytes (see the module docstring).
 
     Invariants, kept under ``self._lock``:
     - each indexed entry holds exactly one store owner on each of its pages, and no two entries share a page;
@@ -160,12 +195,14 @@ class EncoderStore:
     - concurrent ``get_or_compute`` misses on one key (name and verifying ids) run ``fn`` once (``_flights``);
     - values go in and come out as copies: nothing returned aliases the pool, nothing passed in is kept.
 
-    Hits come back on the pool's device. ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of
+    ``pool``: a pool with data (any page shape and dtype) or, with ``page_data``, a metadata-only pool whose page ids
+    index ``page_data`` along ``page_dim`` (M*'s KV tensor: ``page_dim=1``). Hits come back on the pool's device. ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of
     shapes and a list of dtypes for a tuple/list/dict of tensors; ``None`` in a shape matches any size).
     """
 
     def __init__(self, capacity_bytes: int | None = None, page_bytes: int = 65536, device: str | torch.device = "cpu",
-                 *, pool: PagePool | None = None, expect: tuple | None = None):
+                 *, pool: PagePool | None = None, expect: tuple | None = None,
+                 page_data: torch.Tensor | None = None, page_dim: int = 0):
         if pool is None:
             if capacity_bytes is None:
                 raise InvalidRequest("an encoder store needs capacity_bytes or a pool")
@@ -176,17 +213,21 @@ class EncoderStore:
             pool = PagePool(capacity // page, (page,), torch.uint8, device)
         elif capacity_bytes is not None:
             raise InvalidRequest("give capacity_bytes or pool, not both")
-        if pool.data is None or pool.dtype != torch.uint8 or len(pool.page_shape) != 1:
-            raise InvalidRequest(f"an encoder store needs a uint8 pool of shape (page_bytes,), got {pool!r}")
+        if page_data is None:
+            if pool.data is None:
+                raise InvalidRequest(f"an encoder store needs a pool with data (or page_data), got {pool!r}")
+            page_data, page_dim = pool.data, 0
+        self._bytes = _PageBytes(page_data, as_int(page_dim, "page_dim"), pool.num_pages)
         self.pool = pool
-        self.page_bytes = pool.page_shape[0]
+        self.page_bytes = self._bytes.page_bytes
         self.capacity_bytes = pool.num_pages * self.page_bytes
         self.expect = expect
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
+        self._lock = pool.cache_lock
+        self._entries: dict[tuple, _Entry] = {}
         self._flights: dict[tuple, _Flight] = {}
         self._totals = dict(_ZERO)
         self._by_modality: dict[str, dict] = {}
+        pool.register(self)
 
     # -- public API ---------------------------------------------------------------------------------------------------
 
@@ -235,6 +276,7 @@ class EncoderStore:
             with self._lock:
                 self._check_replace(key, tree, layout)  # a concurrent put of this key may have published meanwhile
                 self._remove(key.name)
+                entry.tick = self.pool.clock.tick()
                 self._entries[key.name] = entry
                 self._count(key.modality, bytes_stored=nbytes)
         except BaseException:
@@ -300,7 +342,7 @@ class EncoderStore:
             entry = self._match(key)
             if entry is None:
                 return None
-            self._entries.move_to_end(key.name)
+            entry.tick = self.pool.clock.tick()
             self.pool.retain(entry.pages)
             return EncoderPin(self, entry)
 
@@ -349,7 +391,7 @@ class EncoderStore:
         if entry is None:
             self._count(key.modality, queries=1, misses=1)
             return None
-        self._entries.move_to_end(key.name)
+        entry.tick = self.pool.clock.tick()
         self.pool.retain(entry.pages)
         self._count(key.modality, queries=1, hits=1, time_saved_s=entry.compute_s)
         return entry
@@ -372,24 +414,36 @@ class EncoderStore:
                 f"{[(s, d) for s, d, _ in old.layout]}")
 
     def _make_room(self, n: int) -> list[int] | None:
-        """``n`` pages, evicting least recently used unpinned entries as one batch if the free ones fall short; None,
-        with nothing evicted, when even that is not enough."""
-        short = n - self.pool.num_free
-        if short > 0:
-            counts, victims = self.pool.counts, []
-            for entry in self._entries.values():
-                if short <= 0:
-                    break
-                if entry.pages and (counts[entry.pages] == 1).all():
-                    victims.append(entry)
-                    short -= len(entry.pages)
-            if short > 0:
-                return None
-            self._drop(victims, evicted=True)
+        """``n`` pages, evicting the coldest cached pages of the pool (entries of this store, or KV pages of a prefix
+        index on the same pool) as one batch if the free ones fall short; None, with nothing evicted, when even that
+        is not enough."""
         try:
+            reclaim(self.pool, n)
             return self.pool.alloc(n)
-        except OutOfPages:  # another owner of a shared pool took pages meanwhile
+        except OutOfPages:  # live requests and pins hold the rest
             return None
+
+    # -- the pool's reclaim protocol (``mmcache.reclaim``; called under ``cache_lock``) ----------------------------------
+
+    def eviction_candidates(self):
+        """Pages of entries only the store holds (no pin, no hit copying out), keyed by the entry's last-use tick on
+        the pool clock in the prefix index's scale (``tick * (num_pages + 1)``), so keys compare across kinds."""
+        counts, pages, keys = self.pool.counts, [], []
+        scale = self.pool.num_pages + 1
+        for e in self._entries.values():
+            if e.pages and (counts[e.pages] == 1).all():
+                pages += e.pages
+                keys += [e.tick * scale] * len(e.pages)
+        return np.asarray(pages, dtype=np.int64), np.asarray(keys, dtype=np.int64)
+
+    def evict(self, pages, short: int) -> None:
+        """Drop every entry holding one of ``pages`` (whole entries: a partial one frees its other pages too)."""
+        chosen = set(np.asarray(pages).tolist())
+        if chosen:
+            self._drop([e for e in self._entries.values() if not chosen.isdisjoint(e.pages)], evicted=True)
+
+    def stalled(self) -> None:
+        pass
 
     def _remove(self, name: tuple) -> None:
         if (entry := self._entries.get(name)) is not None:
@@ -412,23 +466,28 @@ class EncoderStore:
 
     def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:
         """Copy ``leaves`` into ``pages`` (no lock held; the caller owns the pages alone); returns the page index."""
-        data, pb = self.pool.data, self.page_bytes
-        if len(leaves) == 1:
-            blob = _as_bytes(leaves[0]).to(data.device)
-        else:  # stage the aligned layout, padded to whole pages
-            blob = torch.zeros(len(pages) * pb, dtype=torch.uint8, device=data.device)
-            for t, (_, _, off) in zip(leaves, layout):
-                blob[off:off + t.numel() * t.element_size()].copy_(_as_bytes(t))
-        index = torch.tensor(pages, dtype=torch.int64, device=data.device)
-        full = blob.numel() // pb
-        data.index_copy_(0, index[:full], blob[:full * pb].view(full, pb))  # every whole page in one indexed copy
-        if blob.numel() > full * pb:  # a single tensor's partial last page
-            data[pages[full], :blob.numel() - full * pb] = blob[full * pb:]
+        device, pb = self._bytes.device, self.page_bytes
+        index = torch.tensor(pages, dtype=torch.int64, device=device)
+        if len(leaves) == 1:  # whole pages straight from the tensor's bytes, only a partial last page staged
+            blob = _as_bytes(leaves[0]).to(device)
+            full = blob.numel() // pb
+            if full:
+                self._bytes.write(index[:full], blob[:full * pb])
+            if blob.numel() > full * pb:
+                last = torch.zeros(pb, dtype=torch.uint8, device=device)
+                last[:blob.numel() - full * pb] = blob[full * pb:]
+                self._bytes.write(index[full:], last)
+            return index
+        blob = torch.zeros(len(pages) * pb, dtype=torch.uint8, device=device)  # the aligned layout, whole pages
+        for t, (_, _, off) in zip(leaves, layout):
+            blob[off:off + t.numel() * t.element_size()].copy_(_as_bytes(t))
+        if pages:
+            self._bytes.write(index, blob)
         return index
 
     def _read(self, entry: _Entry):
         """A fresh copy of ``entry``'s value (no lock held; the caller holds an owner on its pages)."""
-        buf = self.pool.data.index_select(0, entry.index).view(-1)  # new memory: never aliases a page
+        buf = self._bytes.read(entry.index)  # new memory: never aliases a page
         return _unflatten(entry.tree, (buf[off:off + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
                                        for shape, dtype, off in entry.layout))
 

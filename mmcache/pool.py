@@ -20,6 +20,7 @@ import torch
 
 from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
+from mmcache.reclaim import Clock
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
@@ -44,6 +45,10 @@ class PagePool:
     - ``num_free + owned pages == num_pages`` at all times.
 
     ``page_shape=()`` (or any zero-size shape) makes a metadata-only pool: ids and counts, no tensor.
+
+    One pool per node: the caches on it (prefix indexes, an encoder store) register in ``evictables``, order their
+    entries by the one ``clock`` and take the one ``cache_lock`` (see ``mmcache.reclaim``), so a shortfall of any
+    owner evicts the coldest cached pages of either kind.
     """
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
@@ -59,9 +64,17 @@ class PagePool:
             # Pages are always written before they are read, so the slab need not be zeroed (nor touched) up front.
             self.data = torch.empty((self.num_pages, *self.page_shape), dtype=dtype, device=self.device)
         self.lock = threading.Lock()
+        self.clock = Clock()
+        self.cache_lock = threading.RLock()  # taken before ``lock``, never after
+        self.evictables: list = []
         self._counts = np.zeros(self.num_pages, dtype=np.int32)
         # A stack popped from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+
+    def register(self, cache) -> None:
+        """Add a cache (``mmcache.reclaim.Evictable``) whose entries any owner's shortfall on this pool may evict."""
+        with self.cache_lock:
+            self.evictables.append(cache)
 
     @property
     def page_bytes(self) -> int:

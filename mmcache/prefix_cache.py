@@ -14,7 +14,6 @@ every page after it is fresh.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
@@ -97,7 +96,7 @@ class PrefixCache:
         self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64))
         self._live: dict[Hashable, _Request] = {}
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = pool.cache_lock  # one lock for every cache on the pool: eviction crosses them (mmcache.reclaim)
 
     @property
     def vocab_size(self) -> int:

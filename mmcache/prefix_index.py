@@ -36,7 +36,8 @@ class PrefixIndex:
 
     def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int, clock: Clock | None = None):
         self.pool = pool
-        self.clock = clock or Clock()  # shared by every owner on the pool, so their ticks compare
+        self.clock = clock or pool.clock  # shared by every cache on the pool, so their ticks compare
+        pool.register(self)
         self.page_size = P = page_size
         self.evict_batch_pages = evict_batch_pages
         n = pool.num_pages
@@ -141,9 +142,10 @@ class PrefixIndex:
 
     def make_room(self, need: int) -> None:
         """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
-        nothing) when even every page only the index holds would not cover the shortfall. The choice of what to
-        evict lives in ``mmcache.reclaim``; this index is its only owner here."""
-        reclaim(self.pool, need, (self,), self.evict_batch_pages)
+        nothing) when even every cached page on the pool would not cover the shortfall. The choice of what to
+        evict lives in ``mmcache.reclaim``, across every cache on the pool (other labels' indexes, an encoder store)."""
+        with self.pool.cache_lock:
+            reclaim(self.pool, need, None, self.evict_batch_pages)
 
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their eviction keys: lower goes first.

@@ -1,23 +1,33 @@
 """The one place that chooses what cached data to evict from a pool when a live owner needs pages.
 
-Every cache on a pool (the prefix index of each label, the encoder store) is an *evictable owner*: it offers
+One pool per node: the prefix index of every label and the encoder store of a node are caches on one ``PagePool``,
+registered on it (``pool.evictables``), ordered by its one ``pool.clock`` and driven under its one ``pool.cache_lock``
+(an RLock every cache on the pool takes for the state eviction reads or changes, so a put that evicts KV pages and a
+grow that evicts encoder entries never race or deadlock). Every cache on a pool (the prefix index of each label, the encoder store) is an *evictable owner*: it offers
 ``eviction_candidates() -> (pages, keys)`` (pages only it holds, with an int64 key; lower is evicted first) and
 ``evict(pages, short)``. ``reclaim`` merges the candidates of all owners on the pool and evicts the lowest keys as one
 batch, so one kind of cached data can never starve another, and a live request fails only when every cached page
 together would not cover its shortfall. Keys are recency ticks from one ``Clock`` shared by the owners of a pool
 (an owner may fold a tie-breaker into its key, as the prefix index folds chain depth), so they compare across kinds.
+
+Why recency alone, and not recompute cost per byte: the encoder store knows each entry's measured encoder time, but
+a KV page has no such figure (its cost depends on its position, the attention backend and the batch it was prefilled
+in), so a cost-weighted key would rank one kind by measurement and the other by a model of the engine. One clock keeps
+the order exact and explainable: the least recently used cached bytes go first, whichever kind they are.
 A later tier (host memory) hooks in here: whatever leaves the pool leaves through ``evict``.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from mmcache.errors import OutOfPages
-from mmcache.pool import PagePool
+
+if TYPE_CHECKING:  # pool.py makes each pool's Clock: no import cycle at runtime
+    from mmcache.pool import PagePool
 
 
 class Clock:
@@ -43,10 +53,13 @@ def reclaimable(owners: Sequence[Evictable]) -> int:
     return sum(len(o.eviction_candidates()[0]) for o in owners)
 
 
-def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable], batch: int = 1) -> int:
+def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None, batch: int = 1) -> int:
     """Make ``need`` pages free on ``pool`` by evicting at least ``max(shortfall, batch)`` of the coldest candidate
-    pages across ``owners`` (all of them if fewer); returns the pages evicted. Raises ``OutOfPages`` and evicts
-    nothing when all candidates together cannot cover the shortfall. Callers serialize calls on one pool."""
+    pages across ``owners`` (default: every cache registered on the pool; all candidates if fewer); returns the pages
+    chosen (an owner evicting whole entries may free more). Raises ``OutOfPages`` and evicts nothing when all
+    candidates together cannot cover the shortfall. Callers hold ``pool.cache_lock``."""
+    if owners is None:
+        owners = pool.evictables
     short = need - pool.num_free
     if short <= 0:
         return 0

@@ -247,8 +247,9 @@ def test_constructor_and_shared_pool():
     store.clear()
     assert pool.num_free == 8
     for bad in (dict(capacity_bytes=PB - 1, page_bytes=PB), dict(capacity_bytes=PB, page_bytes=0),
-                dict(capacity_bytes=None), dict(pool=PagePool(4, (PB,), torch.float32)), dict(pool=PagePool(4)),
-                dict(pool=PagePool(4, (2, 32), torch.uint8)), dict(capacity_bytes=4096, pool=pool)):
+                dict(capacity_bytes=None), dict(pool=PagePool(4)), dict(capacity_bytes=4096, pool=pool),
+                dict(pool=PagePool(4), page_data=torch.zeros(3, 5, 8), page_dim=1),
+                dict(pool=PagePool(4), page_data=torch.zeros(3, 4, 8).transpose(0, 2), page_dim=1)):
         with pytest.raises(ValueError):
             EncoderStore(**bad)
 

@@ -16,8 +16,11 @@ grow-only ``alloc`` raising ``AllocationFailedError(pages_short, request_id, lab
   prefills only ``token_ids[matched:]``. Generated ids reach the manager through ``append_tokens``.
 - Teardown (``remove_request``): every full page whose KV is written (``seq_len``) and whose ids are known (prompt +
   appended) moves to the label's index; the rest is released. ``reset_label`` releases without indexing.
-- Eviction: a shortfall evicts cold tails of every label's index (``mmcache.reclaim``, one place) before
-  ``AllocationFailedError``, whose ``pages_short`` then counts what live requests alone lack.
+- Eviction: a shortfall evicts the coldest cached pages of the node's pool (every label's index, and an
+  ``EncoderStore`` built on the same pool: ``EncoderStore(pool=m.pool, page_data=m.kv_cache, page_dim=1)``) by
+  recency on the pool's one clock (``mmcache.reclaim``, one place) before ``AllocationFailedError``, whose
+  ``pages_short`` then counts what live requests and pins alone lack. The manager's ``_lock`` is the pool's
+  ``cache_lock``, so the encoder store and M*'s allocation path serialize on one lock.
 - Offload suspends, never tears down: the claim (prompt ids, names) survives; a label is offloaded only if the CPU
   pool took its pages, otherwise it stays resident (M* frees the GPU pages anyway and loses the KV).
 
@@ -38,7 +41,7 @@ from mmcache.mstar.vendor import import_mstar
 from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
 from mmcache.pool import PagePool
 from mmcache.prefix_index import PrefixIndex
-from mmcache.reclaim import Clock, reclaim, reclaimable
+from mmcache.reclaim import reclaim, reclaimable
 from mmcache.stats import PrefixCacheStats
 
 import_mstar()
@@ -139,18 +142,18 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
     """M*'s manager with owner counts and a prefix index per label; see the module docstring for the contract.
 
     ``pool``: the node's ``PagePool`` (``config.max_num_pages`` pages, page id = index in the KV tensor's dim 1);
-    by default a metadata-only one, since M* owns the KV tensor. ``clock``: the pool's shared recency clock.
+    by default a metadata-only one, since M* owns the KV tensor. Other caches on the node (an encoder store) join it
+    by being built on that pool (they register on it and share its clock and ``cache_lock``).
     """
 
     def __init__(self, config: KVCacheConfig, kv_cache: torch.Tensor, transfer_engine_info: TransferEngineInfo,
-                 *, reuse: PrefixReuse | None = None, pool: PagePool | None = None, clock: Clock | None = None,
-                 evictables: Sequence = ()):
+                 *, reuse: PrefixReuse | None = None, pool: PagePool | None = None):
         if kv_cache is not None and kv_cache.device.type != "cuda" and \
                 isinstance(transfer_engine_info.transfer_engine, LocalTransferEngine):
             self._init_cpu(config, kv_cache, transfer_engine_info)
         else:
             super().__init__(config, kv_cache, transfer_engine_info)
-        self._init_reuse(reuse, pool, clock, evictables)
+        self._init_reuse(reuse, pool)
 
     def _init_cpu(self, config, kv_cache, transfer_engine_info) -> None:
         """M*'s constructor body for a KV cache off the GPU, with in-process reads in place of the CUDA-IPC engine
@@ -166,7 +169,7 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
         self._offload_stream = None
         self.pending_reads = {}
 
-    def _init_reuse(self, reuse, pool, clock, evictables) -> None:
+    def _init_reuse(self, reuse, pool) -> None:
         config = self.config
         if pool is None:
             pool = PagePool(config.max_num_pages)
@@ -177,10 +180,9 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
                                  f"{config.page_size}")
         self.pool = pool
         self.reuse = reuse
-        self.clock = clock or Clock()
+        self._lock = pool.cache_lock  # an RLock, as M*'s: every cache on the node's pool evicts under it
         self._batch = max(1, (reuse.evict_batch_pages if reuse else None) or pool.num_pages // 64)
         self.indexes: dict[str, PrefixIndex] = {}   # label -> index, created on a label's first match
-        self._evictables = list(evictables)          # other owners on the pool (an encoder store)
         self._claims: dict[tuple[Hashable, str], _Claim] = {}
         self.page_allocator = CountedPageAllocator(pool, reclaim=self._reclaim)
 
@@ -193,7 +195,7 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
         self = cls.__new__(cls)
         self.__dict__.update(manager.__dict__)
         self.request_states, self.pending_reads = {}, {}
-        self._init_reuse(reuse, kwargs.get("pool"), kwargs.get("clock"), kwargs.get("evictables", ()))
+        self._init_reuse(reuse, kwargs.get("pool"))
         return self
 
     # ----------------------------------------------------------------- reuse
@@ -283,7 +285,7 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
     def num_reclaimable_pages(self) -> int:
         """Free pages plus cached pages an allocation could evict: what live requests can still get."""
         with self._lock:
-            return self.pool.num_free + reclaimable(self._owners())
+            return self.pool.num_free + reclaimable(self.pool.evictables)
 
     # ----------------------------------------------------------------- M*'s contract
     def alloc(self, request_id: str, label: str, seq_len: int):
@@ -353,15 +355,12 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
     def _index(self, label: str) -> PrefixIndex:
         index = self.indexes.get(label)
         if index is None:
-            index = self.indexes[label] = PrefixIndex(self.pool, self.config.page_size, self._batch, self.clock)
+            index = self.indexes[label] = PrefixIndex(self.pool, self.config.page_size, self._batch)
         return index
-
-    def _owners(self) -> list:
-        return [*self.indexes.values(), *self._evictables]
 
     def _reclaim(self, n: int) -> None:
         with self._lock:
-            reclaim(self.pool, n, self._owners(), self._batch)
+            reclaim(self.pool, n, None, self._batch)
 
     def _take(self, n: int, request_id, label: str) -> list[int]:
         try:
