@@ -1,6 +1,5 @@
 """One pool per node: a PrefixCache and an EncoderStore on ONE PagePool, evicted across both kinds by recency."""
 
-import numpy as np
 import pytest
 import torch
 

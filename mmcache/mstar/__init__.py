@@ -1,12 +1,20 @@
 """mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``allocator``) and replica affinity in
 M*'s conductor (``conductor``).
 
-M* is found through ``vendor`` (``$MMCACHE_MSTAR`` or ``../shared/vendor/mstar``) and imported by the modules that
-need it, when they are imported: ``import mmcache.mstar.vendor`` works without M*, so callers can check for it and
-skip; the names below import M* on first access. The core (``mmcache``) never imports this package.
+M* is found through ``vendor`` (``$MMCACHE_MSTAR`` or ``../shared/vendor/mstar``): importing this package puts it on
+``sys.path`` when it is found and does not fail when it is not, so ``mmcache.mstar.vendor.mstar_root()`` can tell
+callers (and tests, which then skip) whether it is there; the names below import M* on first access. The core
+(``mmcache``) never imports this package.
 """
 
 import importlib
+
+from mmcache.mstar.vendor import import_mstar
+
+try:
+    import_mstar()
+except ImportError:  # not found: the modules that need M* raise when imported
+    pass
 
 _EXPORTS = {"CountedPageAllocator": "allocator", "PrefixPagedAllocationManager": "allocator",
             "PrefixReuse": "allocator", "install": "allocator", "AffinityConductor": "conductor"}
