@@ -172,3 +172,15 @@ def preprocess(worker, rid, modality, path, text="Describe it."):
                                           input_modalities=["text", modality], output_modalities=["text"],
                                           model_kwargs={}))
     return worker.tensor_manager.stored[rid]
+
+
+def load_audio_16k(filepath, device):
+    """M*'s ``load_audio`` contract (mono float at 16 kHz) without torchcodec (which M*'s own needs): mmcache's WAV
+    reader, resampled with torchaudio."""
+    import torchaudio
+
+    from digests import load_wav
+    from mstar.model.base import TensorAndMetadata
+    wave, rate = load_wav(filepath)
+    mono = torchaudio.functional.resample(wave.mean(0), rate, 16000)
+    return TensorAndMetadata(data=mono.to(device), metadata=dict(sample_rate=16000, num_channels=1))

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
-                                   install_flashinfer_standin, preprocess, qwen3_omni_model, qwen3_omni_processors,
+                                   install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model, qwen3_omni_processors,
                                    require_mstar, tiny_qwen3_omni_encoders)
 
 require_mstar()
@@ -32,17 +32,6 @@ def seedtts_rows():
     return [folder / row[2] for row in rows]  # the prompt WAV of each row, in order (3 WAVs, 2 rows each)
 
 
-def _load_audio_16k(filepath, device):
-    """M*'s load_audio contract (mono float at 16 kHz) without torchcodec."""
-    import torchaudio
-
-    from digests import load_wav
-    from mstar.model.base import TensorAndMetadata
-    wave, rate = load_wav(filepath)
-    mono = torchaudio.functional.resample(wave.mean(0), rate, 16000)
-    return TensorAndMetadata(data=mono.to(device), metadata=dict(sample_rate=16000, num_channels=1))
-
-
 @pytest.fixture(scope="module")
 def audio(tmp_path_factory):
     mp = pytest.MonkeyPatch()
@@ -53,7 +42,7 @@ def audio(tmp_path_factory):
     image_processor, feature_extractor = qwen3_omni_processors()
     model = qwen3_omni_model(image_processor, feature_extractor)
     if importlib.util.find_spec("torchcodec") is None:
-        model.load_audio = _load_audio_16k
+        model.load_audio = load_audio_16k
     worker = data_worker(model)
     install_digests(worker, {"audio": feature_extractor})
     yield nodes, worker
@@ -80,4 +69,4 @@ def test_reference_wavs_hit_on_their_second_row_bit_identical(audio, seedtts_row
     assert count.calls == 3
     c = cached.counters
     assert (c.hits, c.misses, c.joins) == (2, 3, 1)
-    assert c.time_saved_s > 0
+    assert cached.store.stats().by_modality["audio"].time_saved_s > 0

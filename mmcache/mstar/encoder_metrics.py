@@ -18,14 +18,14 @@ COUNTERS = {  # name suffix -> (help, how to read it off NodeCounters)
     "misses": ("Encoder cache lookups the encoder computed.", lambda c: c.misses),
     "joins": ("Encoder cache lookups served by a concurrent or same-batch computation of the same key.",
               lambda c: c.joins),
-    "time_saved_seconds": ("Encoder seconds the hits saved (each entry's measured compute time).",
-                           lambda c: c.time_saved_s),
 }
+SAVED = ("time_saved_seconds", "Encoder seconds the hits saved (each entry's measured compute time).")
 
 
 def node_metrics(nodes) -> tuple[dict, dict]:
-    """``({counter: {modality: value}}, {modality: bytes stored})`` summed over ``nodes`` (CachedEncoderNode)."""
-    counters = {k: defaultdict(float) for k in COUNTERS}
+    """``({counter: {modality: value}}, {modality: bytes stored})`` summed over ``nodes`` (CachedEncoderNode); time
+    saved and bytes come from the stores (a shared store counted once)."""
+    counters = {k: defaultdict(float) for k in (*COUNTERS, SAVED[0])}
     stored, seen = defaultdict(int), set()
     for node in nodes:
         m = node.spec.modality
@@ -35,6 +35,7 @@ def node_metrics(nodes) -> tuple[dict, dict]:
             seen.add(id(node.store))
             for modality, c in node.store.stats().by_modality.items():
                 stored[modality] += c.bytes_stored
+                counters[SAVED[0]][modality] += c.time_saved_s
     return counters, stored
 
 
@@ -51,7 +52,7 @@ class EncoderNodeCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         counters, stored = node_metrics(self.nodes)
-        for k, (doc, _) in COUNTERS.items():
+        for k, doc in [*((k, doc) for k, (doc, _) in COUNTERS.items()), SAVED]:
             family = CounterMetricFamily(f"mmcache_encoder_cache_{k}", doc, labels=["modality"])
             for modality, value in sorted(counters[k].items()):
                 family.add_metric([modality], value)

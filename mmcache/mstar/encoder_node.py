@@ -71,12 +71,11 @@ class NodeItems(Protocol):
 @dataclasses.dataclass
 class NodeCounters:
     """This node's lookups since creation: items served from the store, computed, or joined onto another's
-    computation; the encoder seconds those hits saved (the store's per-entry compute time)."""
+    computation (the encoder seconds the hits saved are the store's ``time_saved_s``, per modality)."""
 
     hits: int = 0
     misses: int = 0
     joins: int = 0
-    time_saved_s: float = 0.0
     forward_items: int = 0  # items the node's forward computed
     forward_calls: int = 0  # sub-batches run (one per batch with a miss)
 
@@ -232,7 +231,6 @@ class CachedEncoderNode(NodeSubmodule):
         lead: dict[tuple, tuple[_Prepared, Item, EncoderKey, _Flight]] = {}
         wait: dict[tuple, _Flight] = {}
         hits = misses = joins = 0
-        saved = self.store.stats().totals.time_saved_s
         for p in prepared:
             for item, key in zip(p.items, p.keys):
                 ident = (key.name, key.verify_ids)
@@ -253,7 +251,6 @@ class CachedEncoderNode(NodeSubmodule):
                         flight.joiners += 1
                         wait[ident] = flight
                         joins += 1
-        saved = self.store.stats().totals.time_saved_s - saved  # approximate when the store is shared and busy
         if lead:
             found.update(self._compute(graph_walk, engine_inputs, lead, lock, flights))
         for ident, flight in wait.items():
@@ -263,8 +260,7 @@ class CachedEncoderNode(NodeSubmodule):
             found[ident] = _clone(flight.value)
         with self._lock:
             c = self.counters
-            c.hits, c.misses, c.joins, c.time_saved_s = c.hits + hits, c.misses + misses, c.joins + joins, \
-                c.time_saved_s + saved
+            c.hits, c.misses, c.joins = c.hits + hits, c.misses + misses, c.joins + joins
         return self._hand_out(prepared, found)
 
     def _compute(self, graph_walk, engine_inputs, lead: dict, lock, flights) -> dict:
