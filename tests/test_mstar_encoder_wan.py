@@ -70,7 +70,8 @@ def test_cfg_negative_hits_from_second_request_and_outputs_match(wan_nodes, prom
     assert_equal_outputs(got, want)
     assert count.calls == 2 + 3  # prompts 1, 2, 3 once each; prompt 0 and the negative from the store
     c = cached.counters
-    assert (c.hits, c.misses, c.joins, c.forward_calls) == (2, 2 + 3, 4 + 1, 2)  # 4 repeats of the negative, 1 of prompt 1
+    # joins: 4 repeats of the negative and 1 of prompt 1 inside the batch
+    assert (c.hits, c.misses, c.joins, c.forward_calls) == (2, 2 + 3, 4 + 1, 2)
     assert_equal_outputs(first.per_request_output_tensors,
                          plain.execute_batch(batch("text_encoder", WALK, requests(ids, [0], neg), meta))
                          .per_request_output_tensors)
