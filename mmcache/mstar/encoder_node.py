@@ -1,0 +1,342 @@
+"""``CachedEncoderNode``: any M* encoder ``NodeSubmodule`` behind an ``EncoderStore`` (RFC phase 3a inside M*).
+
+The wrapper is what ``StatelessEngine`` holds in place of the node (``cache_encoder_nodes``). Per batch:
+
+- ``prepare_inputs`` runs the node's own, then splits each request into items (``NodeItems``: one item per request
+  for most encoders; the Wan 2.2 text encoder has two, the prompt and the CFG negative), each with its key;
+- ``forward_batched`` takes every item whose key the store holds from the store (the node does not run for it);
+  the remaining items, one per distinct key, run as ONE sub-batch through the node's real ``preprocess`` and
+  ``forward_batched`` (or ``forward`` per item when the node cannot batch, as the engine itself would) and are
+  stored; items of the same key, in this batch or in a concurrent batch of another node sharing the store, wait for
+  that one computation (single flight) and get private copies;
+- every output a request received stays pinned in the store until ``cleanup_request`` (the engine calls it when it
+  removes the request).
+
+Invariants: a request's outputs are bit-identical to the node's own (a hit is a copy of the bytes a miss computed for
+the same key, and a miss runs the node's forward on the same per-item inputs); no two requests share a tensor; keys
+carry the node's fingerprint, the request's salt and (unless ``NodeItems.walk_sensitive`` is False) the graph walk.
+
+Counting: each distinct key of a batch is one store query (``store.get``: a hit or a miss); a key that another
+caller is computing is a join (this node's ``joins``); items repeating a key inside one batch are joins too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import weakref
+from typing import Any, Callable, Protocol
+
+import torch
+
+from mmcache.encoder_key import EncoderKey
+from mmcache.encoder_store import EncoderPin, EncoderStore
+from mmcache.errors import InvalidRequest
+from mmcache.mstar.vendor import import_mstar
+
+import_mstar()
+
+from mstar.engine.base import NodeBatch  # noqa: E402
+from mstar.model.submodule_base import ModelInputsFromEngine, NodeInputs, NodeSubmodule  # noqa: E402
+
+SALT_KEY = "mmcache_salt"  # step_metadata entry holding a request's tenant salt (bytes or str)
+DEFAULT_CAPACITY = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One cacheable piece of a request: its digest (and verifying ids), the node inputs that compute it alone, and
+    how its value is taken out of the outputs of a forward on those inputs."""
+
+    digest: bytes
+    inputs: NodeInputs
+    select: Callable[[dict], Any] = lambda outputs: outputs
+    verify_ids: Any = None
+
+
+class NodeItems(Protocol):
+    """How a node's per-request inputs split into items and how item values make the request's outputs."""
+
+    modality: str
+    walk_sensitive: bool
+
+    def items(self, fwd_info, raw_inputs: dict, node_inputs: NodeInputs) -> list[Item]:
+        ...
+
+    def assemble(self, node_inputs: NodeInputs, values: list) -> dict:
+        ...
+
+
+@dataclasses.dataclass
+class NodeCounters:
+    """This node's lookups since creation: items served from the store, computed, or joined onto another's
+    computation (the encoder seconds the hits saved are the store's ``time_saved_s``, per modality)."""
+
+    hits: int = 0
+    misses: int = 0
+    joins: int = 0
+    forward_items: int = 0  # items the node's forward computed
+    forward_calls: int = 0  # sub-batches run (one per batch with a miss)
+
+
+class _Flight:
+    """One key being computed by one caller; the ``joiners`` others wait on ``done`` and clone ``value`` (a copy of
+    its own, taken only when someone joined, so the leader's caller may change its tensors)."""
+
+    def __init__(self):
+        self.done, self.value, self.error, self.joiners = threading.Event(), None, None, 0
+
+
+# One in-flight table per store, so every wrapper on a shared store computes a key once.
+_FLIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FLIGHTS_LOCK = threading.Lock()
+
+
+def _flights(store: EncoderStore) -> tuple[threading.Lock, dict]:
+    with _FLIGHTS_LOCK:
+        if store not in _FLIGHTS:
+            _FLIGHTS[store] = (threading.Lock(), {})
+        return _FLIGHTS[store]
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _salt(fwd_info) -> bytes:
+    salt = (getattr(fwd_info, "step_metadata", None) or {}).get(SALT_KEY, b"")
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, (bytes, bytearray)):
+        raise InvalidRequest(f"step_metadata[{SALT_KEY!r}] must be bytes or str, got {type(salt).__name__}")
+    return bytes(salt)
+
+
+@dataclasses.dataclass(eq=False)
+class _Prepared:
+    """The wrapper's per-request ``NodeInputs.kwargs['prepared']``: the node's own inputs and the keyed items."""
+
+    rid: str
+    fwd_info: Any
+    inner: NodeInputs
+    items: list[Item]
+    keys: list[EncoderKey]
+
+
+class CachedEncoderNode(NodeSubmodule):
+    """``node`` (an M* ``NodeSubmodule``) with its outputs reused across requests through ``store``.
+
+    ``items`` says how requests split into keyed items (``WholeRequest`` or a model's own, see
+    ``mmcache.mstar.encoder_items``). ``store``: pass a shared one (e.g. one on the node's KV pool); by default the
+    node gets a store of its own of ``capacity_bytes`` on the node's device. ``fingerprint``: what names the node's
+    weights (default: a hash of every weight, taken once here).
+    """
+
+    disable_torch_compile = True  # the engine would compile ``forward``; this wrapper dispatches in forward_batched
+
+    def __init__(self, node: NodeSubmodule, items: NodeItems, store: EncoderStore | None = None, *,
+                 capacity_bytes: int = DEFAULT_CAPACITY, page_bytes: int = 65536, fingerprint: str | None = None):
+        super().__init__()
+        if not isinstance(node, NodeSubmodule):
+            raise InvalidRequest(f"CachedEncoderNode wraps an M* NodeSubmodule, got {type(node).__name__}")
+        self.node, self.spec = node, items
+        self.request_states = node.request_states  # one state table: the engine's view and the node's agree
+        if store is None:
+            store = EncoderStore(capacity_bytes, page_bytes, device=node.get_device())
+        self.store = store
+        if fingerprint is None:
+            from encoders.base import module_fingerprint
+            fingerprint = module_fingerprint(node)
+        self.fingerprint = (fingerprint, type(items).__name__)
+        self.counters = NodeCounters()
+        self._lock = threading.Lock()
+        self._pins: dict[str, list[EncoderPin]] = {}
+
+    # -- what the engine calls ----------------------------------------------------------------------------------------
+    def prepare_inputs(self, graph_walk, fwd_info, inputs, **kwargs):
+        inner = self.node.prepare_inputs(graph_walk=graph_walk, fwd_info=fwd_info, inputs=inputs, **kwargs)
+        if inner is None:
+            return None
+        items = self.spec.items(fwd_info, inputs, inner)
+        fp = (self.fingerprint, graph_walk) if self.spec.walk_sensitive else self.fingerprint
+        salt = _salt(fwd_info)
+        keys = [EncoderKey(it.digest, fp, self.spec.modality, salt, it.verify_ids) for it in items]
+        return NodeInputs(kwargs={"prepared": _Prepared(fwd_info.request_id, fwd_info, inner, items, keys)})
+
+    def can_batch(self, batch, model_inputs):
+        return True  # always: forward_batched splits hits from misses and runs the node the way it can
+
+    def preprocess(self, graph_walk, engine_inputs, inputs):
+        return {"prepared": [inp.kwargs["prepared"] for inp in inputs]}
+
+    def forward(self, graph_walk, engine_inputs, prepared, **kwargs):
+        return self.forward_batched(graph_walk, engine_inputs, prepared=prepared)[engine_inputs.request_ids[0]]
+
+    def forward_batched(self, graph_walk, engine_inputs, prepared: list[_Prepared], **kwargs):
+        """Per request id, its outputs: hits from the store, misses computed as one sub-batch and stored."""
+        values = self._resolve(graph_walk, engine_inputs, prepared)
+        out, at = {}, 0
+        for p in prepared:
+            out[p.rid] = self.spec.assemble(p.inner, values[at:at + len(p.items)])
+            at += len(p.items)
+        return out
+
+    def postprocess(self, request_id, request_info, outputs, inputs=None, **kwargs):
+        inner = inputs.kwargs["prepared"].inner if inputs is not None else None
+        return self.node.postprocess(request_id, request_info, outputs, inputs=inner, **kwargs)
+
+    def check_stop(self, request_id, request_info, outputs):
+        return self.node.check_stop(request_id, request_info, outputs)
+
+    def cleanup_request(self, request_id: str):
+        """Release the request's pins, then the node's own per-request cleanup."""
+        with self._lock:
+            pins = self._pins.pop(request_id, [])
+        for pin in pins:
+            pin.release()
+        self.node.cleanup_request(request_id)
+
+    def max_batch_size(self, graph_walk):
+        return self.node.max_batch_size(graph_walk)
+
+    def get_stateless_flavor(self):
+        return self.node.get_stateless_flavor()
+
+    def get_autocast_dtype(self):
+        return self.node.get_autocast_dtype()
+
+    def get_piecewise_cuda_graph_configs(self, device, autocast_dtype, tp_world_size=1):
+        return self.node.get_piecewise_cuda_graph_configs(device, autocast_dtype, tp_world_size)
+
+    # get_cuda_graph_configs stays the base's []: a whole-node graph replay would bypass the lookup.
+
+    def pinned(self, request_id: str) -> int:
+        """How many store entries ``request_id`` holds pinned now."""
+        with self._lock:
+            return len(self._pins.get(request_id, ()))
+
+    # -- the lookup ---------------------------------------------------------------------------------------------------
+    def _resolve(self, graph_walk, engine_inputs, prepared: list[_Prepared]) -> list:
+        """Every item's value, in order: one store query per distinct key, one sub-batch for the keys this call
+        leads, a wait for keys another caller leads."""
+        lock, flights = _flights(self.store)
+        found: dict[tuple, Any] = {}  # identity -> value (first use gets it, repeats a clone)
+        lead: dict[tuple, tuple[_Prepared, Item, EncoderKey, _Flight]] = {}
+        wait: dict[tuple, _Flight] = {}
+        hits = misses = joins = 0
+        for p in prepared:
+            for item, key in zip(p.items, p.keys):
+                ident = (key.name, key.verify_ids)
+                if ident in found or ident in lead or ident in wait:
+                    joins += 1
+                    continue
+                value = self.store.get(key)
+                if value is not None:
+                    found[ident], hits = value, hits + 1
+                    continue
+                with lock:
+                    flight = flights.get(ident)
+                    if flight is None:
+                        flights[ident] = flight = _Flight()
+                        lead[ident] = (p, item, key, flight)
+                        misses += 1
+                    else:
+                        flight.joiners += 1
+                        wait[ident] = flight
+                        joins += 1
+        if lead:
+            found.update(self._compute(graph_walk, engine_inputs, lead, lock, flights))
+        for ident, flight in wait.items():
+            flight.done.wait()
+            if flight.error is not None:
+                raise flight.error
+            found[ident] = _clone(flight.value)
+        with self._lock:
+            c = self.counters
+            c.hits, c.misses, c.joins = c.hits + hits, c.misses + misses, c.joins + joins
+        return self._hand_out(prepared, found)
+
+    def _compute(self, graph_walk, engine_inputs, lead: dict, lock, flights) -> dict:
+        """Run the led items as one sub-batch through the node, store each value, publish it to waiters; returns
+        identity -> value."""
+        entries, values = list(lead.values()), {}
+        try:
+            start = time.perf_counter()
+            outputs = self._run_node(graph_walk, engine_inputs, [(p, item) for p, item, _, _ in entries])
+            share = (time.perf_counter() - start) / len(entries)
+            for ident, (_, item, key, _), out in zip(lead, entries, outputs):
+                values[ident] = item.select(out)
+                self.store.put(key, values[ident], compute_s=share)
+        except BaseException as exc:
+            for _, _, _, flight in entries:
+                flight.error = exc
+            raise
+        finally:
+            with lock:  # joiners register only while a flight is listed: after this their count is final
+                for ident in lead:
+                    flights.pop(ident, None)
+            for ident, (_, _, _, flight) in lead.items():
+                if flight.joiners and ident in values:
+                    flight.value = _clone(values[ident])
+                flight.done.set()
+            with self._lock:
+                self.counters.forward_calls += 1
+                self.counters.forward_items += len(entries)
+        return values
+
+    def _run_node(self, graph_walk, engine_inputs, work: list[tuple[_Prepared, Item]]) -> list[dict]:
+        """The node's outputs for each item's inputs, dispatched as the engine does: batched when the node can
+        batch the sub-batch, else one ``forward`` per item."""
+        ids = [f"{p.rid}#{n}" for n, (p, _) in enumerate(work)]
+        infos = {i: p.fwd_info for i, (p, _) in zip(ids, work)}
+        inputs = [item.inputs for _, item in work]
+        runners = engine_inputs.piecewise_runners
+        sub = NodeBatch(node_name="", graph_walk=graph_walk, request_ids=ids, per_request_input_tensors={},
+                        per_request_info=infos)
+        if len(work) > 1 and self.node.can_batch(sub, inputs):
+            states = {i: self.node.request_state(p.rid) for i, (p, _) in zip(ids, work)}
+            ei = ModelInputsFromEngine(request_ids=ids, per_request_info=infos, piecewise_runners=runners,
+                                       per_request_states=states)
+            pre = self.node.preprocess(graph_walk=graph_walk, engine_inputs=ei, inputs=inputs)
+            out = self.node.forward_batched(graph_walk=graph_walk, engine_inputs=ei, **pre)
+            return [out[i] for i in ids]
+        outs = []
+        for i, inp in zip(ids, inputs):
+            ei = ModelInputsFromEngine(request_ids=[i], per_request_info={i: infos[i]}, piecewise_runners=runners)
+            pre = self.node.preprocess(graph_walk=graph_walk, engine_inputs=ei, inputs=[inp])
+            outs.append(self.node.forward(graph_walk=graph_walk, engine_inputs=ei, **pre))
+        return outs
+
+    def _hand_out(self, prepared: list[_Prepared], found: dict) -> list:
+        """Item values in request order (a key's first use takes the value, every repeat a clone), each request's
+        entries pinned until its cleanup."""
+        given, values = set(), []
+        for p in prepared:
+            pins = []
+            for key in p.keys:
+                ident = (key.name, key.verify_ids)
+                values.append(_clone(found[ident]) if ident in given else found[ident])
+                given.add(ident)
+                if (pin := self.store.pin(key)) is not None:
+                    pins.append(pin)
+            with self._lock:
+                self._pins.setdefault(p.rid, []).extend(pins)
+        return values
+
+
+def cache_encoder_nodes(submodules: dict, items: dict[str, NodeItems], store: EncoderStore | None = None,
+                        **kwargs) -> dict:
+    """``submodules`` (node name -> submodule, as given to ``StatelessEngine.load_model``) with the nodes named in
+    ``items`` wrapped in ``CachedEncoderNode``; ``store``: one shared by all of them (default: one per node)."""
+    unknown = set(items) - set(submodules)
+    if unknown:
+        raise InvalidRequest(f"no submodule named {sorted(unknown)} among {sorted(submodules)}")
+    return {name: CachedEncoderNode(mod, items[name], store, **kwargs) if name in items else mod
+            for name, mod in submodules.items()}

@@ -1,0 +1,186 @@
+"""Helpers for the tests that run M*'s own encoder submodules under its StatelessEngine on the CPU: tiny random
+models saved and loaded back through ``workloads.fixtures.saved``, batches as M*'s worker builds them, and forward
+counters (hooks on the HF encoder inside the node, so the node itself runs unchanged)."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from mstar_helpers import require_mstar
+
+__all__ = ["require_mstar"]
+
+
+def install_flashinfer_standin(monkeypatch):
+    """Qwen3-Omni's talker.py imports flashinfer at module level; flashinfer has no CPU build."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import flashinfer_standin
+    if "flashinfer" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin.module())
+
+
+def saved_model(folder_root, kind: str, config, cls):
+    """``cls.from_pretrained`` of a ``cls(config)`` with random weights saved once under ``folder_root``."""
+    from workloads import fixtures
+    folder = fixtures.saved(folder_root, kind, config.to_json_string(), lambda f: cls(config).save_pretrained(f))
+    return cls.from_pretrained(folder).eval()
+
+
+def engine(submodules: dict, autocast=None):
+    """M*'s StatelessEngine on the CPU with ``submodules`` loaded."""
+    from mstar.distributed.communication import WorkerParallelGroups
+    from mstar.engine.stateless_engine import StatelessEngine, StatelessEngineConfig
+    eng = StatelessEngine(StatelessEngineConfig(autocast_dtype=autocast, name="test"))
+    eng.load_model(submodules, parallel_groups=WorkerParallelGroups(num_workers=1, global_rank=0),
+                   device=torch.device("cpu"))
+    eng.warmup()
+    return eng
+
+
+def batch(node: str, walk: str, requests: dict, step_metadata: dict | None = None):
+    """A NodeBatch of ``requests`` (rid -> {input name: [tensors]}) as M*'s worker hands it to an engine."""
+    from mstar.conductor.request_info import CurrentForwardPassInfo
+    from mstar.engine.base import NodeBatch
+    infos = {rid: CurrentForwardPassInfo(request_id=rid, graph_walk=walk, requires_cfg=False, fwd_index=0,
+                                         random_seed=0, max_tokens=1, sampling_config={},
+                                         step_metadata=dict(step_metadata or {}))
+             for rid in requests}
+    return NodeBatch(node_name=node, graph_walk=walk, request_ids=list(requests),
+                     per_request_input_tensors=dict(requests), per_request_info=infos)
+
+
+class ForwardCount:
+    """Calls of ``module.forward`` (a forward pre-hook) and the batch rows they covered."""
+
+    def __init__(self, module):
+        self.calls = 0
+        module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+
+def assert_equal_outputs(got: dict, want: dict):
+    """Per request, the same output names and bit-identical tensors."""
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid].keys() == want[rid].keys(), rid
+        for name in want[rid]:
+            assert len(got[rid][name]) == len(want[rid][name]), (rid, name)
+            for a, b in zip(got[rid][name], want[rid][name]):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rid, name)
+
+
+# -- Qwen3-Omni: tiny encoders, the model's own process_prompt, M*'s data worker ----------------------------------
+def tiny_qwen3_omni_encoders(folder_root):
+    """``(vision, audio)``: Qwen3-Omni's HF vision and audio encoders at tiny random configs (sdpa), saved and
+    loaded back the way M* loads them."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoderConfig, Qwen3OmniMoeVisionEncoderConfig)
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder)
+    from workloads import fixtures
+    out = []
+    for kind, cls, cfg in (
+            ("q3o-vision", Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeVisionEncoderConfig(
+                depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, out_hidden_size=32,
+                num_position_embeddings=64, deepstack_visual_indexes=[0, 1])),
+            ("q3o-audio", Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeAudioEncoderConfig(
+                encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32, output_dim=32,
+                downsample_hidden_size=16))):
+        folder = fixtures.saved(folder_root, kind, cfg.to_json_string(),
+                                lambda f, cls=cls, cfg=cfg: cls._from_config(cfg).save_pretrained(f))
+        out.append(cls.from_pretrained(folder, attn_implementation="sdpa").eval())
+    return tuple(out)
+
+
+def qwen3_omni_processors():
+    """The HF image processor and feature extractor Qwen3-Omni uses (the image one capped at 128x128 pixels so the
+    tiny tower stays fast)."""
+    from transformers import Qwen2VLImageProcessor, WhisperFeatureExtractor
+    return (Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
+                                  max_pixels=128 * 128),
+            WhisperFeatureExtractor(feature_size=128, sampling_rate=16000))
+
+
+class _Tokenizer:
+    def __call__(self, text, return_tensors=None):
+        return {"input_ids": torch.tensor([[b for b in text.encode()]])}
+
+
+def qwen3_omni_model(image_processor, feature_extractor):
+    """M*'s ``Qwen3OmniModel`` with its checkpoint-loading constructor skipped: its own ``process_prompt`` and
+    schedule run over the given processors, a byte tokenizer and a one-line chat template."""
+    import types
+
+    from mstar.model.qwen3_omni import qwen3_omni_model as q
+    model = object.__new__(q.Qwen3OmniModel)
+    template = lambda messages, **_: "".join(m["content"] for m in messages) + "<assistant>"  # noqa: E731
+    model._processor = types.SimpleNamespace(image_processor=image_processor, feature_extractor=feature_extractor,
+                                             apply_chat_template=template)
+    model.tokenizer = _Tokenizer()
+    return model
+
+
+class RecordingTensorManager:
+    """What M*'s data worker hands its tensor manager, kept in memory (the transport is not under test)."""
+
+    def __init__(self):
+        self.stored, self.infos = {}, {}
+
+    def store_and_return_tensor_info(self, request_id, tensors, **_):
+        import types
+        import uuid
+        self.stored[request_id] = tensors
+        self.infos[request_id] = {name: [types.SimpleNamespace(uuid=uuid.uuid4().hex, tensor=t) for t in ts]
+                                  for name, ts in tensors.items()}
+        return self.infos[request_id]
+
+    def register_for_send(self, *args, **kwargs):
+        pass
+
+    def set_persist(self, *args, **kwargs):
+        pass
+
+
+class RecordingCommunicator:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, dest, msg):
+        self.sent.append((dest, msg))
+
+
+def data_worker(model):
+    """M*'s ``PreprocessWorkerThread`` (the data worker) over ``model``, with in-memory transport."""
+    import queue
+    import threading
+
+    from mstar.api_server.data_worker import PreprocessWorkerThread
+    q = queue.Queue
+    return PreprocessWorkerThread(in_queue=q(), result_tensor_queue=q(), out_queue=q(), profile_queue=q(),
+                                  cleanup_request_queue=q(), abort_request_queue=q(), discard_tensor_queue=q(),
+                                  stop_event=threading.Event(), communicator=RecordingCommunicator(),
+                                  tensor_manager=RecordingTensorManager(), model=model)
+
+
+def preprocess(worker, rid, modality, path, text="Describe it."):
+    """The request's tensors as M*'s data worker stores them (decode, process_prompt, the digest hook)."""
+    from mstar.api_server.request_types import PreprocessInput
+    worker._process_input(PreprocessInput(request_id=rid, text=text, file_paths={modality: [str(path)]},
+                                          input_modalities=["text", modality], output_modalities=["text"],
+                                          model_kwargs={}))
+    return worker.tensor_manager.stored[rid]
+
+
+def load_audio_16k(filepath, device):
+    """M*'s ``load_audio`` contract (mono float at 16 kHz) without torchcodec (which M*'s own needs): mmcache's WAV
+    reader, resampled with torchaudio."""
+    import torchaudio
+
+    from digests import load_wav
+    from mstar.model.base import TensorAndMetadata
+    wave, rate = load_wav(filepath)
+    mono = torchaudio.functional.resample(wave.mean(0), rate, 16000)
+    return TensorAndMetadata(data=mono.to(device), metadata=dict(sample_rate=16000, num_channels=1))

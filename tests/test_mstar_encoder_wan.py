@@ -1,0 +1,129 @@
+"""M*'s own Wan 2.2 text encoder node (``Wan22TextEncoderSubmodule`` over a tiny random UMT5, saved and loaded back)
+under M*'s StatelessEngine, wrapped in ``CachedEncoderNode``: DiffusionDB prompts with the fixed CFG negative.
+Outputs are bit-identical to the unwrapped node's in batches mixing hits and misses; the negative hits from the
+second request on; forward counts prove the skip; pins last until the engine removes the request."""
+
+import json
+
+import pytest
+import torch
+
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, engine, require_mstar,
+                                   saved_model)
+
+require_mstar()
+
+from mmcache.mstar.encoder_items import Wan22TextItems, items_for  # noqa: E402
+from mmcache.mstar.encoder_node import CachedEncoderNode, cache_encoder_nodes  # noqa: E402
+
+NEGATIVE = "blurry, low quality, distorted, watermark, text"
+WALK = "encode_text"
+
+
+@pytest.fixture(scope="module")
+def wan_nodes(tmp_path_factory):
+    """Two Wan22TextEncoderSubmodule over the same tiny UMT5 weights: one plain, one to wrap."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from mstar.model.wan22.config import Wan22Config
+    from mstar.model.wan22.submodules import Wan22TextEncoderSubmodule
+    cfg = UMT5Config(vocab_size=32768, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
+                     relative_attention_num_buckets=8)
+    root = tmp_path_factory.mktemp("wan-umt5")
+    config = Wan22Config(text_max_seq_len=48, text_dim=32)
+    return [Wan22TextEncoderSubmodule(saved_model(root, "umt5", cfg, UMT5EncoderModel), config) for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    from conftest import shared_data
+    data = shared_data()
+    if data is None or not (data / "diffusiondb" / "diffusiondb_5k.jsonl").is_file():
+        pytest.skip("DiffusionDB prompts not found: place ../shared/data/diffusiondb or set MMCACHE_DATA")
+    from workloads.fixtures import text_tokenizer
+    tok = text_tokenizer(None)
+    with open(data / "diffusiondb" / "diffusiondb_5k.jsonl") as f:
+        texts = [json.loads(line)["prompt"] for _, line in zip(range(12), f)]
+    return [torch.tensor(ids) for ids in tok.encode(texts + [NEGATIVE])]
+
+
+def requests(ids, rows, neg):
+    return {f"r{i}": {"text_inputs": [ids[i], neg]} for i in rows}
+
+
+def test_cfg_negative_hits_from_second_request_and_outputs_match(wan_nodes, prompts):
+    plain_node, node = wan_nodes
+    *ids, neg = prompts
+    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 20, page_bytes=4096)
+    plain, wrapped = engine({"text_encoder": plain_node}), engine({"text_encoder": cached})
+    count = ForwardCount(node.text_encoder)
+    meta = {"guidance_scale": 5.0}
+
+    first = wrapped.execute_batch(batch("text_encoder", WALK, requests(ids, [0], neg), meta))
+    assert count.calls == 2 and cached.counters.misses == 2 and cached.counters.hits == 0
+
+    # a batch mixing hits (r0's prompt again, the negative) and misses (new prompts, one repeated inside the batch)
+    rows = [0, 1, 2, 1, 3]
+    reqs = {f"b{n}": {"text_inputs": [ids[i], neg]} for n, i in enumerate(rows)}
+    got = wrapped.execute_batch(batch("text_encoder", WALK, reqs, meta)).per_request_output_tensors
+    want = plain.execute_batch(batch("text_encoder", WALK, reqs, meta)).per_request_output_tensors
+    assert_equal_outputs(got, want)
+    assert count.calls == 2 + 3  # prompts 1, 2, 3 once each; prompt 0 and the negative from the store
+    c = cached.counters
+    # joins: 4 repeats of the negative and 1 of prompt 1 inside the batch
+    assert (c.hits, c.misses, c.joins, c.forward_calls) == (2, 2 + 3, 4 + 1, 2)
+    assert_equal_outputs(first.per_request_output_tensors,
+                         plain.execute_batch(batch("text_encoder", WALK, requests(ids, [0], neg), meta))
+                         .per_request_output_tensors)
+    # no two requests share a tensor
+    ptrs = [t.data_ptr() for out in got.values() for ts in out.values() for t in ts]
+    assert len(ptrs) == len(set(ptrs))
+
+
+def test_negative_hits_on_every_request_after_the_first(wan_nodes, prompts):
+    plain_node, node = wan_nodes
+    *ids, neg = prompts
+    cached = CachedEncoderNode(node, Wan22TextItems(48), capacity_bytes=1 << 20, page_bytes=4096)
+    wrapped = engine({"text_encoder": cached})
+    count = ForwardCount(node.text_encoder)
+    for i in range(6):
+        wrapped.execute_batch(batch("text_encoder", WALK, requests(ids, [i], neg), {"guidance_scale": 5.0}))
+    assert count.calls == 6 + 1 and cached.counters.hits == 5  # each prompt once, the negative once
+
+
+def test_cfg_off_keeps_the_placeholder(wan_nodes, prompts):
+    plain_node, node = wan_nodes
+    *ids, neg = prompts
+    (cached,) = cache_encoder_nodes({"text_encoder": node}, {"text_encoder": items_for(node)},
+                                    capacity_bytes=1 << 20, page_bytes=4096).values()
+    meta = {"guidance_scale": 1.0}
+    b = lambda: batch("text_encoder", WALK, requests(ids, [4, 4], neg), meta)  # noqa: E731
+    got = engine({"text_encoder": cached}).execute_batch(b()).per_request_output_tensors
+    want = engine({"text_encoder": plain_node}).execute_batch(b()).per_request_output_tensors
+    assert_equal_outputs(got, want)
+
+
+def test_pins_last_until_the_engine_removes_the_request(wan_nodes, prompts):
+    _, node = wan_nodes
+    *ids, neg = prompts
+    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 20, page_bytes=4096)
+    wrapped = engine({"text_encoder": cached})
+    wrapped.execute_batch(batch("text_encoder", WALK, requests(ids, [5, 6], neg), {"guidance_scale": 5.0}))
+    assert cached.pinned("r5") == 2 and cached.pinned("r6") == 2
+    held = cached.store.pool.counts.copy()
+    wrapped.remove_request("r5")
+    assert cached.pinned("r5") == 0 and cached.pinned("r6") == 2
+    assert int((held - cached.store.pool.counts).sum()) > 0  # r5's owners were dropped, the entries stay
+    wrapped.remove_request("r6")
+    assert len(cached.store) == 3
+
+
+def test_salt_keeps_tenants_apart(wan_nodes, prompts):
+    _, node = wan_nodes
+    *ids, neg = prompts
+    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 20, page_bytes=4096)
+    wrapped = engine({"text_encoder": cached})
+    for salt in (b"tenant-a", "tenant-b", b"tenant-a"):
+        wrapped.execute_batch(batch("text_encoder", WALK, requests(ids, [7], neg),
+                                    {"guidance_scale": 5.0, "mmcache_salt": salt}))
+    assert cached.counters.misses == 4 and cached.counters.hits == 2
