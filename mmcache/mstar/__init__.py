@@ -1,5 +1,6 @@
-"""mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``allocator``) and replica affinity in
-M*'s conductor (``conductor``).
+"""mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``allocator``), cached encoder nodes
+(``encoder_node``, keyed by ``encoder_items``, with digests taken in the data worker by ``media_digests`` and counters
+exported by ``encoder_metrics``), and replica affinity in M*'s conductor (``conductor``).
 
 M* is found through ``vendor`` (``$MMCACHE_MSTAR`` or ``../shared/vendor/mstar``): importing this package puts it on
 ``sys.path`` when it is found and does not fail when it is not, so ``mmcache.mstar.vendor.mstar_root()`` can tell
@@ -17,7 +18,10 @@ except ImportError:  # not found: the modules that need M* raise when imported
     pass
 
 _EXPORTS = {"CountedPageAllocator": "allocator", "PrefixPagedAllocationManager": "allocator",
-            "PrefixReuse": "allocator", "install": "allocator", "AffinityConductor": "conductor"}
+            "PrefixReuse": "allocator", "install": "allocator", "AffinityConductor": "conductor",
+            "CachedEncoderNode": "encoder_node", "cache_encoder_nodes": "encoder_node",
+            "install_digests": "media_digests", "route_digests": "media_digests",
+            "EncoderNodeCollector": "encoder_metrics"}
 
 __all__ = sorted(_EXPORTS)
 
