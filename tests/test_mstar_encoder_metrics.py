@@ -34,6 +34,6 @@ def test_counters_on_a_registry(tmp_path):
     assert get("mmcache_encoder_cache_hits_total") == 2
     assert get("mmcache_encoder_cache_misses_total") == 4
     assert get("mmcache_encoder_cache_joins_total") == 0
-    assert get("mmcache_encoder_cache_time_saved_seconds_total") > 0
+    assert get("mmcache_encoder_cache_saved_seconds_total") > 0
     assert get("mmcache_encoder_cache_bytes") == 4 * 8 * 16 * 4  # four [1, 8, 16] float32 entries
     assert b"mmcache_encoder_cache_hits_total{modality=\"text\"} 2.0" in prometheus_client.generate_latest(registry)

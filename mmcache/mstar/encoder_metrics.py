@@ -1,7 +1,7 @@
 """Prometheus metrics of cached M* encoder nodes, under the names the replays export
 (``workloads/harness/prometheus.py``): ``mmcache_encoder_cache_{queries,hits}_total{modality}`` and
 ``mmcache_encoder_cache_bytes{modality}``, plus ``..._misses_total``, ``..._joins_total`` and
-``..._time_saved_seconds_total``.
+``..._saved_seconds_total``.
 
 ``EncoderNodeCollector(nodes)`` is a prometheus_client collector: register it on any registry
 (``registry.register(EncoderNodeCollector(nodes))``); each scrape reads the nodes' counters then, so nothing runs on
@@ -19,7 +19,7 @@ COUNTERS = {  # name suffix -> (help, how to read it off NodeCounters)
     "joins": ("Encoder cache lookups served by a concurrent or same-batch computation of the same key.",
               lambda c: c.joins),
 }
-SAVED = ("time_saved_seconds", "Encoder seconds the hits saved (each entry's measured compute time).")
+SAVED = ("saved_seconds", "Encoder seconds the hits saved (each entry's measured compute time).")
 
 
 def node_metrics(nodes) -> tuple[dict, dict]:
