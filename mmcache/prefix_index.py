@@ -188,23 +188,19 @@ class PrefixIndex:
         return TierView(self)
 
 
-class _Media:
-    def __init__(self, lo: np.ndarray, hi: np.ndarray):
-        self._lo, self._hi = lo, hi
-
-    def __getitem__(self, pages) -> np.ndarray:
-        return np.stack((self._lo[pages], self._hi[pages]), axis=-1)
-
-
 class TierView:
-    """The arrays a tier reads when pages leave the index: ``name``, ``tokens``, ``media`` (128-bit ids as pairs),
-    ``parent`` (page id, -1 at depth 0), ``salt`` (salt id; ``salt_bytes`` maps it back) and ``depth``."""
+    """The arrays a tier reads when pages leave the index: ``name``, ``tokens``, ``media_lo``/``media_hi`` (the
+    128-bit media id's halves; ``media`` gives pairs), ``parent`` (page id, -1 at depth 0), ``salt`` (salt id;
+    ``salt_bytes`` maps it back) and ``depth``."""
 
     def __init__(self, index: PrefixIndex):
         self.name, self.tokens, self.parent = index._name, index._tokens, index._parent
         self.salt, self.depth = index._salt, index._depth
-        self.media = _Media(index._media_lo, index._media_hi)
+        self.media_lo, self.media_hi = index._media_lo, index._media_hi
         self._salts = index._salt_ids
+
+    def media(self, pages) -> np.ndarray:
+        return np.stack((self.media_lo[pages], self.media_hi[pages]), axis=-1)
 
     def salt_bytes(self, salt_id: int) -> bytes:
         return next(s for s, i in self._salts.items() if i == salt_id)

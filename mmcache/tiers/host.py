@@ -71,6 +71,9 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._pages)
 
+    def __contains__(self, name) -> bool:
+        return name in self._pages
+
     def put(self, src: PagePool, src_pages, names, tokens: np.ndarray, media: np.ndarray, parent_lineages,
             depths) -> int:
         """Copy device pages ``src_pages`` (evicted, still holding their bytes) into the tier with their ids.
@@ -113,15 +116,26 @@ class HostTier:
         """Host pages for pages ``start, start+1, ...`` of a request, to the first miss or failed verification:
         each entry's tokens, media, depth and parent lineage must equal the request's own. Pins the returned pages
         (one more owner each): the caller releases them once their bytes are copied up."""
-        got = list(map(self._pages.get, names[start:], repeat(None)))
-        out, P = [], self.page_size
-        for j, page in enumerate(got, start):
-            if page is None:
+        idx = np.fromiter(map(self._pages.get, names[start:], repeat(-1)), dtype=np.int64,
+                          count=len(names) - start)
+        miss = np.flatnonzero(idx < 0)
+        if miss.size:
+            idx = idx[:miss[0]]
+        if not idx.size:
+            return []
+        k, P = idx.size, self.page_size
+        ok = (self._depth[idx] == np.arange(start, start + k)) & (self._media[idx] == mids[start:start + k]).all(1)
+        ok &= (self._tokens[idx] == tokens[start * P:(start + k) * P].reshape(k, P)).all(1)
+        # the parent lineages last, one hash per page, only as far as the cheap checks pass
+        k = k if ok.all() else int(np.argmin(ok))
+        plin = self._plin[idx[:k]]
+        for i in range(k):
+            if plin[i].tobytes() != lineage.before(start + i):
+                k = i
                 break
-            if not self._same(page, tokens[j * P:(j + 1) * P], mids[j], lineage.before(j), j):
-                self.counters["collisions"] += 1
-                break
-            out.append(page)
+        if k < idx.size:
+            self.counters["collisions"] += 1
+        out = idx[:k].tolist()
         if out:
             self.pool.retain(out, distinct=True)
             self._clock += 1

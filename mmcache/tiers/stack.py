@@ -17,12 +17,13 @@ import dataclasses
 
 import numpy as np
 import torch
+import xxhash
 
 from mmcache.errors import OutOfPages
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool, copy_pages
 from mmcache.tiers.host import HostTier
-from mmcache.tiers.lineage import RequestLineage, link, root_lineage
+from mmcache.tiers.lineage import RequestLineage, root_lineage
 from mmcache.tiers.store import Expected, StoreTier, encode_page, page_key
 
 
@@ -81,12 +82,13 @@ class TierStack:
                 page = int(v.parent[page])
             acc = memo[page] if page >= 0 else root_lineage(self.fingerprint, v.salt_bytes(int(v.salt[up[-1]])))
             for q in reversed(up):
-                acc = memo[q] = link(acc, v.tokens[q], v.media[q])
+                acc = memo[q] = xxhash.xxh3_128_digest(acc + v.tokens[q].tobytes() + v.media_lo[q].tobytes()
+                                                       + v.media_hi[q].tobytes())  # == link(), inlined
             return acc
 
         plins = [lineage(int(v.parent[p])) if v.parent[p] >= 0
                  else root_lineage(self.fingerprint, v.salt_bytes(int(v.salt[p]))) for p in pages.tolist()]
-        self.host.put(index.pool, pages.tolist(), v.name[pages].tolist(), v.tokens[pages], v.media[pages], plins,
+        self.host.put(index.pool, pages.tolist(), v.name[pages].tolist(), v.tokens[pages], v.media(pages), plins,
                       v.depth[pages])
 
     # ----------------------------------------------------------------- lookup continues below the device
@@ -97,6 +99,8 @@ class TierStack:
         adopts them too) and a ``PageFetch`` (None when no tier hit)."""
         pool: PagePool = index.pool
         k = int(idx.size)
+        if self.store is None and (self.host is None or names[k] not in self.host):  # the all-miss fast path
+            return idx.tolist(), None
         lineage = RequestLineage(root_lineage(self.fingerprint, salt), tokens, mids, index.page_size)
         host = self.host.match(names, k, tokens, mids, lineage) if self.host is not None else []
         store = []
