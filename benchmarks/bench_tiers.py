@@ -82,6 +82,23 @@ def host_bandwidth(repeats, pages):
     row("read-in (host -> device)", r_ours, r_base, "GB/s", nbytes / 1e9)
 
 
+def pinned_bandwidth(repeats, pages):
+    """Copy-up from pinned vs pageable host pages into a CUDA pool (the tier's async path vs copy_pages)."""
+    if not torch.cuda.is_available():
+        print("   pinned vs pageable host memory: not measured (no CUDA on this machine; pinned memory needs it)")
+        return
+    dev = PagePool(pages, (4, 2, P, 8, 64), torch.bfloat16, device="cuda")
+    ids = list(range(pages))
+    pinned, pageable = HostPagePool.like(dev, pages, pin_memory=True), HostPagePool.like(dev, pages)
+
+    def up(src):
+        ev = _copy_up(src, ids, dev, ids)
+        (ev.synchronize() if ev is not None else torch.cuda.synchronize())
+    ours = [best(lambda: up(pinned), 3) for _ in range(repeats)]
+    base = [best(lambda: up(pageable), 3) for _ in range(repeats)]
+    row("read-in to CUDA, pinned vs pageable", ours, base, "GB/s", pages * dev.page_bytes / 1e9)
+
+
 def store_bandwidth(repeats, pages):
     why = mooncake.available()
     if why:
@@ -232,6 +249,7 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, CUDA {torch.cuda.is_available()}; "
           f"median [min-max] over {repeats} repeats of best-of timings")
     host_bandwidth(repeats, 32)
+    pinned_bandwidth(repeats, 32)
     store = store_bandwidth(repeats, 32)
     try:
         lookups(repeats, store[0] if store else None)

@@ -112,11 +112,16 @@ class TierStack:
             return idx.tolist(), None
         try:
             index.make_room(h)
-            fresh = pool.alloc(h)
-        except OutOfPages:  # live requests fill the device: the tier hit is given up, never an error
-            if host:
-                self.host.pool.release(host)
-            return idx.tolist(), None
+        except OutOfPages as e:  # live requests fill the device: keep the part of the hit that fits, if any
+            h -= e.shortfall
+            if h > 0:
+                index.make_room(h)
+            if len(host) > max(h, 0):
+                self.host.pool.release(host[max(h, 0):])
+            host, store = host[:max(h, 0)], store[:max(h - len(host), 0)]
+            if h <= 0:
+                return idx.tolist(), None
+        fresh = pool.alloc(h)
         event = None
         if host:
             event = _copy_up(self.host.pool, host, pool, fresh[:len(host)])
