@@ -152,7 +152,7 @@ class PrefixCache:
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             pages, fetch = idx.tolist(), None
-            if self.tiers is not None and idx.size < limit:  # the lookup continues in the host tier and the store
+            if self.tiers is not None and idx.size < limit and self.tiers.nominates(names[idx.size]):  # tiers
                 pages, fetch = self.tiers.extend(self.index, idx, names[:limit], tokens, mids, salt, salt_id)
             k = len(pages) * P
             rec = _Request(rid, tokens, blobs, root, salt_id, names, pages, k, k, k, salt=bytes(salt), fetch=fetch)

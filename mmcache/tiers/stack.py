@@ -92,15 +92,19 @@ class TierStack:
                       v.depth[pages])
 
     # ----------------------------------------------------------------- lookup continues below the device
+    def nominates(self, name) -> bool:
+        """Whether the lookup may continue below the device at the page named ``name`` (the all-miss fast path:
+        one dict probe when there is no store; with a store, every device miss asks it)."""
+        return self.store is not None or (self.host is not None and name in self.host._pages)
+
     def extend(self, index, idx: np.ndarray, names, tokens: np.ndarray, mids: np.ndarray, salt: bytes,
                salt_id: int) -> tuple[list[int], PageFetch | None]:
-        """Continue a device match ``idx`` (pages the request already holds) through the tiers. Returns the
+        """Continue a device match ``idx`` (pages the request already holds) through the tiers (the caller asked
+        ``nominates`` first). Returns the
         request's pages (``idx`` then fresh pages holding tier hits, each with the request's owner; the index
         adopts them too) and a ``PageFetch`` (None when no tier hit)."""
         pool: PagePool = index.pool
         k = int(idx.size)
-        if self.store is None and (self.host is None or names[k] not in self.host):  # the all-miss fast path
-            return idx.tolist(), None
         lineage = RequestLineage(root_lineage(self.fingerprint, salt), tokens, mids, index.page_size)
         host = self.host.match(names, k, tokens, mids, lineage) if self.host is not None else []
         store = []
