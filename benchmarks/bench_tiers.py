@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import best  # noqa: E402
 from mmcache import Fingerprint, PagePool, PrefixCache  # noqa: E402
-from mmcache.pool import HostPagePool, copy_pages  # noqa: E402
+from mmcache.pool import HostPagePool  # noqa: E402
 from mmcache.tiers import HostTier, StoreTier, TierStack, mooncake  # noqa: E402
 from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
 from mmcache.tiers.stack import _copy_up  # noqa: E402
@@ -181,7 +181,6 @@ def lookups(repeats, store_client):
         if store_client is not None:
             store = StoreTier(store_client, publish_async=False)
             stack = TierStack(fp, store=store)
-            v = cache.index
             rows = list(range(chain_pages))
             dev2 = PagePool(chain_pages, shape, torch.float32)
             stack.published(dev2, rows, rows, chain_names, tokens, mids, b"")
@@ -191,7 +190,6 @@ def lookups(repeats, store_client):
                   for _ in range(repeats)]
             assert store.counters["hit_pages"] >= chain_pages, store.counters
             row(f"store, chain of {chain_pages}", st, dev_t, "chains/s", 1.0)
-            del v
 
 
 def all_miss(repeats, requests):
