@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_pa
 from mmcache.pool import PagePool
 from mmcache.prefix_index import PrefixIndex
 from mmcache.stats import PrefixCacheStats
+
+if TYPE_CHECKING:
+    from mmcache.tiers.stack import PageFetch, TierStack
 
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
 _NO_TOKENS = np.empty(0, dtype=np.int32)
@@ -48,6 +51,7 @@ class RequestState:
     computed_tokens: int
     protected_tokens: int | None = None
     released_tokens: int = 0
+    fetch: "PageFetch | None" = None  # tiers: pages copied up from host/store; read none before ``fetch.ready``
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -68,10 +72,12 @@ class _Request:
     protected: int | None = None  # windowed label: tokens kept at the start; only their full pages are indexed
     released: int = 0           # windowed label: pages released after the protected run
     named: bool = True          # False: admitted without a prompt (``admit_unnamed``); never matched nor indexed
+    salt: bytes = b""
+    fetch: "PageFetch | None" = None  # tiers: the copy-up of the pages the lookup found below the device
 
     def state(self, page_size: int) -> RequestState:
         return RequestState(self.rid, tuple(self.pages), self.seq_len, self.first_page * page_size,
-                            self.matched, self.computed, self.protected, self.released * page_size)
+                            self.matched, self.computed, self.protected, self.released * page_size, self.fetch)
 
     def pages_spanned(self) -> int:
         """Page positions covered, released window included."""
@@ -88,7 +94,7 @@ class PrefixCache:
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, tiers: "TierStack | None" = None):
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
@@ -97,6 +103,9 @@ class PrefixCache:
         self._live: dict[Hashable, _Request] = {}
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
         self._lock = pool.cache_lock  # one lock for every cache on the pool: eviction crosses them (mmcache.reclaim)
+        self.tiers: TierStack | None = None
+        if tiers is not None:
+            self.attach_tiers(tiers)
 
     @property
     def vocab_size(self) -> int:
@@ -106,6 +115,13 @@ class PrefixCache:
     @property
     def evict_batch_pages(self) -> int:
         return self.index.evict_batch_pages
+
+    def attach_tiers(self, tiers: "TierStack | None") -> None:
+        """Put ``tiers`` (``mmcache.tiers.TierStack``: host tier and/or shared store) under this cache's pool, or
+        take them away (None): evicted pages then move down to them, and lookups continue there."""
+        with self._lock:
+            self.tiers = tiers
+            self.index.spill = tiers.spill if tiers is not None else None
 
     # ----------------------------------------------------------------- engine contract
     def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
@@ -134,8 +150,11 @@ class PrefixCache:
             idx = self.index.match(names[:limit], tokens, mids, salt_id)
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
-            k = idx.size * P
-            rec = _Request(rid, tokens, blobs, root, salt_id, names, idx.tolist(), k, k, k)
+            pages, fetch = idx.tolist(), None
+            if self.tiers is not None and idx.size < limit and self.tiers.nominates(names[idx.size]):  # tiers
+                pages, fetch = self.tiers.extend(self.index, idx, names[:limit], tokens, mids, salt, salt_id)
+            k = len(pages) * P
+            rec = _Request(rid, tokens, blobs, root, salt_id, names, pages, k, k, k, salt=bytes(salt), fetch=fetch)
             self._live[rid] = rec
             self._ended.pop(rid, None)
             c = self.index.counters
@@ -209,7 +228,10 @@ class PrefixCache:
         with self._lock:
             if self._live.get(rid) is not rec:
                 raise UnknownRequest(f"request {rid!r} ended while finishing")
-            kept = set(self.index.insert(rec.pages, names, seq[:m * P].reshape(m, P), mids, rec.salt_id))
+            adopted = self.index.insert(rec.pages, names, seq[:m * P].reshape(m, P), mids, rec.salt_id)
+            kept = set(adopted)
+            if self.tiers is not None:  # write-through of newly indexed pages to the shared store
+                self.tiers.published(self.pool, rec.pages, adopted, names, seq, mids, rec.salt)
             self.pool.release([p for j, p in enumerate(rec.pages) if j not in kept])  # the rest stay the index's
             self._end(rid)
             return len(kept)

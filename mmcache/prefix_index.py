@@ -15,7 +15,7 @@ Chain invariants the eviction order relies on (the caller keeps the first, ``tou
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -54,6 +54,8 @@ class PrefixIndex:
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # Tiers (mmcache.tiers): called with (index, pages) by ``evict`` while the pages still hold their bytes and ids.
+        self.spill: Callable[[PrefixIndex, np.ndarray], None] | None = None
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -163,6 +165,8 @@ class PrefixIndex:
             c["shortfall_pages"] += short
         if not len(pages):
             return
+        if self.spill is not None:
+            self.spill(self, pages)
         for name in self._name[pages].tolist():
             del self._pages[name]
         self._indexed[pages] = False
@@ -179,3 +183,26 @@ class PrefixIndex:
         self._indexed[:] = False
         self.pool.release(pages)
         return int(pages.size)
+
+    # ----------------------------------------------------------------- read access for the tiers (mmcache.tiers)
+    def tier_view(self) -> "TierView":
+        """Read-only access to the verifying ids of indexed pages, by page id (valid where ``indexed``)."""
+        return TierView(self)
+
+
+class TierView:
+    """The arrays a tier reads when pages leave the index: ``name``, ``tokens``, ``media_lo``/``media_hi`` (the
+    128-bit media id's halves; ``media`` gives pairs), ``parent`` (page id, -1 at depth 0), ``salt`` (salt id;
+    ``salt_bytes`` maps it back) and ``depth``."""
+
+    def __init__(self, index: PrefixIndex):
+        self.name, self.tokens, self.parent = index._name, index._tokens, index._parent
+        self.salt, self.depth = index._salt, index._depth
+        self.media_lo, self.media_hi = index._media_lo, index._media_hi
+        self._salts = index._salt_ids
+
+    def media(self, pages) -> np.ndarray:
+        return np.stack((self.media_lo[pages], self.media_hi[pages]), axis=-1)
+
+    def salt_bytes(self, salt_id: int) -> bytes:
+        return next(s for s, i in self._salts.items() if i == salt_id)

@@ -41,12 +41,14 @@ from workloads.sizes import parse_size, parse_sizes
 from workloads.sizing.ordering import ORDERS
 from workloads.sizing.router_names import DEFAULT_REPLICA_POOL, ROUTERS
 from workloads.sizing.service import ServiceModel
+from workloads.sizing.tiers import TierModel
 
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
 TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
-             "router", "affinity_threshold", "key_pages")
+             "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
+             "kv_bytes_per_token")
 MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "metrics_linger",
               "max_new_tokens", "pool_pages", "encoder_bytes")
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
@@ -173,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--no-progress", action="store_true",
                     help="no progress bars on stderr, ours or the model libraries' (also off when stderr is not a "
                     "terminal)")
+    _tier_options(rp)
     mg = rp.add_argument_group("model workload options")
     mg.add_argument("--model", type=Path, metavar="PATH",
                     help="a local model folder (save_pretrained layout) instead of the tiny model built from config")
@@ -199,6 +202,42 @@ def build_parser() -> argparse.ArgumentParser:
                     f"{defaults.encoder_bytes >> 20}M)")
     return parser
 
+
+
+def _size(text: str) -> int:
+    """One finite positive size in tokens (64k, 1M: binary units)."""
+    sizes = _sizes(text)
+    if len(sizes) != 1 or sizes[0] is None or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"must be one finite positive size in tokens, got {text!r}")
+    return sizes[0]
+
+
+def _rate(text: str) -> float:
+    """A transfer rate in bytes per second: a positive number (1.7e9) or a size per second (50G)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float(_bytes(text))
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive rate in bytes/s, got {text!r}")
+    return value
+
+
+def _tier_options(rp) -> None:
+    """Tiers under the device pool (text replays): mmcache.tiers modeled by workloads.sizing.tiers."""
+    d = TierModel()
+    tg = rp.add_argument_group("tiers (text trace replay): a host-memory tier and a shared store under every pool")
+    tg.add_argument("--host-tokens", type=_size, metavar="SIZE",
+                    help="host tier of evicted pages, in tokens (e.g. 8M); default none")
+    tg.add_argument("--store-tokens", type=_size, metavar="SIZE",
+                    help="shared store (Mooncake Store) in tokens; pages are written through at teardown")
+    tg.add_argument("--host-bw", type=_rate, default=d.host_bytes_per_s, metavar="B_S",
+                    help="host->device bytes/s charged per host hit (default %(default)g: PCIe 5.0 x16 in practice)")
+    tg.add_argument("--store-bw", type=_rate, default=d.store_bytes_per_s, metavar="B_S",
+                    help="store->device bytes/s charged per store hit (default %(default)g: Mooncake Store over "
+                    "loopback TCP, measured)")
+    tg.add_argument("--kv-bytes-per-token", type=_bytes, default=d.kv_bytes_per_token, metavar="SIZE",
+                    help="KV bytes of one token (default 128k: Llama-3-8B in bf16)")
 
 
 def _fail(message: str) -> int:
@@ -295,8 +334,9 @@ def replay_command(args, defaults: dict) -> int:
     service = ServiceModel(args.prefill_rate, args.tpot)
     if args.replicas:
         return _replica_replay(args, defaults, trace, page_size, service, started)
+    tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                      in_flight=args.in_flight, service=service, progress=progress)
+                      in_flight=args.in_flight, service=service, progress=progress, tiers=tiers)
     print(format_table(sweep))
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
@@ -323,6 +363,8 @@ def _replica_problem(args, defaults: dict) -> str | None:
     sizes = args.pool_tokens if args.pool_tokens != defaults["pool_tokens"] else [_replica_pool(args, defaults)]
     if args.order != "timestamp":
         return "--replicas: replica replays run in timestamp order (the service model needs arrival times)"
+    if args.host_tokens or args.store_tokens:
+        return "--replicas: tiers under replicas are not modelled; drop --host-tokens/--store-tokens"
     if len(sizes) != 1:
         return f"--replicas: give one --pool-tokens size, the total over the replicas (got {len(sizes)})"
     if sizes[0] is None:

@@ -143,6 +143,8 @@ class PagedKVCache(Cache):
         tokens = as_tokens(token_ids)
         state = self.prefix.admit(rid, tokens, media=media, salt=salt, names=names)
         m, k = state.matched_tokens, len(state.page_indices)
+        if state.fetch is not None:  # pages copied up from the host tier or the store: read them once they arrived
+            state.fetch.wait()
         try:
             self._reserve_staging(max(_MIN_CAPACITY, -(-tokens.size // self.page_size) * self.page_size))
             if m:

@@ -39,6 +39,7 @@ from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 
 from workloads.sizing.ordering import schedule
 from workloads.sizing.service import ServiceModel
+from workloads.sizing.tiers import TierModel
 from workloads.harness.progress import progress_bar
 from workloads.sizes import format_size
 from workloads.traces.text_trace import TextRequest, TextTrace
@@ -63,13 +64,30 @@ class ReplayRun:
     collisions: int = 0
     peak_live_requests: int = 0
     elapsed_s: float = 0.0
+    # tiers (workloads.sizing.tiers): hits served from the host tier and the store (part of hit_tokens), and the
+    # TTFT model: uncached prompt tokens at the prefill rate plus tier transfers, summed over admitted requests
+    host_tokens: int | None = None
+    store_tokens: int | None = None
+    host_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    ttft_sum_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def device_hit_tokens(self) -> int:
+        return self.hit_tokens - self.host_hit_tokens - self.store_hit_tokens
+
+    @property
+    def mean_ttft_s(self) -> float:
+        admitted = self.requests - self.failed
+        return self.ttft_sum_s / admitted if admitted else 0.0
+
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "hit_rate": self.hit_rate}
+        return {**dataclasses.asdict(self), "hit_rate": self.hit_rate, "device_hit_tokens": self.device_hit_tokens,
+                "mean_ttft_s": self.mean_ttft_s}
 
 
 def pool_pages_for(trace: TextTrace, page_size: int, pool_tokens: int | None) -> int:
@@ -83,10 +101,11 @@ def pool_pages_for(trace: TextTrace, page_size: int, pool_tokens: int | None) ->
 class _Replayer:
     """The state of one replay: the cache, the live requests keyed by end, and the counters."""
 
-    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel):
-        self.trace, self.run, self.service = trace, run, service
+    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, tiers: TierModel = TierModel()):
+        self.trace, self.run, self.service, self.tiers = trace, run, service, tiers
         self.pool = PagePool(run.pool_pages, page_shape=())
-        self.cache = PrefixCache(self.pool, Fingerprint(model="replay", page_size=run.page_size))
+        fp = Fingerprint(model="replay", page_size=run.page_size)
+        self.cache = PrefixCache(self.pool, fp, tiers=tiers.build(fp, self.pool, run.page_size))
         self.live: dict[str, TextRequest] = {}
         self.ends: list[tuple[float, int, str]] = []  # heap of (end, admission seq, rid); stale entries skipped
         self.by_session: dict[str, str] = {}
@@ -148,6 +167,13 @@ class _Replayer:
             return None
         state = self.cache.admit(req.rid, req.token_ids, names=req.names)
         run.hit_tokens += state.matched_tokens
+        host = store = 0
+        if state.fetch is not None:
+            host, store = state.fetch.host_pages * P, state.fetch.store_pages * P
+            run.host_hit_tokens += host
+            run.store_hit_tokens += store
+        run.ttft_sum_s += (n - state.matched_tokens) / self.service.prefill_tokens_per_s \
+            + self.tiers.transfer_s(host, store)
         self.live[req.rid] = req
         self.by_session[req.session] = req.rid
         waited = self.grow(req.rid, n)
@@ -174,14 +200,20 @@ class _Replayer:
 
 
 def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
-           in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False) -> ReplayRun:
-    """Replay every call of ``trace`` through a fresh cache of ``pool_tokens`` (None: unbounded)."""
+           in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
+           tiers: TierModel = TierModel()) -> ReplayRun:
+    """Replay every call of ``trace`` through a fresh cache of ``pool_tokens`` (None: unbounded) with ``tiers``
+    (host tier and store; the unbounded pool never evicts, so it gets none)."""
     if trace.page_size is not None and page_size != trace.page_size:
         raise ValueError(f"{trace.kind} traces fix the page size at {trace.page_size}, got {page_size}")
     pages = pool_pages_for(trace, page_size, pool_tokens)
     run = ReplayRun(pool_tokens=None if pool_tokens is None else pages * page_size, pool_pages=pages,
                     page_size=page_size, order=order, in_flight=in_flight if order == "round-robin" else None)
-    r = _Replayer(trace, run, service)
+    if pool_tokens is None:
+        tiers = TierModel(host_bytes_per_s=tiers.host_bytes_per_s, store_bytes_per_s=tiers.store_bytes_per_s,
+                          kv_bytes_per_token=tiers.kv_bytes_per_token)
+    run.host_tokens, run.store_tokens = tiers.host_tokens, tiers.store_tokens
+    r = _Replayer(trace, run, service, tiers)
     started = time.perf_counter()
     bar = progress_bar(trace.num_requests, f"pool {format_size(pool_tokens)}", enabled=progress)
     for s, i in schedule(trace.sessions, order, in_flight):

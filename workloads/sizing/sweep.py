@@ -10,6 +10,7 @@ from typing import Sequence
 
 from workloads.sizes import format_size
 from workloads.sizing.replay import ReplayRun, ServiceModel, replay_trace
+from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextTrace
 
 
@@ -22,6 +23,7 @@ class Sweep:
     service: ServiceModel
     runs: list[ReplayRun]        # in the order the sizes were given
     ceiling: ReplayRun           # the unbounded run
+    tiers: TierModel = TierModel()
 
     @property
     def requests(self) -> int:
@@ -36,14 +38,16 @@ class Sweep:
 
 
 def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], order: str = "timestamp",
-              in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False) -> Sweep:
-    """Replay ``trace`` once per pool size (None = unbounded) and once unbounded for the ceiling if not listed."""
+              in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
+              tiers: TierModel = TierModel()) -> Sweep:
+    """Replay ``trace`` once per pool size (None = unbounded) and once unbounded for the ceiling if not listed;
+    every bounded pool gets ``tiers`` (host tier, store) under it."""
     def one(size):
         return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
-                      service=service, progress=progress)
+                      service=service, progress=progress, tiers=tiers)
     runs = [one(size) for size in pool_sizes]
     ceiling = next((r for r in runs if r.pool_tokens is None), None) or one(None)
-    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling)
+    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling, tiers)
 
 
 def sweep_json(sweep: Sweep) -> dict:
@@ -60,6 +64,7 @@ def sweep_json(sweep: Sweep) -> dict:
         "order": sweep.order,
         "in_flight": sweep.in_flight,
         "service_model": dataclasses.asdict(sweep.service) if sweep.order == "timestamp" else None,
+        "tiers": dataclasses.asdict(sweep.tiers) if sweep.tiers.enabled else None,
         "runs": [{**r.to_dict(), "of_ceiling": sweep.of_ceiling(r)} for r in sweep.runs],
         "malformed_lines": sweep.trace.malformed,
         "errors": [str(e) for e in sweep.trace.errors[:100]],
@@ -73,6 +78,11 @@ def format_table(sweep: Sweep) -> str:
     rows = [(format_size(r.pool_tokens), f"{r.hit_tokens:,}", f"{100 * r.hit_rate:.2f}",
              f"{100 * sweep.of_ceiling(r):.1f}", f"{r.evicted_pages:,}", f"{r.stalls:,}", f"{r.failed:,}")
             for r in sweep.runs]
+    if sweep.tiers.enabled:  # reuse per tier and the TTFT model that charges transfers
+        head += ("device %", "host %", "store %", "mean TTFT s")
+        rows = [row + tuple(f"{100 * t / r.prompt_tokens:.2f}" if r.prompt_tokens else "0.00"
+                            for t in (r.device_hit_tokens, r.host_hit_tokens, r.store_hit_tokens))
+                + (f"{r.mean_ttft_s:.3f}",) for row, r in zip(rows, sweep.runs)]
     widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(head)]
     line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(head), "-+-".join("-" * w for w in widths), *map(line, rows)])

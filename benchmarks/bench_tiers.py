@@ -1,0 +1,262 @@
+"""Tiers under the device pool: each figure against a baseline measured in the same run, as a ratio, with the spread
+(min-max over repeats of the best-of timing).
+
+1. Host tier write-out (``HostTier.put`` of evicted pages, ids included) and read-in (copy-up into device pages) vs a
+   plain torch index copy of the same bytes. Pinned vs not: pinned memory needs CUDA; on a CPU-only machine both
+   sides are host memcpys and the pinned row is reported as not measurable.
+2. Store: whole-page put/get through ``StoreTier`` (payload encode + put; get + verification) vs the raw Mooncake
+   put/get of the same byte sizes, on a master started here on loopback.
+3. Lookups per second of chains of 100 and 1,000 pages: host tier and store vs the device index.
+4. Tier overhead on an all-miss stream: admit + grow + finish of distinct prompts on a full pool with a host tier
+   (every evicted page is written back for nothing) vs none, metadata-only and with 256 KiB pages.
+
+    python benchmarks/bench_tiers.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.timing import best  # noqa: E402
+from mmcache import Fingerprint, PagePool, PrefixCache  # noqa: E402
+from mmcache.pool import HostPagePool  # noqa: E402
+from mmcache.tiers import HostTier, StoreTier, TierStack, mooncake  # noqa: E402
+from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
+from mmcache.tiers.stack import _copy_up  # noqa: E402
+from mmcache.tiers.store import Expected  # noqa: E402
+
+P = 128
+
+
+def spread(values):
+    return f"{statistics.median(values):.3g} [{min(values):.3g}-{max(values):.3g}]"
+
+
+def row(name, ours, base, unit, scale):
+    r = [b / o for o, b in zip(ours, base)]  # base time / our time: >1 means we are faster
+    print(f"{name:<44} {spread([scale / t for t in ours]):>26} {spread([scale / t for t in base]):>26} {unit:<8} "
+          f"{spread(r):>22}")
+
+
+def header(title, ours, base):
+    print(f"\n{title}\n{'':<44} {ours:>26} {base:>26} {'unit':<8} {'ours/base (time)':>22}")
+
+
+def host_bandwidth(repeats, pages):
+    shape = (4, 2, P, 8, 64)  # 4 layers of a GQA model, bf16: 1 MiB pages
+    dev = PagePool(pages * 2, shape, torch.bfloat16)
+    dev.data.normal_()
+    fp = Fingerprint(model="bench", page_size=P)
+    ids = list(range(pages))
+    names = list(range(1, pages + 1))
+    toks = np.zeros((pages, P), dtype=np.int32)
+    media = np.zeros((pages, 2), dtype=np.uint64)
+    plins = [root_lineage(fp, b"")] * pages
+    nbytes = pages * dev.page_bytes
+    w_ours, w_base, r_ours, r_base = [], [], [], []
+    for _ in range(repeats):
+        host_pool = HostPagePool.like(dev, pages)
+        tier = HostTier(host_pool, P)
+
+        def write():
+            tier._drop(np.flatnonzero(tier._held))
+            tier.put(dev, ids, names, toks, media, plins, list(range(pages)))
+        w_ours.append(best(write, 3))
+        idx = torch.as_tensor(ids)
+        w_base.append(best(lambda: host_pool.data.index_copy_(0, idx, dev.data.index_select(0, idx)), 3))
+        hp = list(tier._pages.values())
+        dst = list(range(pages, 2 * pages))
+        r_ours.append(best(lambda: _copy_up(host_pool, hp, dev, dst), 3))
+        didx = torch.as_tensor(dst)
+        r_base.append(best(lambda: dev.data.index_copy_(0, didx, host_pool.data.index_select(0, idx)), 3))
+    header(f"1. host tier, {pages} pages of {dev.page_bytes >> 20} MiB (unpinned: no CUDA here; pinned not "
+           f"measurable)", "host tier GB/s", "torch copy GB/s")
+    row("write-out (device -> host, with ids)", w_ours, w_base, "GB/s", nbytes / 1e9)
+    row("read-in (host -> device)", r_ours, r_base, "GB/s", nbytes / 1e9)
+
+
+def pinned_bandwidth(repeats, pages):
+    """Copy-up from pinned vs pageable host pages into a CUDA pool (the tier's async path vs copy_pages)."""
+    if not torch.cuda.is_available():
+        print("   pinned vs pageable host memory: not measured (no CUDA on this machine; pinned memory needs it)")
+        return
+    dev = PagePool(pages, (4, 2, P, 8, 64), torch.bfloat16, device="cuda")
+    ids = list(range(pages))
+    pinned, pageable = HostPagePool.like(dev, pages, pin_memory=True), HostPagePool.like(dev, pages)
+
+    def up(src):
+        ev = _copy_up(src, ids, dev, ids)
+        (ev.synchronize() if ev is not None else torch.cuda.synchronize())
+    ours = [best(lambda: up(pinned), 3) for _ in range(repeats)]
+    base = [best(lambda: up(pageable), 3) for _ in range(repeats)]
+    row("read-in to CUDA, pinned vs pageable", ours, base, "GB/s", pages * dev.page_bytes / 1e9)
+
+
+def store_bandwidth(repeats, pages):
+    why = mooncake.available()
+    if why:
+        print(f"\n2./3. store: skipped ({why})")
+        return None
+    master = mooncake.MooncakeMaster().start()
+    client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 1 << 30, 256 << 20)
+    try:
+        for page_kib in (256, 1024):
+            shape = (page_kib * 1024 // (P * 2 * 64 * 2), 2, P, 1, 64)  # layers chosen so a page is page_kib KiB
+            dev = PagePool(pages * 2, shape, torch.bfloat16)
+            dev.data.normal_()
+            fp = Fingerprint(model=f"bench{page_kib}", page_size=P)
+            cache = PrefixCache(dev, fp)
+            store = StoreTier(client, publish_async=False)
+            cache.attach_tiers(TierStack(fp, store=store))
+            rng = np.random.default_rng(page_kib)
+            put_o, put_b, get_o, get_b = [], [], [], []
+            for rep in range(repeats):
+                ids = rng.integers(0, 30000, pages * P + 1).astype(np.int32)
+                names = [int(x) for x in rng.integers(1, 1 << 62, pages)]
+                cache.admit("w", ids, names=names)
+                cache.grow("w", ids.size)
+                cache.mark_computed("w", ids.size)
+                rec = cache._live["w"]
+                mids = np.zeros((pages, 2), dtype=np.uint64)
+                put_o.append(best(lambda: cache.tiers.published(dev, rec.pages, list(range(pages)), names,
+                                                                ids, mids, b""), 1))
+                cache.abort("w")
+                raw = [dev.data[p].view(torch.uint8).numpy().tobytes() for p in range(pages)]
+                keys = [f"raw/{rep}/{j}/{page_kib}" for j in range(pages)]
+                put_b.append(best(lambda: [client.put(k, v) for k, v in zip(keys, raw)], 1))
+                lineage = RequestLineage(root_lineage(fp, b""), ids, mids, P)
+                want = Expected(fp, b"", dev.page_shape, dev.dtype, dev.page_bytes)
+                got = []
+                get_o.append(best(lambda: got.append(store.match(names, 0, ids, mids, lineage, want)), 2))
+                assert len(got[-1]) == pages, (len(got[-1]), store.counters)
+                get_b.append(best(lambda: [client.get(k) for k in keys], 2))
+            header(f"2. Mooncake Store (loopback TCP), {pages} pages of {page_kib} KiB", "store tier GB/s",
+                   "raw put/get GB/s")
+            row("put (encode + put)", put_o, put_b, "GB/s", pages * dev.page_bytes / 1e9)
+            row("get (get + verify)", get_o, get_b, "GB/s", pages * dev.page_bytes / 1e9)
+        return client, master
+    except BaseException:
+        client.close()
+        master.stop()
+        raise
+
+
+def lookups(repeats, store_client):
+    header("3. lookups of a whole chain (metadata; the store's pages are 4 KiB)", "tier lookups/s",
+           "device index lookups/s")
+    for chain_pages in (100, 1000):
+        fp = Fingerprint(model="lookups", page_size=P)
+        n = chain_pages * P + 1
+        ids = np.random.default_rng(chain_pages).integers(0, 30000, n).astype(np.int32)
+        shape = (16, 64)  # 4 KiB pages
+        dev = PagePool(chain_pages * 2 + 2, shape, torch.float32)
+        cache = PrefixCache(dev, fp)
+        host = HostTier(HostPagePool.like(dev, chain_pages + 1), P)
+        cache.attach_tiers(TierStack(fp, host=host))
+        cache.admit("a", ids)
+        cache.grow("a", n)
+        cache.mark_computed("a", n)
+        cache.finish("a")
+        names, mids = cache.index._name, np.zeros((chain_pages, 2), dtype=np.uint64)
+        chain_names = [int(names[p]) for p in sorted(cache.index._pages.values(), key=lambda p: cache.index._depth[p])]
+        tokens = ids
+        salt_id = cache.index.salt_id(b"")
+        dev_t = [best(lambda: cache.index.match(chain_names, tokens, mids, salt_id), 5) for _ in range(repeats)]
+        cache.index.make_room(dev.num_pages)  # every cached page goes to the host tier
+        assert len(host) == chain_pages
+
+        def host_lookup():
+            got = host.match(chain_names, 0, tokens, mids, RequestLineage(root_lineage(fp, b""), tokens, mids, P))
+            host.pool.release(got)
+            assert len(got) == chain_pages
+        host_t = [best(host_lookup, 3) for _ in range(repeats)]
+        row(f"host tier, chain of {chain_pages}", host_t, dev_t, "chains/s", 1.0)
+        if store_client is not None:
+            store = StoreTier(store_client, publish_async=False)
+            stack = TierStack(fp, store=store)
+            rows = list(range(chain_pages))
+            dev2 = PagePool(chain_pages, shape, torch.float32)
+            stack.published(dev2, rows, rows, chain_names, tokens, mids, b"")
+            want = Expected(fp, b"", dev2.page_shape, dev2.dtype, dev2.page_bytes)
+            st = [best(lambda: store.match(chain_names, 0, tokens, mids,
+                                           RequestLineage(root_lineage(fp, b""), tokens, mids, P), want), 1)
+                  for _ in range(repeats)]
+            assert store.counters["hit_pages"] >= chain_pages, store.counters
+            row(f"store, chain of {chain_pages}", st, dev_t, "chains/s", 1.0)
+
+
+def all_miss(repeats, requests):
+    header(f"4. all-miss stream: {requests} distinct 1,024-token prompts", "with host tier", "no tier")
+    prompts = np.random.default_rng(1).integers(0, 30000, (requests, 8 * P + 1)).astype(np.int32)
+    for shape, label in (((), "metadata-only"), ((2, 2, P, 2, 64), "256 KiB pages")):
+        def cache_for(tiered, pages=64):
+            fp = Fingerprint(model="miss", page_size=P)
+            pool = PagePool(pages, shape, torch.bfloat16)
+            cache = PrefixCache(pool, fp)
+            if tiered:
+                cache.attach_tiers(TierStack(fp, host=HostTier(HostPagePool.like(pool, 256), P)))
+            return cache
+
+        def admissions(tiered):  # admission only: the lookup misses on the device and in the tier
+            cache = cache_for(tiered)
+
+            def run():
+                for i, ids in enumerate(prompts):
+                    cache.admit(i, ids)
+                    cache.abort(i)
+            return run
+
+        def stream(tiered):  # the whole lifecycle on a full pool: every evicted page is written back
+            cache = cache_for(tiered)
+
+            def run():
+                for i, ids in enumerate(prompts):
+                    cache.admit(i, ids)
+                    cache.grow(i, ids.size)
+                    cache.mark_computed(i, ids.size)
+                    cache.finish(i)
+                cache.clear()
+            return run
+        ours = [best(admissions(True), 3) for _ in range(repeats)]
+        base = [best(admissions(False), 3) for _ in range(repeats)]
+        row(f"admit (miss) per second, {label}", ours, base, "req/s", float(requests))
+        over = [(o - b) / b for o, b in zip(ours, base)]
+        print(f"{'':<44} admission overhead {100 * statistics.median(over):.2f}% "
+              f"[{100 * min(over):.2f}-{100 * max(over):.2f}]")
+        ours = [best(stream(True), 1) for _ in range(repeats)]
+        base = [best(stream(False), 1) for _ in range(repeats)]
+        row(f"admit+grow+finish per second, {label}", ours, base, "req/s", float(requests))
+        evicted = requests * 8  # every request's 8 full pages are evicted by a later one (64-page pool)
+        cost = [(o - b) / evicted * 1e6 for o, b in zip(ours, base)]
+        print(f"{'':<44} write-back cost per evicted page {spread(cost)} us (ids, lineage, bytes)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    repeats = 3 if args.quick else 5
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, CUDA {torch.cuda.is_available()}; "
+          f"median [min-max] over {repeats} repeats of best-of timings")
+    host_bandwidth(repeats, 32)
+    pinned_bandwidth(repeats, 32)
+    store = store_bandwidth(repeats, 32)
+    try:
+        lookups(repeats, store[0] if store else None)
+    finally:
+        if store:
+            store[0].close()
+            store[1].stop()
+    all_miss(repeats, 200 if args.quick else 500)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""TierStack: the tiers below one ``PrefixCache``'s device pool, and the three places the cache meets them.
+
+- ``spill`` (from ``PrefixIndex.evict``, the one place a cached page leaves the device): the evicted pages' bytes and
+  verifying ids move to the host tier (write-back on eviction).
+- ``extend`` (from ``PrefixCache.admit``, after the device match): the lookup continues in the host tier, then in
+  the store, each page verified the same way; hits get fresh device pages, their bytes are copied up, they join the
+  device index, and the request's state carries a ``PageFetch`` that says when those pages may be read.
+- ``published`` (from ``PrefixCache.finish``, after pages are indexed): newly indexed pages are put to the store
+  (write-through, so other instances can use a prefix while it is hot here).
+
+Every call comes under the ``PrefixCache`` lock. A tier's failure is a miss: nothing here raises into a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import xxhash
+
+from mmcache.errors import OutOfPages
+from mmcache.names import Fingerprint
+from mmcache.pool import PagePool, copy_pages
+from mmcache.tiers.host import HostTier
+from mmcache.tiers.lineage import RequestLineage, root_lineage
+from mmcache.tiers.store import Expected, StoreTier, encode_page, page_key
+
+
+class PageFetch:
+    """Pages of one request copied up from lower tiers (M*'s ``read_in_progress``): the request is not scheduled
+    before ``ready``. A copy on the CPU is synchronous, so the fetch is ready when the state is returned; a copy
+    from pinned host memory to CUDA is asynchronous and ``ready`` polls its event."""
+
+    def __init__(self, host_pages: int, store_pages: int, event=None, on_done=None):
+        self.host_pages, self.store_pages = host_pages, store_pages
+        self._event, self._on_done = event, on_done
+        if event is None:
+            self._done()
+
+    @property
+    def ready(self) -> bool:
+        if self._event is not None and self._event.query():
+            self._done()
+        return self._event is None
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+            self._done()
+
+    def _done(self) -> None:
+        self._event = None
+        if self._on_done is not None:
+            self._on_done, on_done = None, self._on_done
+            on_done()
+
+    def __repr__(self) -> str:
+        return f"PageFetch(host={self.host_pages}, store={self.store_pages}, ready={self.ready})"
+
+
+@dataclasses.dataclass
+class TierStack:
+    """The host tier and/or the shared store under one device pool (either may be None)."""
+
+    fingerprint: Fingerprint
+    host: HostTier | None = None
+    store: StoreTier | None = None
+
+    # ----------------------------------------------------------------- device -> host (write-back on eviction)
+    def spill(self, index, pages: np.ndarray) -> None:
+        """``index`` is evicting ``pages`` (their bytes and ids are still intact): copy them into the host tier."""
+        if self.host is None or not len(pages):
+            return
+        v = index.tier_view()
+        memo: dict[int, bytes] = {}
+
+        def lineage(page: int) -> bytes:  # of pages 0..page, walking up to the first known ancestor
+            up = []
+            while page >= 0 and page not in memo:
+                up.append(page)
+                page = int(v.parent[page])
+            acc = memo[page] if page >= 0 else root_lineage(self.fingerprint, v.salt_bytes(int(v.salt[up[-1]])))
+            for q in reversed(up):
+                acc = memo[q] = xxhash.xxh3_128_digest(acc + v.tokens[q].tobytes() + v.media_lo[q].tobytes()
+                                                       + v.media_hi[q].tobytes())  # == link(), inlined
+            return acc
+
+        plins = [lineage(int(v.parent[p])) if v.parent[p] >= 0
+                 else root_lineage(self.fingerprint, v.salt_bytes(int(v.salt[p]))) for p in pages.tolist()]
+        self.host.put(index.pool, pages.tolist(), v.name[pages].tolist(), v.tokens[pages], v.media(pages), plins,
+                      v.depth[pages])
+
+    # ----------------------------------------------------------------- lookup continues below the device
+    def nominates(self, name) -> bool:
+        """Whether the lookup may continue below the device at the page named ``name`` (the all-miss fast path:
+        one dict probe when there is no store; with a store, every device miss asks it)."""
+        return self.store is not None or (self.host is not None and name in self.host._pages)
+
+    def extend(self, index, idx: np.ndarray, names, tokens: np.ndarray, mids: np.ndarray, salt: bytes,
+               salt_id: int) -> tuple[list[int], PageFetch | None]:
+        """Continue a device match ``idx`` (pages the request already holds) through the tiers (the caller asked
+        ``nominates`` first). Returns the
+        request's pages (``idx`` then fresh pages holding tier hits, each with the request's owner; the index
+        adopts them too) and a ``PageFetch`` (None when no tier hit)."""
+        pool: PagePool = index.pool
+        k = int(idx.size)
+        lineage = RequestLineage(root_lineage(self.fingerprint, salt), tokens, mids, index.page_size)
+        host = self.host.match(names, k, tokens, mids, lineage) if self.host is not None else []
+        store = []
+        if self.store is not None:
+            want = Expected(self.fingerprint, salt, pool.page_shape, pool.dtype, pool.page_bytes)
+            store = self.store.match(names, k + len(host), tokens, mids, lineage, want)
+        h = len(host) + len(store)
+        if not h:
+            return idx.tolist(), None
+        try:
+            index.make_room(h)
+        except OutOfPages as e:  # live requests fill the device: keep the part of the hit that fits, if any
+            h -= e.shortfall
+            if h > 0:
+                index.make_room(h)
+            if len(host) > max(h, 0):
+                self.host.pool.release(host[max(h, 0):])
+            host, store = host[:max(h, 0)], store[:max(h - len(host), 0)]
+            if h <= 0:
+                return idx.tolist(), None
+        fresh = pool.alloc(h)
+        event = None
+        if host:
+            event = _copy_up(self.host.pool, host, pool, fresh[:len(host)])
+        if store and pool.data is not None:
+            rows = torch.stack([torch.frombuffer(bytearray(b), dtype=pool.dtype).view(pool.page_shape) for b in store])
+            pool.data[fresh[len(host):]] = rows.to(pool.device)
+        pages = idx.tolist() + fresh
+        m = len(pages)
+        P = index.page_size
+        adopted = index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id)
+        pool.retain([pages[j] for j in adopted], distinct=True)  # the index's owner; the request keeps its own
+        release = (lambda: self.host.pool.release(host)) if host else None
+        if event is None and release is not None:
+            release()
+            release = None
+        return pages, PageFetch(len(host), len(store), event, release)
+
+    # ----------------------------------------------------------------- device -> store (write-through on index)
+    def published(self, pool: PagePool, pages: list[int], positions: list[int], names, seq: np.ndarray,
+                  mids: np.ndarray, salt: bytes) -> None:
+        """Put the newly indexed pages ``pages[j]`` (chain position ``j`` for j in ``positions``) to the store. The
+        bytes are read now, under the caller's lock; the puts run on the store's publisher thread."""
+        if self.store is None or not positions or not self.store.up:
+            return
+        P = self.fingerprint.page_size
+        lineage = RequestLineage(root_lineage(self.fingerprint, salt), seq, mids, P)
+        want = Expected(self.fingerprint, salt, pool.page_shape, pool.dtype, pool.page_bytes)
+        rows = None
+        if pool.data is not None:
+            sel = torch.as_tensor([pages[j] for j in positions], device=pool.data.device)
+            rows = pool.data.index_select(0, sel).cpu().contiguous()
+        items = []
+        for i, j in enumerate(positions):
+            data = rows[i].view(torch.uint8).numpy().tobytes() if rows is not None else b""
+            items.append((page_key(names[j]), encode_page(want.fp_bytes, want.salt, want.layout, names[j], j,
+                                                          seq[j * P:(j + 1) * P], mids[j], lineage.before(j), data)))
+        self.store.publish(items)
+
+    def counters(self) -> dict:
+        out = {}
+        if self.host is not None:
+            out.update({f"host_{k}": v for k, v in self.host.counters.items()}, host_pages_held=len(self.host))
+        if self.store is not None:
+            out.update({f"store_{k}": v for k, v in self.store.counters.items()})
+        return out
+
+
+def _copy_up(src: PagePool, src_pages: list[int], dst: PagePool, dst_pages: list[int]):
+    """Copy host pages to device pages. From pinned memory to CUDA the copy is asynchronous and the returned CUDA
+    event marks its end; otherwise it is synchronous and None is returned."""
+    if dst.data is None:
+        return None
+    if not (dst.data.is_cuda and getattr(src, "pinned", False)):
+        copy_pages(src, src_pages, dst, dst_pages)
+        return None
+    rows = src.data.index_select(0, torch.as_tensor(src_pages)).pin_memory()
+    dst.data.index_copy_(0, torch.as_tensor(dst_pages, device=dst.data.device), rows.to(dst.data.device,
+                                                                                         non_blocking=True))
+    event = torch.cuda.Event()
+    event.record()
+    return event

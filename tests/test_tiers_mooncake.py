@@ -1,0 +1,147 @@
+"""The shared tier on a real Mooncake Store (a master started here on free loopback ports): instance A (its own
+process and device pool) computes and publishes a prefix; instance B, which never saw it, hits it through the store
+with logits equal to its own uncached run. A killed master turns lookups into misses with no error reaching a
+request and nothing wrong served; a restarted master is used again. Payloads are verified before use."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from conftest import save_tiny
+from mmcache import Fingerprint, PagePool, PrefixCache
+from mmcache.hf.paged_kv import PagedKVCache
+from mmcache.hf.runner import chunk_spans, replay, serve
+from mmcache.tiers import MemoryStore, StoreTier, TierStack
+from mmcache.tiers import mooncake
+
+P, NEW = 4, 5
+WHY = mooncake.available()
+needs_mooncake = pytest.mark.skipif(WHY is not None, reason=f"Mooncake Store cannot run here: {WHY}")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tokens(n, seed):
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return save_tiny(tmp_path_factory, "llama-store", lambda: LlamaForCausalLM(config))
+
+
+@pytest.fixture
+def master():
+    with mooncake.MooncakeMaster() as m:
+        yield m
+
+
+def instance(model, master, probe_s=5.0):
+    kv = PagedKVCache.for_model(model, num_pages=32, page_size=P)
+    store = StoreTier(mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20),
+                      probe_s=probe_s)
+    kv.prefix.attach_tiers(TierStack(kv.prefix.fingerprint, store=store))
+    return kv, store
+
+
+def uncached(model, prompt, prefix_schedule, got):
+    """The uncached run of ``got``'s schedule: the spans that computed its matched prefix, then its own."""
+    prefix = [s for s in prefix_schedule if s[1] <= got.matched_tokens]
+    want = replay(model, DynamicCache(config=model.config), prompt,
+                  prefix + [s for s in got.spans if s[1] <= len(prompt)], max_new_tokens=NEW)
+    assert want.output_ids == got.output_ids
+    assert all(torch.equal(x, y) for x, y in zip(want.logits[len(prefix):], got.logits))
+
+
+@needs_mooncake
+def test_instance_b_hits_what_instance_a_published(llama, master):
+    first = tokens(13, 1)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    a = subprocess.Popen([sys.executable, str(root / "tests" / "mooncake_instance.py"), str(llama),
+                          master.rpc_address, master.metadata_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        a.stdin.write(json.dumps({"prompt": first, "page_size": P, "new": NEW}) + "\n")
+        a.stdin.flush()
+        published = json.loads(a.stdout.readline())
+        written = (len(first) + NEW - 1) // P
+        assert published["published"] == written
+        model = LlamaForCausalLM.from_pretrained(llama, attn_implementation="eager", dtype=torch.float32).eval()
+        kv, store = instance(model, master)
+        second = first + published["output_ids"] + tokens(6, 3)
+        got = serve(model, kv, "b", second, max_new_tokens=NEW, chunk_tokens=P)
+        assert got.matched_tokens == written * P and store.counters["hit_pages"] == written
+        a_schedule = chunk_spans(0, len(first), P) + [(i, i + 1) for i in range(len(first), written * P)]
+        uncached(model, second, a_schedule, got)
+    finally:
+        a.stdin.close()
+        a.wait(30)
+
+
+@needs_mooncake
+def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama, master):
+    model = LlamaForCausalLM.from_pretrained(llama, attn_implementation="eager", dtype=torch.float32).eval()
+    kv, store = instance(model, master, probe_s=0.5)
+    first = tokens(13, 5)
+    a = serve(model, kv, "a", first, max_new_tokens=NEW, chunk_tokens=P)
+    assert store.flush(30) and store.counters["published_pages"] == 4
+    master.stop()
+    kv.prefix.clear()  # the device forgets: only the store could answer now
+    started = time.perf_counter()
+    got = serve(model, kv, "b", first + a.output_ids, max_new_tokens=NEW, chunk_tokens=P)
+    assert got.matched_tokens == 0 and time.perf_counter() - started < 2.0  # a miss, at once, no error
+    assert store.flush(30)
+    master.start()
+    deadline = time.monotonic() + 20  # the client reconnects by itself; the tier probes again every probe_s
+    while True:
+        time.sleep(0.6)
+        kv.prefix.clear()
+        c = serve(model, kv, "c", first, max_new_tokens=NEW, chunk_tokens=P)  # computes and publishes again
+        assert store.flush(30) and c.matched_tokens == 0
+        kv.prefix.clear()
+        got = serve(model, kv, "d", first + c.output_ids, max_new_tokens=NEW, chunk_tokens=P)
+        if got.matched_tokens or time.monotonic() > deadline:
+            break
+    assert got.matched_tokens == 16, store.counters
+    uncached(model, first + c.output_ids, chunk_spans(0, len(first), P) + [(i, i + 1) for i in range(13, 16)], got)
+
+
+def test_a_store_page_is_verified_before_use():
+    pool = PagePool(8, (P,), torch.float32)
+    fp = Fingerprint(model="v", page_size=P)
+    shared = MemoryStore(64)
+
+    def cache(fingerprint=fp):
+        c = PrefixCache(pool if fingerprint is fp else PagePool(8, (P,), torch.float32), fingerprint,
+                        evict_batch_pages=1)
+        c.attach_tiers(TierStack(fingerprint, store=StoreTier(shared, publish_async=False)))
+        return c
+
+    a = cache()
+    a.admit("a", list(range(1, 10)), salt=b"t")
+    s = a.grow("a", 9)
+    for j, p in enumerate(s.page_indices):
+        pool.data[p] = float(j + 1)
+    a.mark_computed("a", 9)
+    a.finish("a")
+    b = cache()
+    assert b.admit("same", list(range(1, 10)), salt=b"t").matched_tokens == 8
+    assert b.admit("other salt", list(range(1, 10))).matched_tokens == 0
+    other = cache(Fingerprint(model="other weights", page_size=P))
+    names = [n for n in list(shared._data)]
+    assert other.admit("x", list(range(1, 10)), names=[int(k.split("/")[1], 16) for k in names[:2]],
+                       salt=b"t").matched_tokens == 0  # the same names under another fingerprint: rejected
+    key = names[0]
+    shared._data[key] = shared._data[key][:-4] + b"\0\0\0\0"  # corrupt the bytes: the checksum refuses them
+    c = cache()
+    assert c.admit("corrupt", list(range(1, 10)), salt=b"t").matched_tokens == 0
+    assert c.tiers.store.counters["rejected"] == 1
