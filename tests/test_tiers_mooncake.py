@@ -44,12 +44,22 @@ def master():
         yield m
 
 
-def instance(model, master, probe_s=5.0):
-    kv = PagedKVCache.for_model(model, num_pages=32, page_size=P)
-    store = StoreTier(mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20),
-                      probe_s=probe_s)
-    kv.prefix.attach_tiers(TierStack(kv.prefix.fingerprint, store=store))
-    return kv, store
+@pytest.fixture
+def instance(master):
+    """``instance(model, probe_s)``: a PagedKVCache with a store tier on ``master``; its client is closed after the
+    test, so no reconnecting client outlives it."""
+    clients = []
+
+    def make(model, probe_s=5.0):
+        kv = PagedKVCache.for_model(model, num_pages=32, page_size=P)
+        clients.append(mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20))
+        store = StoreTier(clients[-1], probe_s=probe_s)
+        kv.prefix.attach_tiers(TierStack(kv.prefix.fingerprint, store=store))
+        return kv, store
+
+    yield make
+    for client in clients:
+        client.close()
 
 
 def uncached(model, prompt, prefix_schedule, got):
@@ -62,7 +72,7 @@ def uncached(model, prompt, prefix_schedule, got):
 
 
 @needs_mooncake
-def test_instance_b_hits_what_instance_a_published(llama, master):
+def test_instance_b_hits_what_instance_a_published(llama, master, instance):
     first = tokens(13, 1)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
@@ -76,7 +86,7 @@ def test_instance_b_hits_what_instance_a_published(llama, master):
         written = (len(first) + NEW - 1) // P
         assert published["published"] == written
         model = LlamaForCausalLM.from_pretrained(llama, attn_implementation="eager", dtype=torch.float32).eval()
-        kv, store = instance(model, master)
+        kv, store = instance(model)
         second = first + published["output_ids"] + tokens(6, 3)
         got = serve(model, kv, "b", second, max_new_tokens=NEW, chunk_tokens=P)
         assert got.matched_tokens == written * P and store.counters["hit_pages"] == written
@@ -88,9 +98,9 @@ def test_instance_b_hits_what_instance_a_published(llama, master):
 
 
 @needs_mooncake
-def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama, master):
+def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama, master, instance):
     model = LlamaForCausalLM.from_pretrained(llama, attn_implementation="eager", dtype=torch.float32).eval()
-    kv, store = instance(model, master, probe_s=0.5)
+    kv, store = instance(model, probe_s=0.5)
     first = tokens(13, 5)
     a = serve(model, kv, "a", first, max_new_tokens=NEW, chunk_tokens=P)
     assert store.flush(30) and store.counters["published_pages"] == 4
