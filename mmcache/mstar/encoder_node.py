@@ -217,6 +217,18 @@ class CachedEncoderNode(NodeSubmodule):
 
     # get_cuda_graph_configs stays the base's []: a whole-node graph replay would bypass the lookup.
 
+    def hold(self, request_id: str, digest: bytes, salt: bytes, graph_walk: str) -> bool:
+        """Whether the store holds the output of a one-item request carrying ``digest`` (``WholeRequest`` keys) on
+        ``graph_walk``; if so it is pinned for ``request_id`` until ``cleanup_request`` (the presence oracle of
+        ``mmcache.mstar.decode_skip``: what it reports cannot be evicted before the node looks it up)."""
+        fp = (self.fingerprint, graph_walk) if self.spec.walk_sensitive else self.fingerprint
+        pin = self.store.pin(EncoderKey(digest, fp, self.spec.modality, salt))
+        if pin is None:
+            return False
+        with self._lock:
+            self._pins.setdefault(request_id, []).append(pin)
+        return True
+
     def pinned(self, request_id: str) -> int:
         """How many store entries ``request_id`` holds pinned now."""
         with self._lock:

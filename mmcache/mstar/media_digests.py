@@ -25,6 +25,7 @@ import torch
 
 import digests
 from mmcache.errors import InvalidRequest
+from mmcache.mstar.decode_skip import SALT_KWARG, Known, MediaKey, stand_ins_for
 from mmcache.mstar.media_bytes import decode_from, read_request_files
 
 _MEDIA = {"image": digests.image, "audio": digests.audio, "video": digests.video}
@@ -47,7 +48,7 @@ def digest_tensors(found: dict[str, list[digests.Digest]]) -> dict[str, list[tor
             for m, ds in found.items() if ds}
 
 
-def install_digests(worker, params: dict[str, object]) -> None:
+def install_digests(worker, params: dict[str, object], known: Known | None = None, stand_ins=None) -> None:
     """Make ``worker`` (an M* ``DataWorker``) add ``<modality>_digest`` tensors to every request it preprocesses,
     each the digest of the very bytes its model decodes.
 
@@ -55,6 +56,10 @@ def install_digests(worker, params: dict[str, object]) -> None:
     ``load_image``/``load_audio``/``load_video`` (decode the bytes read, ``media_bytes.decode_from``, never the path
     again) and ``process_prompt`` (merge the digests into the tensors it returns); the classes and M*'s files are
     untouched. Idempotent.
+
+    ``known`` (a presence oracle, ``mmcache.mstar.decode_skip``): when every media item of a request is known (and
+    its stand-ins are in ``stand_ins``' side table, default ``stand_ins_for(worker.model)``), the request is neither
+    decoded nor preprocessed: the loaders and the model's processors return stand-ins, the digests travel as usual.
     """
     if getattr(worker, "_mmcache_digests", False):
         return
@@ -63,25 +68,51 @@ def install_digests(worker, params: dict[str, object]) -> None:
         raise InvalidRequest(f"no media digest for modalities {sorted(unknown)}; known: {sorted(_MEDIA)}")
     pending = threading.local()
     model = worker.model
+    if known is not None:
+        stand_ins = stand_ins if stand_ins is not None else stand_ins_for(model)
+        stand_ins.install(model)
     process_input, process_prompt = worker._process_input, model.process_prompt
+
+    def skippable(input, raw: dict[str, list[bytes]]) -> dict | None:
+        """The stand-ins of a request whose every media item is known (and now held for it), else None."""
+        if known is None or not any(raw.values()) or set(input.file_paths or {}) - set(raw):
+            return None
+        stored = stand_ins.lookup(raw)
+        if stored is None:
+            return None
+        salt = (input.model_kwargs or {}).get(SALT_KWARG, b"")
+        salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+        keys = {MediaKey(input.request_id, m, d, salt) for m, ds in raw.items() for d in ds}
+        return stored if known(sorted(keys, key=repr)) >= keys else None
 
     @functools.wraps(process_input)
     def _process_input(input):
         pending.blobs = read_request_files(input.file_paths)
-        pending.tensors = digest_tensors(digest_files(input.file_paths or {}, params, pending.blobs))
+        found = digest_files(input.file_paths or {}, params, pending.blobs)
+        pending.tensors = digest_tensors(found)
+        pending.raw = {m: [bytes(d)[:16] for d in ds] for m, ds in found.items()}
+        pending.skip = stored = skippable(input, pending.raw)
+        if stored is not None:
+            stand_ins.begin(stored)
         try:
             return process_input(input)
         finally:
-            pending.blobs = pending.tensors = None
+            if stored is not None:
+                stand_ins.end()
+            pending.blobs = pending.tensors = pending.raw = pending.skip = None
 
     @functools.wraps(process_prompt)
     def _process_prompt(*args, **kwargs):
         out = process_prompt(*args, **kwargs) or {}
+        if known is not None and getattr(pending, "raw", None) and getattr(pending, "skip", None) is None:
+            stand_ins.record(pending.raw, out)
         return {**out, **(getattr(pending, "tensors", None) or {})}
 
     def from_bytes(modality: str, load):
         @functools.wraps(load)
         def _load(filepath, device):
+            if getattr(pending, "skip", None) is not None:
+                return stand_ins.raw(modality)
             data = (getattr(pending, "blobs", None) or {}).get((modality, os.fspath(filepath)))
             if data is None:  # called outside a request this worker preprocesses
                 return load(filepath, device)
