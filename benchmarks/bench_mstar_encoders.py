@@ -180,7 +180,8 @@ def measure(node, name, walk, stream, meta, repeats):
         h.assert_equal_outputs({0: got}, {0: want})
         wrapped.remove_request(f"s{i}")
     c = cached.counters
-    return dict(fwd_ms=fwd * 1e3, hit_share=hit / fwd, hit_us=hit * 1e6, phases=phases, miss_overhead=statistics.median(ratios) - 1,
+    return dict(fwd_ms=fwd * 1e3, hit_share=hit / fwd, hit_us=hit * 1e6, phases=phases,
+                miss_overhead=statistics.median(ratios) - 1,
                 miss_q=(q[0] - 1, q[2] - 1), items=c.hits + c.misses + c.joins, hits=c.hits + c.joins,
                 saved=1 - t_cached / t_plain, requests=len(stream))
 
