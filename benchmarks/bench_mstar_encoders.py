@@ -2,14 +2,15 @@
 CPU, random weights saved and loaded back, both measured in the same run.
 
     python benchmarks/bench_mstar_encoders.py [--size tiny|base|both] [--prompts 300] [--base-prompts 40]
-        [--repeats 7] [--threads N]
+        [--repeats 7] [--threads N] [--cases wan-text,vision,audio]
 
 Per case (Wan 2.2 text encoder over umT5 with the CFG negative; Qwen3-Omni vision encoder over MMMU images;
 Qwen3-Omni audio encoder over the Seed-TTS reference WAVs), at a tiny config and at a base-sized one (umT5-base at
 Wan's 512 tokens; a ViT-B-sized tower at <= 224x224 px; a Whisper-base-sized audio tower):
 
-1. hit cost: one request whose items all hit, wrapped ``execute_batch``, as a share of the plain node's
-   ``execute_batch`` on the same request (target < 1%);
+1. hit cost: one request whose items all hit, wrapped ``execute_batch`` then ``remove_request`` (which releases its
+   pins), as a share of the plain node's ``execute_batch`` on the same request (target < 1%), with the wrapper's own
+   steps (key building; the one store lookup that reads and pins) in microseconds;
 2. all-miss overhead: wrapped (store cleared before each call) over plain, measured in alternating pairs: the median
    ratio - 1 and the spread (quartiles) over pairs (target < 1%);
 3. stream: the real data in order, one request per batch, every output checked bit-equal to the plain node's:
@@ -126,6 +127,22 @@ def audio_case(size, root, data, n):
     return AudioEncoderSubmodule(tower, None), "audio_encoder", "prefill_audio", stream, {}
 
 
+def hit_phases(cached, name, walk, req, meta, repeats) -> dict:
+    """Median microseconds of the wrapper's own hit-path steps: key building (the node's ``prepare_inputs`` plus the
+    wrapper's items and keys) and the store lookup that reads and pins the value (then released)."""
+    def us(fn, n=max(50, repeats)):
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) * 1e6
+    info = h.batch(name, walk, {"r": req}, meta).per_request_info["r"]
+    key = cached.prepare_inputs(walk, info, req).kwargs["prepared"].keys[0]
+    return {"keys": us(lambda: cached.prepare_inputs(walk, info, req)),
+            "lookup+gather+pin": us(lambda: cached.store.get_pinned(key)[1].release())}
+
+
 def measure(node, name, walk, stream, meta, repeats):
     cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 31)
     plain, wrapped = h.engine({name: node}), h.engine({name: cached})
@@ -136,9 +153,14 @@ def measure(node, name, walk, stream, meta, repeats):
         fn()
         return time.perf_counter() - t
 
+    def hit_and_remove():  # a request's pins are released when M* removes it
+        run(wrapped, req)
+        wrapped.remove_request("r")
+
     req = stream[0]
-    run(plain, req), run(wrapped, req)  # warm-up; the wrapped one stores req
-    hit = statistics.median(timed(lambda: run(wrapped, req)) for _ in range(repeats))
+    run(plain, req), hit_and_remove()  # warm-up; the wrapped one stores req
+    hit = statistics.median(timed(hit_and_remove) for _ in range(repeats))
+    phases = hit_phases(cached, name, walk, req, meta, repeats)
     fwd = statistics.median(timed(lambda: run(plain, req)) for _ in range(repeats))
     ratios = []
     for k in range(repeats):
@@ -158,7 +180,8 @@ def measure(node, name, walk, stream, meta, repeats):
         h.assert_equal_outputs({0: got}, {0: want})
         wrapped.remove_request(f"s{i}")
     c = cached.counters
-    return dict(fwd_ms=fwd * 1e3, hit_share=hit / fwd, miss_overhead=statistics.median(ratios) - 1,
+    return dict(fwd_ms=fwd * 1e3, hit_share=hit / fwd, hit_us=hit * 1e6, phases=phases,
+                miss_overhead=statistics.median(ratios) - 1,
                 miss_q=(q[0] - 1, q[2] - 1), items=c.hits + c.misses + c.joins, hits=c.hits + c.joins,
                 saved=1 - t_cached / t_plain, requests=len(stream))
 
@@ -170,6 +193,7 @@ def main():
     ap.add_argument("--base-prompts", type=int, default=40, help="DiffusionDB prompts at the base config")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cases", default="wan-text,vision,audio", help="comma-separated subset")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,6 +207,8 @@ def main():
           f"{'stream':>20}{'hits/items':>12}{'saved':>8}")
     for size in sizes:
         for label, case in (("wan-text", wan_case), ("vision", vision_case), ("audio", audio_case)):
+            if label not in args.cases.split(","):
+                continue
             n = args.prompts if size == "tiny" else args.base_prompts
             node, name, walk, stream, meta = case(size, root, data, n)
             with torch.inference_mode():
@@ -191,6 +217,8 @@ def main():
             print(f"{label:<8}{size:<6}{r['fwd_ms']:>11.2f}{r['hit_share']:>9.2%}"
                   f"{r['miss_overhead']:>+14.2%} [{r['miss_q'][0]:+.2%}, {r['miss_q'][1]:+.2%}]"
                   f"{what:>20}{r['hits']:>6}/{r['items']:<5}{r['saved']:>8.1%}", flush=True)
+            print(f"{'':<14}hit path {r['hit_us']:.0f} us: " + ", ".join(f"{k} {v:.0f} us" for k, v in
+                                                                       r["phases"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,20 @@ class EncoderStore:
             entry = self._lookup(key)
         return None if entry is None else self._gather(entry)
 
+    def get_pinned(self, key: EncoderKey):
+        """``(value, pin)``: ``get`` and ``pin`` in one lookup (the owner taken to read the value becomes the pin's);
+        None on a miss. Counted as ``get`` counts."""
+        _check_key(key)
+        with self._lock:
+            entry = self._lookup(key)
+        if entry is None:
+            return None
+        try:
+            return self._read(entry), EncoderPin(self, entry)
+        except BaseException:
+            self.pool.release(entry.pages)
+            raise
+
     def put(self, key: EncoderKey, value, compute_s: float = 0.0) -> bool:
         """Store a copy of ``value`` under ``key``, replacing any entry of that name; False when bypassed.
 
@@ -343,7 +357,7 @@ class EncoderStore:
             if entry is None:
                 return None
             entry.tick = self.pool.clock.tick()
-            self.pool.retain(entry.pages)
+            self.pool.retain(entry.pages, distinct=True)
             return EncoderPin(self, entry)
 
     def clear(self) -> None:
@@ -392,7 +406,7 @@ class EncoderStore:
             self._count(key.modality, queries=1, misses=1)
             return None
         entry.tick = self.pool.clock.tick()
-        self.pool.retain(entry.pages)
+        self.pool.retain(entry.pages, distinct=True)  # an entry's pages never repeat
         self._count(key.modality, queries=1, hits=1, time_saved_s=entry.compute_s)
         return entry
 

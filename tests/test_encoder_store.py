@@ -137,6 +137,19 @@ def test_pinned_entries_are_never_evicted_and_full_pins_bypass():
     assert all_free(store)
 
 
+def test_get_pinned_reads_and_pins_in_one_counted_lookup():
+    store = EncoderStore(8 * PB, page_bytes=PB)
+    assert store.get_pinned(key()) is None
+    store.put(key(), floats(20, 1))
+    value, pin = store.get_pinned(key())
+    assert_same(value, floats(20, 1)) and all(store.pool.counts[p] == 2 for p in pin.pages)
+    assert (store.stats().totals.queries, store.stats().totals.hits) == (2, 1)
+    store.clear()
+    assert_same(pin.value, floats(20, 1))
+    pin.release()
+    assert all_free(store)
+
+
 def test_a_pin_outlives_replacement_and_clear():
     store = EncoderStore(8 * PB, page_bytes=PB)
     store.put(key(), floats(20, 1))

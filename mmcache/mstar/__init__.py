@@ -20,7 +20,7 @@ except ImportError:  # not found: the modules that need M* raise when imported
 _EXPORTS = {"CountedPageAllocator": "allocator", "PrefixPagedAllocationManager": "allocator",
             "PrefixReuse": "allocator", "install": "allocator", "AffinityConductor": "conductor",
             "CachedEncoderNode": "encoder_node", "cache_encoder_nodes": "encoder_node",
-            "install_digests": "media_digests", "route_digests": "media_digests",
+            "install_digests": "media_digests", "route_digests": "media_digests", "store_oracle": "decode_skip",
             "EncoderNodeCollector": "encoder_metrics"}
 
 __all__ = sorted(_EXPORTS)

@@ -217,6 +217,18 @@ class CachedEncoderNode(NodeSubmodule):
 
     # get_cuda_graph_configs stays the base's []: a whole-node graph replay would bypass the lookup.
 
+    def hold(self, request_id: str, digest: bytes, salt: bytes, graph_walk: str) -> bool:
+        """Whether the store holds the output of a one-item request carrying ``digest`` (``WholeRequest`` keys) on
+        ``graph_walk``; if so it is pinned for ``request_id`` until ``cleanup_request`` (the presence oracle of
+        ``mmcache.mstar.decode_skip``: what it reports cannot be evicted before the node looks it up)."""
+        fp = (self.fingerprint, graph_walk) if self.spec.walk_sensitive else self.fingerprint
+        pin = self.store.pin(EncoderKey(digest, fp, self.spec.modality, salt))
+        if pin is None:
+            return False
+        with self._lock:
+            self._pins.setdefault(request_id, []).append(pin)
+        return True
+
     def pinned(self, request_id: str) -> int:
         """How many store entries ``request_id`` holds pinned now."""
         with self._lock:
@@ -228,6 +240,7 @@ class CachedEncoderNode(NodeSubmodule):
         leads, a wait for keys another caller leads."""
         lock, flights = _flights(self.store)
         found: dict[tuple, Any] = {}  # identity -> value (first use gets it, repeats a clone)
+        held: dict[tuple, EncoderPin] = {}  # identity -> the pin a hit's lookup took (its first use keeps it)
         lead: dict[tuple, tuple[_Prepared, Item, EncoderKey, _Flight]] = {}
         wait: dict[tuple, _Flight] = {}
         hits = misses = joins = 0
@@ -237,9 +250,9 @@ class CachedEncoderNode(NodeSubmodule):
                 if ident in found or ident in lead or ident in wait:
                     joins += 1
                     continue
-                value = self.store.get(key)
-                if value is not None:
-                    found[ident], hits = value, hits + 1
+                got = self.store.get_pinned(key)  # one lookup reads and pins a hit
+                if got is not None:
+                    (found[ident], held[ident]), hits = got, hits + 1
                     continue
                 with lock:
                     flight = flights.get(ident)
@@ -251,17 +264,22 @@ class CachedEncoderNode(NodeSubmodule):
                         flight.joiners += 1
                         wait[ident] = flight
                         joins += 1
-        if lead:
-            found.update(self._compute(graph_walk, engine_inputs, lead, lock, flights))
-        for ident, flight in wait.items():
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            found[ident] = _clone(flight.value)
+        try:
+            if lead:
+                found.update(self._compute(graph_walk, engine_inputs, lead, lock, flights))
+            for ident, flight in wait.items():
+                flight.done.wait()
+                if flight.error is not None:
+                    raise flight.error
+                found[ident] = _clone(flight.value)
+        except BaseException:
+            for pin in held.values():  # the batch fails: no request keeps what its hits pinned
+                pin.release()
+            raise
         with self._lock:
             c = self.counters
             c.hits, c.misses, c.joins = c.hits + hits, c.misses + misses, c.joins + joins
-        return self._hand_out(prepared, found)
+        return self._hand_out(prepared, found, held)
 
     def _compute(self, graph_walk, engine_inputs, lead: dict, lock, flights) -> dict:
         """Run the led items as one sub-batch through the node, store each value, publish it to waiters; returns
@@ -314,9 +332,9 @@ class CachedEncoderNode(NodeSubmodule):
             outs.append(self.node.forward(graph_walk=graph_walk, engine_inputs=ei, **pre))
         return outs
 
-    def _hand_out(self, prepared: list[_Prepared], found: dict) -> list:
+    def _hand_out(self, prepared: list[_Prepared], found: dict, held: dict) -> list:
         """Item values in request order (a key's first use takes the value, every repeat a clone), each request's
-        entries pinned until its cleanup."""
+        entries pinned until its cleanup (a hit's first use keeps the pin its lookup took)."""
         given, values = set(), []
         for p in prepared:
             pins = []
@@ -324,7 +342,7 @@ class CachedEncoderNode(NodeSubmodule):
                 ident = (key.name, key.verify_ids)
                 values.append(_clone(found[ident]) if ident in given else found[ident])
                 given.add(ident)
-                if (pin := self.store.pin(key)) is not None:
+                if (pin := held.pop(ident, None) or self.store.pin(key)) is not None:
                     pins.append(pin)
             with self._lock:
                 self._pins.setdefault(p.rid, []).extend(pins)

@@ -3,8 +3,9 @@
 M*'s data worker (``mstar/api_server/data_worker.py: DataWorker._process_input``) is the only place that sees a
 request's raw files; it decodes them (``model.load_image``/``load_audio``) and lets the model preprocess them
 (``model.process_prompt``). ``install_digests(worker, params)`` wraps that one worker instance from outside: each
-file of the request is digested (its bytes plus the canonical parameters of the processor that turns it into node
-inputs, ``digests.image``/``digests.audio``) and the digests join the request's tensors as ``<modality>_digest``
+file of the request is read once, decoded from those bytes (``mmcache.mstar.media_bytes``) and digested (its
+bytes plus the canonical parameters of the processor that turns it into node inputs, ``digests.image``/
+``digests.audio``), and the digests join the request's tensors as ``<modality>_digest``
 (one uint8 [16] tensor per file, in file order), next to ``pixel_values`` and ``audio_features``.
 
 From there a digest reaches the node like any other tensor: as a graph input of the encoder's walk. For Qwen3-Omni
@@ -16,20 +17,28 @@ From there a digest reaches the node like any other tensor: as a graph input of 
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from pathlib import Path
 
 import torch
 
 import digests
 from mmcache.errors import InvalidRequest
+from mmcache.mstar.decode_skip import SALT_KWARG, Known, MediaKey, stand_ins_for
+from mmcache.mstar.media_bytes import decode_from, read_request_files
 
 _MEDIA = {"image": digests.image, "audio": digests.audio, "video": digests.video}
 
 
-def digest_files(file_paths: dict[str, list], params: dict[str, object]) -> dict[str, list[digests.Digest]]:
-    """Per modality, the digest of each file (its bytes, streamed, plus ``params[modality]``: the processor or its
-    settings, canonicalised). Modalities without a digest function (text) are left out."""
-    return {m: [_MEDIA[m](path, params.get(m)) for path in paths] for m, paths in file_paths.items() if m in _MEDIA}
+def digest_files(file_paths: dict[str, list], params: dict[str, object],
+                 blobs: dict[tuple[str, str], bytes] | None = None) -> dict[str, list[digests.Digest]]:
+    """Per modality, the digest of each file (its bytes plus ``params[modality]``: the processor or its settings,
+    canonicalised); ``blobs`` (``media_bytes.read_request_files``) holds the bytes already read, else each file is
+    read here. Modalities without a digest function (text) are left out."""
+    blobs = blobs if blobs is not None else read_request_files(file_paths)
+    return {m: [_MEDIA[m](blobs[(m, os.fspath(p))], params.get(m)) for p in paths]
+            for m, paths in file_paths.items() if m in _MEDIA}
 
 
 def digest_tensors(found: dict[str, list[digests.Digest]]) -> dict[str, list[torch.Tensor]]:
@@ -39,11 +48,18 @@ def digest_tensors(found: dict[str, list[digests.Digest]]) -> dict[str, list[tor
             for m, ds in found.items() if ds}
 
 
-def install_digests(worker, params: dict[str, object]) -> None:
-    """Make ``worker`` (an M* ``DataWorker``) add ``<modality>_digest`` tensors to every request it preprocesses.
+def install_digests(worker, params: dict[str, object], known: Known | None = None, stand_ins=None) -> None:
+    """Make ``worker`` (an M* ``DataWorker``) add ``<modality>_digest`` tensors to every request it preprocesses,
+    each the digest of the very bytes its model decodes.
 
-    Wraps the instance's ``_process_input`` (digest the request's files) and its model's ``process_prompt`` (merge
-    the digests into the tensors it returns); the class and M*'s files are untouched. Idempotent.
+    Wraps the instance's ``_process_input`` (read each file of the request once and digest those bytes), its model's
+    ``load_image``/``load_audio``/``load_video`` (decode the bytes read, ``media_bytes.decode_from``, never the path
+    again) and ``process_prompt`` (merge the digests into the tensors it returns); the classes and M*'s files are
+    untouched. Idempotent.
+
+    ``known`` (a presence oracle, ``mmcache.mstar.decode_skip``): when every media item of a request is known (and
+    its stand-ins are in ``stand_ins``' side table, default ``stand_ins_for(worker.model)``), the request is neither
+    decoded nor preprocessed: the loaders and the model's processors return stand-ins, the digests travel as usual.
     """
     if getattr(worker, "_mmcache_digests", False):
         return
@@ -51,22 +67,62 @@ def install_digests(worker, params: dict[str, object]) -> None:
     if unknown:
         raise InvalidRequest(f"no media digest for modalities {sorted(unknown)}; known: {sorted(_MEDIA)}")
     pending = threading.local()
-    process_input, process_prompt = worker._process_input, worker.model.process_prompt
+    model = worker.model
+    if known is not None:
+        stand_ins = stand_ins if stand_ins is not None else stand_ins_for(model)
+        stand_ins.install(model)
+    process_input, process_prompt = worker._process_input, model.process_prompt
+
+    def skippable(input, raw: dict[str, list[bytes]]) -> dict | None:
+        """The stand-ins of a request whose every media item is known (and now held for it), else None."""
+        if known is None or not any(raw.values()) or set(input.file_paths or {}) - set(raw):
+            return None
+        stored = stand_ins.lookup(raw)
+        if stored is None:
+            return None
+        salt = (input.model_kwargs or {}).get(SALT_KWARG, b"")
+        salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+        keys = {MediaKey(input.request_id, m, d, salt) for m, ds in raw.items() for d in ds}
+        return stored if known(sorted(keys, key=repr)) >= keys else None
 
     @functools.wraps(process_input)
     def _process_input(input):
-        pending.tensors = digest_tensors(digest_files(input.file_paths or {}, params))
+        pending.blobs = read_request_files(input.file_paths)
+        found = digest_files(input.file_paths or {}, params, pending.blobs)
+        pending.tensors = digest_tensors(found)
+        pending.raw = {m: [bytes(d)[:16] for d in ds] for m, ds in found.items()}
+        pending.skip = stored = skippable(input, pending.raw)
+        if stored is not None:
+            stand_ins.begin(stored)
         try:
             return process_input(input)
         finally:
-            pending.tensors = None
+            if stored is not None:
+                stand_ins.end()
+            pending.blobs = pending.tensors = pending.raw = pending.skip = None
 
     @functools.wraps(process_prompt)
     def _process_prompt(*args, **kwargs):
         out = process_prompt(*args, **kwargs) or {}
+        if known is not None and getattr(pending, "raw", None) and getattr(pending, "skip", None) is None:
+            stand_ins.record(pending.raw, out)
         return {**out, **(getattr(pending, "tensors", None) or {})}
 
-    worker._process_input, worker.model.process_prompt = _process_input, _process_prompt
+    def from_bytes(modality: str, load):
+        @functools.wraps(load)
+        def _load(filepath, device):
+            if getattr(pending, "skip", None) is not None:
+                return stand_ins.raw(modality)
+            data = (getattr(pending, "blobs", None) or {}).get((modality, os.fspath(filepath)))
+            if data is None:  # called outside a request this worker preprocesses
+                return load(filepath, device)
+            return decode_from(load, data, device, Path(os.fspath(filepath)).suffix)
+        return _load
+
+    for modality in _MEDIA:
+        name = f"load_{modality}"
+        setattr(model, name, from_bytes(modality, getattr(model, name)))
+    worker._process_input, model.process_prompt = _process_input, _process_prompt
     worker._mmcache_digests = True
 
 

@@ -1,0 +1,139 @@
+"""A hit known before decoding skips the decode and the preprocessing: M*'s data worker (with Qwen3-Omni's own
+``process_prompt``) asks the node's store through the in-process presence oracle; the second request with an image
+decodes nothing and runs no processor, yet the thinker-side inputs and the encoder node's outputs are bit-identical
+to the decoded path."""
+
+import pytest
+import torch
+
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+                                   install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
+                                   qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
+
+require_mstar()
+
+from mmcache.mstar.decode_skip import store_oracle  # noqa: E402
+from mmcache.mstar.encoder_items import items_for  # noqa: E402
+from mmcache.mstar.encoder_node import CachedEncoderNode  # noqa: E402
+from mmcache.mstar.media_digests import install_digests, route_digests  # noqa: E402
+
+THINKER_SIDE = ("text_inputs", "image_grid_thw", "image_digest")
+
+
+class Counting:
+    """An HF processor whose calls are counted (attributes pass through)."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.fixture(scope="module")
+def media():
+    from conftest import shared_data
+    data = shared_data()
+    if data is None or not (data / "mmmu" / "images").is_dir() or not (data / "seedtts").is_dir():
+        pytest.skip("MMMU images / Seed-TTS WAVs not found: place ../shared/data or set MMCACHE_DATA")
+    return sorted((data / "mmmu" / "images").glob("*.png"))[:2], sorted((data / "seedtts").glob("**/*.wav"))[:1]
+
+
+@pytest.fixture
+def setup(tmp_path_factory, monkeypatch):
+    install_flashinfer_standin(monkeypatch)
+    from mstar.model.qwen3_omni.submodules import AudioEncoderSubmodule, VisionEncoderSubmodule
+    vision, audio = tiny_qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
+    plain = {"vision_encoder": VisionEncoderSubmodule(vision, config=None),
+             "audio_encoder": AudioEncoderSubmodule(audio, config=None)}
+    cached = {name: CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
+              for name, node in plain.items()}
+    image_processor, feature_extractor = qwen3_omni_processors()
+    counted = Counting(image_processor), Counting(feature_extractor)
+
+    def make_worker(known):
+        model = qwen3_omni_model(*counted)
+        model.load_audio = load_audio_16k  # M*'s own needs torchcodec (not installed here)
+        worker = data_worker(model)
+        install_digests(worker, {"image": image_processor, "audio": feature_extractor}, known=known)
+        return worker
+
+    oracle = store_oracle({"image": (cached["vision_encoder"], "prefill_vision"),
+                           "audio": (cached["audio_encoder"], "prefill_audio")})
+    decodes = []
+    import torchvision
+    real_decode = torchvision.io.decode_image
+    monkeypatch.setattr(torchvision.io, "decode_image", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    return plain, cached, make_worker(oracle), make_worker(None), counted, decodes
+
+
+def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_identical(setup, media):
+    plain, cached, worker, reference, (image_proc, _), decodes = setup
+    images, _ = media
+    node = cached["vision_encoder"]
+    wrapped, bare = engine({"vision_encoder": node}), engine({"vision_encoder": plain["vision_encoder"]})
+    count = ForwardCount(node.node.vision_encoder)
+    node_inputs = lambda t: {n: t[n] for n in ("pixel_values", "image_grid_thw", "image_digest")}  # noqa: E731
+
+    first = preprocess(worker, "r1", "image", images[0])
+    assert (len(decodes), image_proc.calls) == (1, 1)
+    wrapped.execute_batch(batch("vision_encoder", "prefill_vision", {"r1": node_inputs(first)}))
+    node.cleanup_request("r1")
+
+    second = preprocess(worker, "r2", "image", images[0])
+    assert (len(decodes), image_proc.calls) == (1, 1)  # the skip: no decode, no image processor
+    assert node.pinned("r2") == 1  # held by the oracle until the node's cleanup
+    want = preprocess(reference, "ref", "image", images[0])  # the decoded path, no oracle
+    for name in THINKER_SIDE:
+        assert len(second[name]) == len(want[name])
+        assert all(torch.equal(a, b) for a, b in zip(second[name], want[name])), name
+    assert second["pixel_values"][0].numel() == 0  # a stand-in the node never reads
+
+    got = wrapped.execute_batch(batch("vision_encoder", "prefill_vision", {"r2": node_inputs(second)}))
+    assert count.calls == 1 and node.counters.hits == 1  # served from the store
+    ref = bare.execute_batch(batch("vision_encoder", "prefill_vision", {"ref": node_inputs(want)}))
+    assert_equal_outputs({"x": got.per_request_output_tensors["r2"]}, {"x": ref.per_request_output_tensors["ref"]})
+    node.cleanup_request("r2")
+    assert node.pinned("r2") == 0
+
+    model = worker.model  # the thinker's schedule still gets the grid and the digest for the vision step
+    route_digests(model)
+    signals = worker.tensor_manager.infos["r2"]
+    steps = [e for w, e in model._build_thinker_prefill_schedule(["text", "image"], signals) if w == "prefill_vision"]
+    assert len(steps) == 1 and {"pixel_values", "image_grid_thw", "image_digest"} <= set(steps[0])
+
+    preprocess(worker, "r3", "image", images[1])  # another image: decoded (the reference pass made it 2 before)
+    assert (len(decodes), image_proc.calls) == (3, 3)
+
+
+def test_a_known_audio_skips_the_feature_extractor_and_the_node_inputs_match(setup, media):
+    plain, cached, worker, reference, (_, feature_extractor), _ = setup
+    _, wavs = media
+    node = cached["audio_encoder"]
+    wrapped, bare = engine({"audio_encoder": node}), engine({"audio_encoder": plain["audio_encoder"]})
+    node_inputs = lambda t: {n: t[n] for n in ("audio_features", "audio_seqlens", "audio_digest")}  # noqa: E731
+    first = preprocess(worker, "a1", "audio", wavs[0], text=None)
+    wrapped.execute_batch(batch("audio_encoder", "prefill_audio", {"a1": node_inputs(first)}))
+    calls = feature_extractor.calls
+    second = preprocess(worker, "a2", "audio", wavs[0], text=None)
+    assert feature_extractor.calls == calls
+    want = preprocess(reference, "ref", "audio", wavs[0], text=None)
+    for name in ("text_inputs", "audio_seqlens", "audio_digest"):
+        assert all(torch.equal(a, b) for a, b in zip(second[name], want[name])), name
+    got = wrapped.execute_batch(batch("audio_encoder", "prefill_audio", {"a2": node_inputs(second)}))
+    ref = bare.execute_batch(batch("audio_encoder", "prefill_audio", {"ref": node_inputs(want)}))
+    assert_equal_outputs({"x": got.per_request_output_tensors["a2"]}, {"x": ref.per_request_output_tensors["ref"]})
+    assert node.counters.hits == 1
+
+
+def test_nothing_is_skipped_when_the_store_dropped_the_output(setup, media):
+    _, cached, worker, _, (image_proc, _), decodes = setup
+    images, _ = media
+    preprocess(worker, "c1", "image", images[0])  # decoded; the node never ran, so the store holds nothing
+    preprocess(worker, "c2", "image", images[0])
+    assert (len(decodes), image_proc.calls) == (2, 2)
+    assert cached["vision_encoder"].pinned("c2") == 0
