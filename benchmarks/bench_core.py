@@ -122,8 +122,8 @@ def main(argv=None) -> None:
     for h in held:
         raw.release(h)
     t_raw_free = (time.perf_counter() - t0) / (n_req * req_pages)
-    rows.append(("admit+grow, per page (no hit)", f"{t_alloc * 1e6:.2f} us", f"{t_raw_alloc * 1e6:.2f} us (bare pool alloc)",
-                 t_raw_alloc / t_alloc))
+    rows.append(("admit+grow, per page (no hit)", f"{t_alloc * 1e6:.2f} us",
+                 f"{t_raw_alloc * 1e6:.2f} us (bare pool alloc)", t_raw_alloc / t_alloc))
     rows.append(("finish (index all pages), per page", f"{t_fin * 1e6:.2f} us",
                  f"{t_raw_free * 1e6:.2f} us (bare pool release)", t_raw_free / t_fin))
 

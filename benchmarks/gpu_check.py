@@ -63,7 +63,8 @@ def devices():
 
 def gate(P=4, new=5, device="cuda", dtype=torch.bfloat16):
     """Cache on vs off on one chunk schedule, bf16 on CUDA: exits non-zero on the first unequal logits (``device``
-    and ``dtype`` only let the logic be tried on a CPU: ``python -c "import gpu_check; gpu_check.gate(device='cpu')"``)."""
+    and ``dtype`` only let the logic be tried on a CPU:
+    ``python -c "import gpu_check; gpu_check.gate(device='cpu')"``)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
     from mmcache.hf.paged_kv import PagedKVCache
     from mmcache.hf.runner import replay, serve

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mmcache.errors import InvalidMedia
-
 from digests.canonical import canonical
 from digests.digest import DEFAULT, Digest, compute
+from mmcache.errors import InvalidMedia
 
 _VERSION = 1
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from encoders.audio import CachedWavEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
-
-from encoders.audio import CachedWavEncoder
 
 
 class CachedCodecEncoder(CachedWavEncoder):

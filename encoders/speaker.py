@@ -33,10 +33,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torchaudio.compliance import kaldi
 
+from encoders.audio import CachedWavEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
-
-from encoders.audio import CachedWavEncoder
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 

@@ -31,9 +31,8 @@ from diffusers.utils.torch_utils import get_module_execution_device
 from torch import nn
 
 import digests
-from mmcache.encoder_store import EncoderStore
-
 from encoders.base import CachedEncoder, module_fingerprint
+from mmcache.encoder_store import EncoderStore
 
 
 class CachedPromptEncoder(CachedEncoder):

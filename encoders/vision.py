@@ -28,10 +28,9 @@ import torch
 from torch import nn
 
 import digests
+from encoders.base import CachedEncoder, media_bytes, module_fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
-
-from encoders.base import CachedEncoder, media_bytes, module_fingerprint
 
 
 class CachedVisionEncoder(CachedEncoder):

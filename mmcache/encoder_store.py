@@ -18,8 +18,9 @@ cache on the same pool), takes only entries whose pages the store alone owns (co
 with the prefix indexes' pages by recency on the pool's one clock (``_Entry.tick``: the last put, hit or pin).
 
 Locking: the pool's ``cache_lock`` (shared with every other cache on the pool, so eviction across kinds is atomic)
-guards the index, the in-flight table and the counters; it is taken before the pool's page lock, never after. Byte copies run outside it: a put writes into pages it alone owns and nobody can see, then
-publishes them; a hit retains its entry's pages under the lock and gathers without it.
+guards the index, the in-flight table and the counters; it is taken before the pool's page lock, never after. Byte
+copies run outside it: a put writes into pages it alone owns and nobody can see, then publishes them; a hit retains its
+entry's pages under the lock and gathers without it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from mmcache.encoder_key import EncoderKey
 from mmcache.checks import as_int
+from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.pool import PagePool
 from mmcache.reclaim import reclaim
@@ -196,8 +197,9 @@ class EncoderStore:
     - values go in and come out as copies: nothing returned aliases the pool, nothing passed in is kept.
 
     ``pool``: a pool with data (any page shape and dtype) or, with ``page_data``, a metadata-only pool whose page ids
-    index ``page_data`` along ``page_dim`` (M*'s KV tensor: ``page_dim=1``). Hits come back on the pool's device. ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of
-    shapes and a list of dtypes for a tuple/list/dict of tensors; ``None`` in a shape matches any size).
+    index ``page_data`` along ``page_dim`` (M*'s KV tensor: ``page_dim=1``). Hits come back on the pool's device.
+    ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of shapes and a list of dtypes for a
+    tuple/list/dict of tensors; ``None`` in a shape matches any size).
     """
 
     def __init__(self, capacity_bytes: int | None = None, page_bytes: int = 65536, device: str | torch.device = "cpu",
@@ -437,7 +439,7 @@ class EncoderStore:
         except OutOfPages:  # live requests and pins hold the rest
             return None
 
-    # -- the pool's reclaim protocol (``mmcache.reclaim``; called under ``cache_lock``) ----------------------------------
+    # -- the pool's reclaim protocol (``mmcache.reclaim``; called under ``cache_lock``) -------------------------------
 
     def eviction_candidates(self):
         """Pages of entries only the store holds (no pin, no hit copying out), keyed by the entry's last-use tick on

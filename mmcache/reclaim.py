@@ -3,12 +3,13 @@
 One pool per node: the prefix index of every label and the encoder store of a node are caches on one ``PagePool``,
 registered on it (``pool.evictables``), ordered by its one ``pool.clock`` and driven under its one ``pool.cache_lock``
 (an RLock every cache on the pool takes for the state eviction reads or changes, so a put that evicts KV pages and a
-grow that evicts encoder entries never race or deadlock). Every cache on a pool (the prefix index of each label, the encoder store) is an *evictable owner*: it offers
-``eviction_candidates() -> (pages, keys)`` (pages only it holds, with an int64 key; lower is evicted first) and
-``evict(pages, short)``. ``reclaim`` merges the candidates of all owners on the pool and evicts the lowest keys as one
-batch, so one kind of cached data can never starve another, and a live request fails only when every cached page
-together would not cover its shortfall. Keys are recency ticks from one ``Clock`` shared by the owners of a pool
-(an owner may fold a tie-breaker into its key, as the prefix index folds chain depth), so they compare across kinds.
+grow that evicts encoder entries never race or deadlock). Every cache on a pool (the prefix index of each label, the
+encoder store) is an *evictable owner*: it offers ``eviction_candidates() -> (pages, keys)`` (pages only it holds, with
+an int64 key; lower is evicted first) and ``evict(pages, short)``. ``reclaim`` merges the candidates of all owners on
+the pool and evicts the lowest keys as one batch, so one kind of cached data can never starve another, and a live
+request fails only when every cached page together would not cover its shortfall. Keys are recency ticks from one
+``Clock`` shared by the owners of a pool (an owner may fold a tie-breaker into its key, as the prefix index folds chain
+depth), so they compare across kinds.
 
 Why recency alone, and not recompute cost per byte: the encoder store knows each entry's measured encoder time, but
 a KV page has no such figure (its cost depends on its position, the attention backend and the batch it was prefilled

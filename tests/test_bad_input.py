@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from digests.digest import Digest, hasher
-from mmcache import EncoderKey, EncoderStore, Fingerprint, PagedAllocator, PagePool, PrefixCache, ShadowIndex, page_names
+from mmcache import (EncoderKey, EncoderStore, Fingerprint, PagedAllocator, PagePool, PrefixCache, ShadowIndex,
+                     page_names)
 from mmcache.errors import InvalidRequest, MmcacheError
 
 P = 4

@@ -121,8 +121,8 @@ def test_subprocess_module_entry_point(tmp_path):
     doc = json.loads(out.read_text())
     assert TOP_KEYS <= doc.keys() and len(doc["runs"]) == 2
     check_png(png)
-    bad = subprocess.run([sys.executable, "-m", "workloads", "replay", "no-such-workload"], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=120)
+    bad = subprocess.run([sys.executable, "-m", "workloads", "replay", "no-such-workload"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode == 2 and "unknown workload 'no-such-workload'" in bad.stderr
 
 

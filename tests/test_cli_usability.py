@@ -25,8 +25,8 @@ def models_in_tmp(tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("argv", [["--help"], ["replay", "--help"]])
 def test_help_imports_no_torch(argv):
     code = ("import sys\nfrom workloads.cli import main\ntry:\n    main(%r)\nexcept SystemExit as e:\n"
-            "    assert e.code == 0\nheavy = [m for m in ('torch', 'transformers', 'diffusers', 'mmcache', 'matplotlib')"
-            " if m in sys.modules]\nassert not heavy, heavy\n" % argv)
+            "    assert e.code == 0\nheavy = [m for m in ('torch', 'transformers', 'diffusers', 'mmcache',"
+            " 'matplotlib') if m in sys.modules]\nassert not heavy, heavy\n" % argv)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -38,7 +38,8 @@ def test_unwritable_output_fails_before_the_run(tmp_path, flag, capsys, monkeypa
     monkeypatch.setattr("workloads.registry.load", lambda *a, **k: pytest.fail("the replay ran"))
     assert main(["replay", flag, str(tmp_path / "missing" / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err == f"mmcache: error: {flag} {tmp_path / 'missing' / 'out'}: folder {tmp_path / 'missing'} does not exist\n"
+    missing = tmp_path / "missing"
+    assert err == f"mmcache: error: {flag} {missing / 'out'}: folder {missing} does not exist\n"
     assert main(["replay", flag, str(tmp_path), "--no-progress"]) == 2
     assert "is a folder, not a file" in capsys.readouterr().err
 

@@ -195,7 +195,8 @@ def test_seedtts_rows_replay_three_misses_three_hits(make, counted, data_dir):
         for utt_id, prompt_text, prompt_wav, target_text in rows:
             assert torch.equal(enc(seed / prompt_wav), uncached[prompt_wav]), utt_id
         assert calls == {"decode": 3, "features": 3, "forward": 3}
-        assert {k: store.stats().to_dict()["by_modality"][kind][k] for k in ("hits", "misses")} == {"hits": 3, "misses": 3}
+        counters = store.stats().by_modality[kind]
+        assert (counters.hits, counters.misses) == (3, 3)
     assert len(store) == 6
 
 
@@ -309,7 +310,8 @@ def test_feature_extractor_settings_enter_the_key(whisper):
     a, b = CachedAudioEncoder(model, fe, store), CachedAudioEncoder(model, padded, store)
     assert a.fingerprint == b.fingerprint and a.key(wav(20)) != b.key(wav(20))
     assert not torch.equal(a(wav(20)), b(wav(20)))
-    assert store.stats().totals.misses == 2 and torch.equal(b(wav(20)), CachedAudioEncoder(model, padded, None)(wav(20)))
+    assert store.stats().totals.misses == 2
+    assert torch.equal(b(wav(20)), CachedAudioEncoder(model, padded, None)(wav(20)))
 
 
 def test_mismatched_feature_extractor_is_refused(whisper):

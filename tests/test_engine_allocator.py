@@ -118,7 +118,8 @@ def test_removal_during_a_batch_waits_for_the_batch_and_then_indexes_and_frees()
     before = snapshot(alloc, ["a", "b"])
     assert alloc.remove_request("a", output_ids={"text": sequence(prompt, 14)[12:]}) is False
     assert alloc.abort_request("b") is False
-    assert alloc.stats().to_dict() == {"requests": 2, "batches_in_flight": 2, "removals_queued": 2, "requests_offloaded": 0}
+    assert alloc.stats().to_dict() == {"requests": 2, "batches_in_flight": 2, "removals_queued": 2,
+                                       "requests_offloaded": 0}
     with pytest.raises(InvalidRequest):
         alloc.remove_request("a")                                         # its removal is already queued
     with pytest.raises(InvalidRequest):

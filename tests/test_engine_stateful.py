@@ -8,7 +8,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mmcache.errors import AllocationFailed, InvalidRequest
 from conftest import (ALLOC_P as P, ALLOC_LABELS as LABELS, alloc_make as make, alloc_hosts as hosts,
-                      alloc_sequence as sequence, alloc_values as values, alloc_write as write, alloc_assert_exact as assert_exact, alloc_snapshot as snapshot)
+                      alloc_sequence as sequence, alloc_values as values, alloc_write as write,
+                      alloc_assert_exact as assert_exact, alloc_snapshot as snapshot)
 
 
 # ---------------------------------------------------------------------------------------------------- stateful

@@ -51,7 +51,7 @@ class NodeMachine(RuleBasedStateMachine):
     def _reclaimable(self) -> int:
         return self.pool.num_free + sum(len(c.eviction_candidates()[0]) for c in self.pool.evictables)
 
-    # -- requests -------------------------------------------------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------------------------------------
     @rule(prompt=st.sampled_from(PROMPTS))
     def admit(self, prompt):
         rid, self.n = self.n, self.n + 1
@@ -89,7 +89,7 @@ class NodeMachine(RuleBasedStateMachine):
         else:
             self.cache.abort(rid)
 
-    # -- encoder outputs ------------------------------------------------------------------------------------------------
+    # -- encoder outputs -----------------------------------------------------------------------------------------------
     @rule(i=st.integers(0, len(KEYS) - 1), seed=st.integers(0, 9))
     def put(self, i, seed):
         k, nel = KEYS[i], NEL[i]
@@ -121,7 +121,7 @@ class NodeMachine(RuleBasedStateMachine):
         assert_same_value(pin.value, value)
         pin.release()
 
-    # -- invariants -----------------------------------------------------------------------------------------------------
+    # -- invariants ----------------------------------------------------------------------------------------------------
     @invariant()
     def counts_are_owners(self):
         owners = np.zeros(NUM_PAGES, dtype=np.int64)

@@ -66,7 +66,8 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number of requests/sessions, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a positive whole number of requests/sessions, got {text!r}") \
+            from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of requests/sessions, got {value}")
     return value

@@ -1,8 +1,8 @@
 """What every model-backed workload (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent``, ``mixed``) is built from.
 
 A workload module exposes ``factory(options: ModelWorkloadOptions) -> Callable[[], Workload]`` (see
-``workloads.harness.serving.Workload``): the factory loads data and models once, and each call returns a fresh workload whose
-caches start empty, so the cache-off and cache-on runs of one replay see the same requests and weights.
+``workloads.harness.serving.Workload``): the factory loads data and models once, and each call returns a fresh workload
+whose caches start empty, so the cache-off and cache-on runs of one replay see the same requests and weights.
 """
 
 from __future__ import annotations

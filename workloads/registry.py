@@ -10,15 +10,16 @@ Trace loaders are referenced the same way (``LOADERS``: format -> ``module:funct
 
 A replay target is resolved in this order:
 1. nothing: the embedded Mooncake slice shipped in ``workloads/data`` (works in any clone, offline);
-2. a registered name: its ``data_path`` under the shared data folder (``find_data``); a generated one needs none. Names win over same-named
-   files in the working directory; write ``./agent`` to mean the file;
+2. a registered name: its ``data_path`` under the shared data folder (``find_data``); a generated one needs none.
+   Names win over same-named files in the working directory; write ``./agent`` to mean the file;
 3. an existing path, read in ``--format`` (default: ``chat.detect_format``: a folder is mini-swe-agent trajectories,
    a file Mooncake JSONL, OpenAI chat JSONL or ShareGPT JSON).
 Anything else is an error naming the known workloads.
 
 The shared data folder (``find_data``), for trace and model workloads alike: ``--data PATH`` if given, else
-``$MMCACHE_DATA`` if set, else ``../shared/data`` (the first given is the only one used); when it lacks the
-workload's data, the error names the path looked for and every source in order. A model workload runs its embedded default unless ``--data`` is given.
+``$MMCACHE_DATA`` if set, else ``../shared/data`` (the first given is the only one used); when it lacks the workload's
+data, the error names the path looked for and every source in order. A model workload runs its embedded default unless
+``--data`` is given.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
     TraceWorkload("mooncake", "mooncake", "mooncake/conversation_trace.jsonl",
                   "Mooncake FAST'25 conversation trace (12,031 requests, 512-token blocks)"),
     TraceWorkload("agent", "swe-agent", "mini-swe-agent/trajs",
-                  "mini-swe-agent SWE-bench trajectories (real agent text, tokenized)", ("swe-agent", "mini-swe-agent")),
+                  "mini-swe-agent SWE-bench trajectories (real agent text, tokenized)",
+                  ("swe-agent", "mini-swe-agent")),
     TraceWorkload("hot-prefix", "hot-prefix", "", "generated: 1,000 multi-turn users under 8 system prompts "
                   "picked by a Zipf law (s=1.1), for replica routing", ("skew",), generated=True),
     ModelWorkload("vlm-chat", "workloads.models.vlm_chat:factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",

@@ -23,7 +23,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 import digests
-
 from mmcache.hf import runner
 
 

@@ -24,13 +24,12 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 import digests
+from encoders.base import media_bytes
+from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
-
 from mmcache.hf import runner
-from encoders.base import media_bytes
 from mmcache.hf.paged_kv import PagedKVCache
-from encoders.vision import CachedVisionEncoder
 
 _SAME = object()  # serve(kv=...) default: the prefill's own cache
 

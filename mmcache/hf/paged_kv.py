@@ -23,12 +23,11 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool, same_device
 from mmcache.prefix_cache import PrefixCache, RequestState
-
-from encoders.base import module_fingerprint
 
 _MIN_CAPACITY = 256  # staging positions allocated at least, so short chats never regrow it
 

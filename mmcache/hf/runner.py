@@ -32,7 +32,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from mmcache.errors import InvalidRequest
-
 from mmcache.hf.paged_kv import PagedKVCache
 
 Embed = Callable[[int, int], torch.Tensor]  # (start, end) -> inputs_embeds [1, end - start, hidden]

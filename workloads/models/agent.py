@@ -2,8 +2,8 @@
 
 Workloads (each ``factory(options) -> Callable[[], Workload]``, see ``workloads.options``):
 - ``agent-model`` (``factory``): agent sessions whose every call re-sends the whole history. Real data: the
-  mini-swe-agent trajectories under ``<data>/mini-swe-agent/trajs`` (``workloads.traces.swe_agent``: the history holds the
-  recorded replies). Embedded default: generated sessions of the same shape (a shared system prompt, a task, then
+  mini-swe-agent trajectories under ``<data>/mini-swe-agent/trajs`` (``workloads.traces.swe_agent``: the history holds
+  the recorded replies). Embedded default: generated sessions of the same shape (a shared system prompt, a task, then
   command / tool-output turns), tokenized with the same SentencePiece model.
 - ``mooncake-model`` (``mooncake_factory``): the Mooncake conversation trace
   (``<data>/mooncake/conversation_trace.jsonl``) or the embedded 2,000-line slice. Each request keeps its first
@@ -26,7 +26,6 @@ from typing import Callable, Sequence
 import numpy as np
 
 from mmcache.errors import TraceError
-
 from workloads import fixtures, registry
 from workloads.harness.serving import Request
 from workloads.models.text import TextWorkload, text_factory

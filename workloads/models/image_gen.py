@@ -39,12 +39,11 @@ import torch
 import xxhash
 
 from mmcache.encoder_store import EncoderStore
-
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
+from workloads.harness.serving import Clock, Request
 from workloads.options import ModelWorkloadOptions
 from workloads.traces.diffusiondb import load_prompts
-from workloads.harness.serving import Clock, Request
 
 DIFFUSIONDB = Path("diffusiondb") / "diffusiondb_5k.jsonl"
 DEFAULT_REQUESTS = 200  # generated requests when neither data nor a limit is given
@@ -206,8 +205,8 @@ def factory(options: ModelWorkloadOptions) -> Callable[[], ImageGen]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m workloads.models.image_gen [--data PATH] [--limit N] [--schedule trace] [--slo-ms MS] [--threads N]``:
-    the cache off, then on, and their summary table."""
+    """``python -m workloads.models.image_gen [--data PATH] [--limit N] [--schedule trace] [--slo-ms MS]
+    [--threads N]``: the cache off, then on, and their summary table."""
     import argparse
 
     from workloads.harness.metrics import SLO, stage_seconds, summary_table

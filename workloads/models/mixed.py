@@ -17,8 +17,8 @@ from typing import Callable
 
 from workloads import registry
 from workloads.harness.metrics import RequestResult
-from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Request, Workload
+from workloads.options import ModelWorkloadOptions
 
 COMPONENTS = ("vlm-chat", "agent-model", "image-gen", "voice-clone")
 

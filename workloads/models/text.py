@@ -21,7 +21,6 @@ from mmcache import ShadowIndex
 from mmcache.errors import InvalidRequest
 from mmcache.hf import runner
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
-
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.harness.serving import Clock, Request

@@ -42,17 +42,17 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
-from mmcache.hf.llava import LlavaPrefill, VlmPrompt
 from mmcache import EncoderStore, ShadowIndex
 from mmcache.errors import InvalidMedia, InvalidRequest
-
+from mmcache.hf.llava import LlavaPrefill, VlmPrompt
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from workloads import fixtures, registry
 from workloads.harness.metrics import RequestResult
-from workloads.options import ModelWorkloadOptions
-from workloads.traces.mmmu import Part, load_mmmu, question_parts as _question
 from workloads.harness.serving import Clock, Request
 from workloads.models.text import check_vocab, prefix_ceiling, timed, trace_order
+from workloads.options import ModelWorkloadOptions
+from workloads.traces.mmmu import Part, load_mmmu
+from workloads.traces.mmmu import question_parts as _question
 
 SYSTEM = ("You are a careful assistant. You answer questions about the images the user shows, citing what you see "
           "in them, and you give the letter of the option you choose.")

@@ -55,16 +55,15 @@ import torch
 import digests
 from encoders.base import module_fingerprint
 from encoders.codec import CachedCodecEncoder
+from mmcache import EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
+from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
 from mmcache.hf import runner
 from mmcache.hf.csm import CsmSpeech, Template, frames_digest
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
-from mmcache import EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
-from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
-
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
-from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Request
+from workloads.options import ModelWorkloadOptions
 
 NAME = "voice-clone"
 AUDIO_CHUNK_FRAMES = 2          # Mimi frames per audio chunk: 160 ms at 12.5 frames/s

@@ -36,12 +36,11 @@ import heapq
 import time
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
-
+from workloads.harness.progress import progress_bar
+from workloads.sizes import format_size
 from workloads.sizing.ordering import schedule
 from workloads.sizing.service import ServiceModel
 from workloads.sizing.tiers import TierModel
-from workloads.harness.progress import progress_bar
-from workloads.sizes import format_size
 from workloads.traces.text_trace import TextRequest, TextTrace
 
 

@@ -26,7 +26,6 @@ import numpy as np
 
 from mmcache import Fingerprint, page_names
 from mmcache.shadow import ReplicaSpread
-
 from workloads.sizing.ordering import schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
 from workloads.sizing.routers import make_router

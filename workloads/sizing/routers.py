@@ -22,7 +22,6 @@ from collections import OrderedDict
 from typing import Sequence
 
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
-
 from workloads.sizing.router_names import ROUTERS
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from mmcache.errors import TraceError
-
 from workloads.traces.jsonl import check_file, load_jsonl
 from workloads.traces.swe_agent import render
 from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Sequence
 
 from mmcache.errors import TraceError
-
 from workloads.traces.jsonl import check_file, load_jsonl
 
 Part = str | Path | bytes  # text, an image file, or image bytes

@@ -29,9 +29,9 @@ from typing import Sequence
 import numpy as np
 
 from mmcache.errors import TraceError
-
 from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
 from workloads.traces.tokenizer import load_tokenizer, tokenizer_path  # noqa: F401 (the names model workloads import)
+
 
 def render(role: str, content: str) -> str:
     """The fixed chat template for one message."""

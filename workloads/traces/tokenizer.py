@@ -64,4 +64,5 @@ def load_tokenizer(path: str | Path | None = None):
         import sentencepiece
         return sentencepiece.SentencePieceProcessor(model_file=str(path))
     except (OSError, RuntimeError, ValueError, Exception) as e:  # both libraries raise bare Exception subclasses
-        raise TraceError(path, None, f"not a tokenizer.json or SentencePiece model ({str(e).splitlines()[0]})") from None
+        reason = str(e).splitlines()[0]
+        raise TraceError(path, None, f"not a tokenizer.json or SentencePiece model ({reason})") from None
