@@ -72,6 +72,22 @@ def tiny_llava(tiny_model_dir):
     return model, processor
 
 
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory) -> Path:
+    """A folder holding a tiny random Llama (vocabulary 512), saved by ``workloads.fixtures.saved``: for tests that load
+    it with ``from_pretrained`` in several dtypes and attention backends, or in another process."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return save_tiny(tmp_path_factory, "llama-512", lambda: LlamaForCausalLM(config))
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """``n`` token ids below 500, a function of ``seed`` alone."""
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def png_bytes(seed: int, size=(48, 40)) -> bytes:
     """A small random RGB PNG, different per seed."""
     import io

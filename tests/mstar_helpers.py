@@ -91,3 +91,12 @@ def held_pages(manager) -> int:
 
 
 __all__ = ["threading"]
+
+
+def assert_same_steps(on: list[dict], off: list[dict], steps: int) -> None:
+    """Reuse on vs off, step by step: the same requests in each step and their logits bit-equal (``torch.equal``)."""
+    assert len(on) == len(off) == steps
+    for a, b in zip(on, off):
+        assert a.keys() == b.keys()
+        for rid in a:
+            assert torch.equal(a[rid], b[rid]), rid

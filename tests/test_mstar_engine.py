@@ -4,10 +4,9 @@ reusing earlier ones' prompt and generated pages, every step's logits torch.equa
 chunk schedule. The reuse seam is the submodule's ``prepare_inputs`` (where M* has the prompt ids)."""
 
 import pytest
-import torch
 
 import flashinfer_standin
-from mstar_helpers import require_mstar
+from mstar_helpers import assert_same_steps, require_mstar
 from mstar_tiny_ar import PAGES, TinyAR, engine, serve
 
 require_mstar()
@@ -44,9 +43,4 @@ def test_engine_reuse_is_bit_equal_to_reuse_off_on_the_same_schedule():
         alloc = sub.alloc
         assert alloc.pool.num_free + sum(len(i) for i in alloc.indexes.values()) == PAGES
     assert runs[True][0] == runs[False][0]
-    on, off = runs[True][1], runs[False][1]
-    assert len(on) == len(off) == 4
-    for a, b in zip(on, off):
-        assert a.keys() == b.keys()
-        for rid in a:
-            assert torch.equal(a[rid], b[rid]), rid
+    assert_same_steps(runs[True][1], runs[False][1], steps=4)

@@ -4,9 +4,9 @@ bit-exact against the uncached run on the same chunk schedule. The host budget i
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
-from conftest import save_tiny
+from conftest import random_tokens
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
 from mmcache.hf.paged_kv import PagedKVCache
@@ -25,29 +25,20 @@ def with_host_tier(cache: PrefixCache, host_pages: int) -> HostTier:
     return host
 
 
-def tokens(n, seed):
-    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    folder = save_tiny(tmp_path_factory, "llama-tiers", lambda: LlamaForCausalLM(config))
-    return folder
 
 
 @pytest.mark.parametrize("dtype,attn", [(torch.float32, "eager"), (torch.bfloat16, "sdpa")])
-def test_a_prefix_served_from_the_host_tier_is_bit_exact(llama, dtype, attn):
-    model = LlamaForCausalLM.from_pretrained(llama, attn_implementation=attn, dtype=dtype).eval()
+def test_a_prefix_served_from_the_host_tier_is_bit_exact(llama_folder, dtype, attn):
+    model = LlamaForCausalLM.from_pretrained(llama_folder, attn_implementation=attn, dtype=dtype).eval()
     kv = PagedKVCache.for_model(model, num_pages=8, page_size=P, evict_batch_pages=1)
     host = with_host_tier(kv.prefix, 32)
-    first = tokens(13, 1)
+    first = random_tokens(13, 1)
     a = serve(model, kv, "a", first, max_new_tokens=NEW, chunk_tokens=P)
     written = (len(first) + NEW - 1) // P * P
-    serve(model, kv, "other", tokens(22, 2), max_new_tokens=NEW, chunk_tokens=P)  # evicts a's tail to the host
+    serve(model, kv, "other", random_tokens(22, 2), max_new_tokens=NEW, chunk_tokens=P)  # evicts a's tail to the host
     assert kv.prefix.stats().evicted_pages == host.counters["written_pages"] == written // P - 1
-    second = first + a.output_ids + tokens(6, 3)
+    second = first + a.output_ids + random_tokens(6, 3)
     got = serve(model, kv, "b", second, max_new_tokens=NEW, chunk_tokens=P)
     # page 0 matched on the device, the rest of a's pages in the host tier
     assert got.matched_tokens == written and host.counters["hit_pages"] == written // P - 1
@@ -112,7 +103,7 @@ def test_the_host_budget_is_split_explicitly():
     cache = PrefixCache(pool, Fingerprint(model="split", page_size=P), evict_batch_pages=1)
     cache.attach_tiers(TierStack(cache.fingerprint, host=HostTier(budget.tier, P)))
     for i in range(9):  # fill the tier (and more): it drops its own coldest pages, never the offload pool's
-        ids = tokens(9, 10 + i)
+        ids = random_tokens(9, 10 + i)
         cache.admit(i, ids)
         cache.grow(i, 9)
         cache.mark_computed(i, 9)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
-from conftest import save_tiny
+from conftest import random_tokens
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.hf.paged_kv import PagedKVCache
 from mmcache.hf.runner import chunk_spans, replay, serve
@@ -27,15 +27,7 @@ needs_mooncake = pytest.mark.skipif(WHY is not None, reason=f"Mooncake Store can
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tokens(n, seed):
-    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    return save_tiny(tmp_path_factory, "llama-store", lambda: LlamaForCausalLM(config))
 
 
 @pytest.fixture
@@ -72,11 +64,11 @@ def uncached(model, prompt, prefix_schedule, got):
 
 
 @needs_mooncake
-def test_instance_b_hits_what_instance_a_published(llama, master, instance):
-    first = tokens(13, 1)
+def test_instance_b_hits_what_instance_a_published(llama_folder, master, instance):
+    first = random_tokens(13, 1)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
-    a = subprocess.Popen([sys.executable, str(root / "tests" / "mooncake_instance.py"), str(llama),
+    a = subprocess.Popen([sys.executable, str(root / "tests" / "mooncake_instance.py"), str(llama_folder),
                           master.rpc_address, master.metadata_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True, env=env)
     try:
@@ -85,9 +77,9 @@ def test_instance_b_hits_what_instance_a_published(llama, master, instance):
         published = json.loads(a.stdout.readline())
         written = (len(first) + NEW - 1) // P
         assert published["published"] == written
-        model = LlamaForCausalLM.from_pretrained(llama, attn_implementation="eager", dtype=torch.float32).eval()
+        model = LlamaForCausalLM.from_pretrained(llama_folder, attn_implementation="eager", dtype=torch.float32).eval()
         kv, store = instance(model)
-        second = first + published["output_ids"] + tokens(6, 3)
+        second = first + published["output_ids"] + random_tokens(6, 3)
         got = serve(model, kv, "b", second, max_new_tokens=NEW, chunk_tokens=P)
         assert got.matched_tokens == written * P and store.counters["hit_pages"] == written
         a_schedule = chunk_spans(0, len(first), P) + [(i, i + 1) for i in range(len(first), written * P)]
@@ -98,10 +90,10 @@ def test_instance_b_hits_what_instance_a_published(llama, master, instance):
 
 
 @needs_mooncake
-def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama, master, instance):
-    model = LlamaForCausalLM.from_pretrained(llama, attn_implementation="eager", dtype=torch.float32).eval()
+def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama_folder, master, instance):
+    model = LlamaForCausalLM.from_pretrained(llama_folder, attn_implementation="eager", dtype=torch.float32).eval()
     kv, store = instance(model, probe_s=0.5)
-    first = tokens(13, 5)
+    first = random_tokens(13, 5)
     a = serve(model, kv, "a", first, max_new_tokens=NEW, chunk_tokens=P)
     assert store.flush(30) and store.counters["published_pages"] == 4
     master.stop()
