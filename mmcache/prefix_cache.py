@@ -330,7 +330,7 @@ class PrefixCache:
             rec.released += pages
             return rec.state(P)
 
-    # -------------------------------------------------------------------------- TP agreement hook (mmcache.tp) --------
+    # ----------------------------------------------------------------- TP agreement hook (mmcache.tp)
     def trim_match(self, rid: Hashable, pages: int) -> RequestState:
         """Keep only the first ``pages`` matched pages of a request that has not grown past its match (just
         admitted): the rest are released (they stay the index's) and the counters count only what is kept."""
