@@ -6,8 +6,8 @@
   random-weight LLaVA (CLIP ViT 224/14: 256 placeholders per image, + the same Llama).
 - Decode: per-step time at a ~1k-token context, PagedKVCache against transformers' DynamicCache.
 
-Reuse on: ``PagedKVCache`` + ``EncoderStore`` (``prefill.serve``). Reuse off: ``DynamicCache`` and the vision tower on
-every image, the same prefill chunks from position 0 (``prefill.replay``). Both run on the same model in the same
+Reuse on: ``PagedKVCache`` + ``EncoderStore`` (``runner.serve``). Reuse off: ``DynamicCache`` and the vision tower on
+every image, the same prefill chunks from position 0 (``runner.replay``). Both run on the same model in the same
 process, request by request; the next turn's history is the reuse-on run's output. TTFT counts from arrival
 (digests, admission, encoders, prefill) to the first token.
 
