@@ -113,9 +113,9 @@ class PagePool:
         """``[alloc(c) for c in counts]`` in one lock hold: the same pages in the same order as those calls, all
         or none. Returns None and takes nothing when the free pages do not cover the sum (no ``OutOfPages``: the
         caller decides what a shortfall means)."""
-        total = sum(counts)
-        if any(c < 0 for c in counts):
+        if counts and min(counts) < 0:
             raise InvalidRequest(f"cannot allocate a negative page count: {list(counts)}")
+        total = sum(counts)
         with self.lock:
             if total > len(self._free):
                 return None

@@ -255,31 +255,36 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
                        added: bool = False) -> bool:
         """``alloc(rid, label, n)`` for each pair in turn, in one lock hold and one pool take, when the free pages
         cover the whole batch: each request gets exactly the pages its own ``alloc`` would have given it, in the same
-        order, and a missing label is created as ``get_state`` creates it. ``added=True``: ``seq_lens`` count the
-        tokens a plan adds beyond each state's ``seq_len`` (as M*'s ``plan_attention`` takes them).
+        order. ``added=True``: ``seq_lens`` count the tokens a plan adds beyond each state's ``seq_len`` (as M*'s
+        ``plan_attention`` takes them).
 
         Returns False and changes nothing when the free pages do not cover the batch (covering it would evict, or
-        fail), a request is unknown or listed twice, or the lengths do not pair up: the caller then allocs per
-        request, which evicts and raises (``AllocationFailedError`` for the request that cannot fit) as M*'s loop."""
-        if len(request_ids) != len(seq_lens) or len(set(request_ids)) != len(request_ids):
-            return False  # e.g. a request listed twice: its second alloc sees the first one's pages
+        fail), a request or its label does not exist yet, a request is listed twice, or the lengths do not pair up:
+        the caller then allocs per request, which creates, evicts and raises (``AllocationFailedError`` for the
+        request that cannot fit) exactly as M*'s loop does. Returns True at once when every request is covered."""
+        if len(request_ids) != len(seq_lens):
+            return False
         P = self.config.page_size
         with self._lock:
-            labels = [self.request_states.get(rid) for rid in request_ids]
-            if None in labels:
+            rs = self.request_states
+            try:
+                states = [rs[rid][label] for rid in request_ids]
+            except KeyError:
                 return False
-            states = [ls.get(label) for ls in labels]
             if added:
-                seq_lens = [n + s.seq_len if s is not None else n for s, n in zip(states, seq_lens)]
-            needs = [-(-n // P) - (len(s.page_indices) if s is not None else 0) for s, n in zip(states, seq_lens)]
-            pages = self.pool.alloc_split([max(n, 0) for n in needs])
+                needs = [(s.seq_len + n + P - 1) // P - len(s.page_indices) for s, n in zip(states, seq_lens)]
+            else:
+                needs = [(n + P - 1) // P - len(s.page_indices) for s, n in zip(states, seq_lens)]
+            grow = [i for i, n in enumerate(needs) if n > 0]
+            if not grow:
+                return True
+            if len(set(request_ids)) != len(request_ids):
+                return False  # a request listed twice: its second alloc sees the first one's pages
+            pages = self.pool.alloc_split([needs[i] for i in grow])  # requests that take none change nothing
             if pages is None:
                 return False
-            for ls, state, got in zip(labels, states, pages):
-                if state is None:
-                    state = ls[label] = self._new_state()
-                if got:
-                    state.page_indices.extend(got)
+            for i, got in zip(grow, pages):
+                states[i].page_indices.extend(got)
             return True
 
     def alloc_many(self, request_ids: Sequence[Hashable], label: str, seq_lens: Sequence[int]) -> None:
