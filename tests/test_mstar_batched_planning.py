@@ -26,6 +26,7 @@ PROMPTS = {"a": [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], "b": [2, 7, 1, 8, 2, 8, 1], "c":
 @pytest.fixture(autouse=True)
 def flashinfer(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "flashinfer", flashinfer_standin.module())
+    monkeypatch.setattr(BatchedAllocPlanning, "min_growing_share", 0)  # every plan batched, whatever grows
 
 
 def manager(kind, monkeypatch, pages=64, reuse=False):
@@ -133,3 +134,15 @@ def test_a_pre_planned_label_allocates_nothing(monkeypatch):
     cm._pre_planned_labels.add("main")  # what M*'s CUDA-graph runner sets after planning ahead
     cm.plan_attention(seq_lens=[5], dtype=torch.float32)
     assert alloc.get_state("r", "main").page_indices == [] and "main" not in cm._pre_planned_labels
+
+
+def test_a_plan_where_few_requests_can_grow_is_left_to_m_stars_loop(monkeypatch):
+    """Decode steps over pages of 4: at most a quarter of the requests grow a page, under a share of 1/2."""
+    monkeypatch.setattr(BatchedAllocPlanning, "min_growing_share", 1 / 2)
+    calls, per_request, batched = [], manager("dropin", monkeypatch), manager("batched", monkeypatch)
+    take = batched.try_alloc_many
+    monkeypatch.setattr(batched, "try_alloc_many", lambda *a, **k: calls.append(take(*a, **k)) or calls[-1])
+    logits, seen = run(per_request, PROMPTS, decode=3)
+    logits_b, seen_b = run(batched, PROMPTS, decode=3)
+    assert calls == [True] and seen_b == seen  # only the prefill went through the batched call
+    assert all(torch.equal(a[r], b[r]) for a, b in zip(logits, logits_b) for r in a)

@@ -3,8 +3,10 @@
 M*'s ``FlashInferCacheManager.plan_attention`` calls ``alloc_manager.alloc`` once per request (cache_manager.py,
 ``_plan_attention_impl``). ``BatchedAllocPlanning`` is a mixin over any M* cache manager class whose
 ``plan_attention`` first gives the whole batch its pages with the drop-in's ``try_alloc_many`` (one lock hold, one
-pool take), then runs M*'s own ``plan_attention`` unchanged: its per-request ``alloc`` finds the pages there and
-returns at once (the drop-in's ``alloc`` checks that without its lock). M*'s semantics are kept exactly:
+pool take), then runs M*'s own ``plan_attention`` unchanged over a view of the allocator whose ``alloc`` has nothing
+left to do. It does so only when enough of the plan's requests can grow a page (``min_growing_share``): otherwise
+M*'s loop runs as it is, over the drop-in's ``alloc``, which returns without its lock when the pages are there.
+M*'s semantics are kept exactly:
 
 - ``try_alloc_many`` gives each request the very pages its own ``alloc`` would have, in the same order, so page
   tables (and hence outputs) are identical to the per-request path;
