@@ -24,6 +24,11 @@ grow-only ``alloc`` raising ``AllocationFailedError(pages_short, request_id, lab
 - Offload suspends, never tears down: the claim (prompt ids, names) survives; a label is offloaded only if the CPU
   pool took its pages, otherwise it stays resident (M* frees the GPU pages anyway and loses the KV).
 
+- Batched allocation: ``try_alloc_many`` gives a plan's requests the very pages their ``alloc`` calls in turn would
+  (one lock hold, one pool take) or changes nothing; ``mmcache.mstar.cache_manager`` has M*'s cache manager use it.
+  ``alloc`` returns without the lock when the pages already cover ``seq_len`` (a request's pages only grow while
+  it plans), the common case of a decode step.
+
 ``reuse=None`` is today's M*: no index, nothing retained or matched, ``match_prefix`` returns 0.
 """
 
