@@ -45,12 +45,13 @@ def tables(alloc) -> dict:
             for rid, labels in alloc.request_states.items()}
 
 
-def run(alloc, prompts, decode, model=TinyAR()):
+def run(alloc, prompts, decode, model=None):
     """Prefill ``prompts`` in one step, then decode greedily; the logits and page tables after every step."""
     for rid in prompts:
         alloc.add_request(rid, ["main"])
     if hasattr(alloc, "match_prefix"):
         prompts = {rid: ids[alloc.match_prefix(rid, "main", ids):] for rid, ids in prompts.items()}
+    model = model or TinyAR()
     steps = [model.step(alloc, prompts)]
     seen = [tables(alloc)]
     for _ in range(decode):
@@ -90,9 +91,9 @@ def test_batched_with_reuse_matches_per_request_when_eviction_is_needed(monkeypa
     out, calls = {}, []
     for kind in ("dropin", "batched"):
         alloc = manager(kind, monkeypatch, pages=13, reuse=True)
-        take = alloc.try_alloc_many
-        monkeypatch.setattr(alloc, "try_alloc_many", lambda *a, **k: calls.append(take(*a, **k)) or calls[-1])
-        first, _ = run(alloc, {"a": PROMPTS["a"], "c": PROMPTS["c"]}, decode=2)
+        monkeypatch.setattr(alloc, "try_alloc_many",
+                            lambda *a, take=alloc.try_alloc_many, **k: calls.append(take(*a, **k)) or calls[-1])
+        run(alloc, {"a": PROMPTS["a"], "c": PROMPTS["c"]}, decode=2)
         for rid in ("a", "c"):
             alloc.remove_request(rid)
         assert alloc.pool.num_free < 16  # their full pages are cached
