@@ -109,6 +109,26 @@ class PagePool:
             self._counts[pages] = 1
         return pages
 
+    def alloc_split(self, counts: Sequence[int]) -> list[list[int]] | None:
+        """``[alloc(c) for c in counts]`` in one lock hold: the same pages in the same order as those calls, all
+        or none. Returns None and takes nothing when the free pages do not cover the sum (no ``OutOfPages``: the
+        caller decides what a shortfall means)."""
+        if counts and min(counts) < 0:
+            raise InvalidRequest(f"cannot allocate a negative page count: {list(counts)}")
+        total = sum(counts)
+        with self.lock:
+            if total > len(self._free):
+                return None
+            taken = self._free[len(self._free) - total:]
+            del self._free[len(self._free) - total:]
+            self._counts[taken] = 1
+        # alloc pops from the end of the free list, so the first call's pages are the last of the batch's slice.
+        out, end = [], total
+        for c in counts:
+            out.append(taken[end - c:end])
+            end -= c
+        return out
+
     def retain(self, pages, distinct: bool = False) -> None:
         """Add one owner to each page (a page listed twice gains two); every page must already be owned.
 

@@ -74,3 +74,17 @@ def test_cuda_without_an_index_is_the_current_device():
     assert same_device("cuda", "cuda:0") and same_device("cpu", torch.device("cpu"))
     assert not same_device("cpu", "cuda:0")
     assert PagePool(4, device="cuda").device == canonical_device("cuda") and canonical_device("cuda").index is not None
+
+
+@given(st.lists(st.integers(0, 4), max_size=6), st.integers(0, 8), st.integers(6, 20))
+def test_alloc_split_gives_what_alloc_calls_in_turn_give(counts, held, size):
+    batched, serial = PagePool(size), PagePool(size)
+    for pool in (batched, serial):  # the same history: some pages taken, a few given back out of order
+        pool.release(pool.alloc(min(held, size))[::2])
+    free = batched.num_free
+    got = batched.alloc_split(counts)
+    if sum(counts) > free:
+        assert got is None and batched.num_free == free  # all or none
+    else:
+        assert got == [serial.alloc(c) for c in counts]
+        assert batched.num_free == serial.num_free and (batched.counts == serial.counts).all()

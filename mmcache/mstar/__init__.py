@@ -1,4 +1,5 @@
-"""mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``allocator``), cached encoder nodes
+"""mmcache inside M*: a drop-in ``PagedAllocationManager`` with prefix reuse (``allocator``) whose page allocation M*'s
+cache managers batch per plan (``cache_manager``, set up by ``install``), cached encoder nodes
 (``encoder_node``, keyed by ``encoder_items``, with digests taken in the data worker by ``media_digests`` and counters
 exported by ``encoder_metrics``), and replica affinity in M*'s conductor (``conductor``).
 
@@ -18,7 +19,8 @@ except ImportError:  # not found: the modules that need M* raise when imported
     pass
 
 _EXPORTS = {"CountedPageAllocator": "allocator", "PrefixPagedAllocationManager": "allocator",
-            "PrefixReuse": "allocator", "install": "allocator", "AffinityConductor": "conductor",
+            "PrefixReuse": "allocator", "install": "allocator", "BatchedAllocPlanning": "cache_manager",
+            "use_batched_planning": "cache_manager", "AffinityConductor": "conductor",
             "CachedEncoderNode": "encoder_node", "cache_encoder_nodes": "encoder_node",
             "install_digests": "media_digests", "route_digests": "media_digests", "store_oracle": "decode_skip",
             "EncoderNodeCollector": "encoder_metrics"}

@@ -24,6 +24,11 @@ grow-only ``alloc`` raising ``AllocationFailedError(pages_short, request_id, lab
 - Offload suspends, never tears down: the claim (prompt ids, names) survives; a label is offloaded only if the CPU
   pool took its pages, otherwise it stays resident (M* frees the GPU pages anyway and loses the KV).
 
+- Batched allocation: ``try_alloc_many`` gives a plan's requests the very pages their ``alloc`` calls in turn would
+  (one lock hold, one pool take) or changes nothing; ``mmcache.mstar.cache_manager`` has M*'s cache manager use it.
+  ``alloc`` returns without the lock when the pages already cover ``seq_len`` (a request's pages only grow while
+  it plans), the common case of a decode step.
+
 ``reuse=None`` is today's M*: no index, nothing retained or matched, ``match_prefix`` returns 0.
 """
 
@@ -251,23 +256,51 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
             if claim is not None:
                 claim.generated.extend(ids.tolist())
 
-    def alloc_many(self, request_ids: Sequence[Hashable], label: str, seq_lens: Sequence[int]) -> None:
-        """``alloc`` for a batch in one lock hold and one pool take: the batched call of a decode step. All or
-        nothing: ``AllocationFailedError`` (for the first request short of pages) changes no state."""
+    def try_alloc_many(self, request_ids: Sequence[Hashable], label: str, seq_lens: Sequence[int], *,
+                       added: bool = False) -> bool:
+        """``alloc(rid, label, n)`` for each pair in turn, in one lock hold and one pool take, when the free pages
+        cover the whole batch: each request gets exactly the pages its own ``alloc`` would have given it, in the same
+        order. ``added=True``: ``seq_lens`` count the tokens a plan adds beyond each state's ``seq_len`` (as M*'s
+        ``plan_attention`` takes them).
+
+        Returns False and changes nothing when the free pages do not cover the batch (covering it would evict, or
+        fail), a request or its label does not exist yet, a request is listed twice, or the lengths do not pair up:
+        the caller then allocs per request, which creates, evicts and raises (``AllocationFailedError`` for the
+        request that cannot fit) exactly as M*'s loop does. Returns True at once when every request is covered."""
+        if len(request_ids) != len(seq_lens):
+            return False
         P = self.config.page_size
         with self._lock:
-            states = [self.request_states[rid][label] for rid in request_ids]
-            needs = [-(-n // P) - len(s.page_indices) for s, n in zip(states, seq_lens, strict=True)]
-            total = sum(n for n in needs if n > 0)
-            if not total:
-                return
-            first = next(rid for rid, n in zip(request_ids, needs) if n > 0)
-            pages = self._take(total, first, label)
-            at = 0
-            for state, n in zip(states, needs):
-                if n > 0:
-                    state.page_indices.extend(pages[at:at + n])
-                    at += n
+            rs = self.request_states
+            try:
+                states = [rs[rid][label] for rid in request_ids]
+            except KeyError:
+                return False
+            if added:
+                needs = [(s.seq_len + n + P - 1) // P - len(s.page_indices) for s, n in zip(states, seq_lens)]
+            else:
+                needs = [(n + P - 1) // P - len(s.page_indices) for s, n in zip(states, seq_lens)]
+            grow = [i for i, n in enumerate(needs) if n > 0]
+            if not grow:
+                return True
+            if len(set(request_ids)) != len(request_ids):
+                return False  # a request listed twice: its second alloc sees the first one's pages
+            pages = self.pool.alloc_split([needs[i] for i in grow])  # requests that take none change nothing
+            if pages is None:
+                return False
+            for i, got in zip(grow, pages):
+                states[i].page_indices.extend(got)
+            return True
+
+    def alloc_many(self, request_ids: Sequence[Hashable], label: str, seq_lens: Sequence[int]) -> None:
+        """``alloc`` for a batch, with M*'s per-request semantics: ``try_alloc_many`` when the free pages cover it,
+        else ``alloc`` for each request in turn (evicting cached pages as needed; the first request that cannot fit
+        raises ``AllocationFailedError`` with its own shortfall, the requests before it keep their pages)."""
+        if len(request_ids) != len(seq_lens):
+            raise InvalidRequest(f"{len(request_ids)} requests but {len(seq_lens)} sequence lengths")
+        if not self.try_alloc_many(request_ids, label, seq_lens):
+            for rid, n in zip(request_ids, seq_lens):
+                self.alloc(rid, label, n)
 
     def stats(self, label: str) -> PrefixCacheStats:
         """The label's index counters plus the node pool's page counts (live = held by a request)."""
@@ -289,6 +322,10 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
 
     # ----------------------------------------------------------------- M*'s contract
     def alloc(self, request_id: str, label: str, seq_len: int):
+        # Pages only grow while a request plans, so pages that already cover seq_len need no lock: the common case
+        # of a decode step, and every call of M*'s plan loop after ``try_alloc_many`` gave the batch its pages.
+        if len(self.request_states[request_id][label].page_indices) * self.config.page_size >= seq_len:
+            return
         with self._lock:
             state = self.request_states[request_id][label]
             need = -(-seq_len // self.config.page_size) - len(state.page_indices)
@@ -392,14 +429,21 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
         self.page_allocator.free([p for j, p in enumerate(pages) if j not in kept])
 
 
-def install(engine, reuse: PrefixReuse | dict | None, **kwargs) -> dict[str, PrefixPagedAllocationManager]:
+def install(engine, reuse: PrefixReuse | dict | None, *, batched_planning: bool = True,
+            **kwargs) -> dict[str, PrefixPagedAllocationManager]:
     """Swap every self-attention ``PagedAllocationManager`` of a loaded M* ``KVCacheEngine`` (after ``load_model``,
     before ``warmup`` and any request) for a drop-in. ``reuse``: one ``PrefixReuse`` for every KV cache, or a mapping
-    of ``KVCacheConfig.get_node_str()`` to one (a cache missing from it keeps reuse off). Returns the drop-ins by
-    that key. Cross-attention pools keep M*'s manager."""
+    of ``KVCacheConfig.get_node_str()`` to one (a cache missing from it keeps reuse off). ``batched_planning``: the
+    cache managers M* builds for those caches allocate a plan's pages in one call (``mmcache.mstar.cache_manager``;
+    the same pages and errors as M*'s per-request loop). Returns the drop-ins by that key. Cross-attention pools keep
+    M*'s manager."""
+    from mmcache.mstar.cache_manager import use_batched_planning
     out = {}
     for key, kv_mgmt in engine.kv_management.items():
         this = reuse.get(key) if isinstance(reuse, dict) else reuse
         kv_mgmt.alloc_manager = out[key] = PrefixPagedAllocationManager.replacing(kv_mgmt.alloc_manager, this,
                                                                                   **kwargs)
+        if batched_planning:
+            for config in {id(c): c for c in (kv_mgmt.kv_cache_config, out[key].config)}.values():
+                use_batched_planning(config)
     return out
