@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import xxhash
 
+from mmcache.checks import as_names
 from mmcache.errors import InvalidRequest
 
 TOKEN_DTYPE = np.int32
@@ -162,3 +163,57 @@ def page_names(fp: Fingerprint, token_ids, media: Sequence = (), salt: bytes = b
     tokens = as_tokens(token_ids)
     blobs = media_by_page(media, fp.page_size, len(tokens))
     return chain(chain_root(fp, salt), tokens, fp.page_size, 0, blobs)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class NamedPrompt:
+    """A prompt named for the page chain: int32 token ids, media blobs by page, the salt and the chain root it folds
+    into the fingerprint's, and the names of its full pages. Built once per request, before any lock is taken; the
+    index, the shadow table and the M* allocator all name, match and index from one.
+
+    Invariant: ``names`` are the chain of ``tokens`` from ``root`` (or names a caller computed for them, checked to be
+    one uint64 per full page), so a page's name commits to every token and media mark up to its end.
+    """
+
+    tokens: np.ndarray
+    media: dict[int, bytes]
+    salt: bytes
+    root: int
+    names: list[int]
+    page_size: int
+
+    @classmethod
+    def build(cls, fp: Fingerprint, token_ids, media: Sequence = (), salt: bytes = b"",
+              names: Sequence[int] | None = None, *, vocab_limit: int = _TOKEN_LIMIT,
+              what: str = "request") -> NamedPrompt:
+        """Check and name a prompt; ``InvalidRequest`` (naming ``what``) for an empty or malformed one."""
+        tokens = as_tokens(token_ids, vocab_limit)
+        if tokens.size == 0:
+            raise InvalidRequest(f"{what}: a prompt needs at least one token")
+        P = fp.page_size
+        root = chain_root(fp, salt)
+        blobs = media_by_page(media, P, tokens.size)
+        names = chain(root, tokens, P, 0, blobs) if names is None else as_names(names, tokens.size // P, what)
+        return cls(tokens, blobs, bytes(salt), root, names, P)
+
+    @property
+    def matchable(self) -> int:
+        """Full pages a lookup may match: never the page of the last prompt token, whose logits the model needs."""
+        return (self.tokens.size - 1) // self.page_size
+
+    def media_ids(self, pages: int) -> np.ndarray:
+        """The 128-bit media verifying ids of the first ``pages`` pages."""
+        return media_ids(self.media, range(pages))
+
+    def written_pages(self, generated: np.ndarray, written_tokens: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """``(names, tokens [m, page_size], media ids [m, 2])`` of the full pages of prompt + ``generated`` (int32)
+        among the first ``written_tokens`` tokens: what teardown may index. Past the prompt the chain continues from
+        its last full page."""
+        P = self.page_size
+        seq = np.concatenate((self.tokens, generated)) if generated.size else self.tokens
+        m = min(seq.size, written_tokens) // P
+        names = self.names[:m]
+        if m > len(names):
+            start = len(names)
+            names = names + chain(names[-1] if names else self.root, seq[start * P:m * P], P, start, self.media)
+        return names, seq[:m * P].reshape(m, P), self.media_ids(m)

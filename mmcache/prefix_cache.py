@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import numpy as np
 
-from mmcache.checks import as_int, as_names
+from mmcache.checks import as_int
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
-from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.names import Fingerprint, NamedPrompt, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import PrefixIndex
 from mmcache.stats import PrefixCacheStats
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from mmcache.tiers.stack import PageFetch, TierStack
 
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
-_NO_TOKENS = np.empty(0, dtype=np.int32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,11 +56,8 @@ class RequestState:
 @dataclasses.dataclass(slots=True, eq=False)
 class _Request:
     rid: Hashable
-    tokens: np.ndarray          # prompt token ids, int32
-    media: dict[int, bytes]     # page -> media blob (see names.media_by_page)
-    root: int
+    prompt: NamedPrompt | None  # None: admitted without a prompt (``admit_unnamed``); never matched nor indexed
     salt_id: int
-    names: list[int]            # names of the prompt's full pages
     pages: list[int]            # pages held, in position order from first_page (less the released window)
     seq_len: int
     computed: int
@@ -71,8 +67,6 @@ class _Request:
     offloaded: int = 0          # while suspended: own pages handed back after the engine copied them out
     protected: int | None = None  # windowed label: tokens kept at the start; only their full pages are indexed
     released: int = 0           # windowed label: pages released after the protected run
-    named: bool = True          # False: admitted without a prompt (``admit_unnamed``); never matched nor indexed
-    salt: bytes = b""
     fetch: "PageFetch | None" = None  # tiers: the copy-up of the pages the lookup found below the device
 
     def state(self, page_size: int) -> RequestState:
@@ -132,17 +126,11 @@ class PrefixCache:
         ``seq_len == computed_tokens == matched_tokens``; ``grow`` adds pages for the rest.
         """
         P = self.page_size
-        tokens = as_tokens(token_ids, self._vocab_limit)
-        if tokens.size == 0:
-            raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
-        root = chain_root(self.fingerprint, salt)
-        blobs = media_by_page(media, P, tokens.size)
-        if names is None:
-            names = chain(root, tokens, P, 0, blobs)
-        else:  # checked here, not at finish: a name that cannot be stored must not leave a request live
-            names = as_names(names, tokens.size // P, f"request {rid!r}")
-        limit = (tokens.size - 1) // P
-        mids = media_ids(blobs, range(limit))
+        # Names are checked here, not at finish: a name that cannot be stored must not leave a request live.
+        prompt = NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, vocab_limit=self._vocab_limit,
+                                   what=f"request {rid!r}")
+        tokens, names, limit = prompt.tokens, prompt.names, prompt.matchable
+        mids = prompt.media_ids(limit)
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request {rid!r} is already live")
@@ -154,7 +142,7 @@ class PrefixCache:
             if self.tiers is not None and idx.size < limit and self.tiers.nominates(names[idx.size]):  # tiers
                 pages, fetch = self.tiers.extend(self.index, idx, names[:limit], tokens, mids, salt, salt_id)
             k = len(pages) * P
-            rec = _Request(rid, tokens, blobs, root, salt_id, names, pages, k, k, k, salt=bytes(salt), fetch=fetch)
+            rec = _Request(rid, prompt, salt_id, pages, k, k, k, fetch=fetch)
             self._live[rid] = rec
             self._ended.pop(rid, None)
             c = self.index.counters
@@ -170,7 +158,7 @@ class PrefixCache:
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request {rid!r} is already live")
-            rec = self._live[rid] = _Request(rid, _NO_TOKENS, {}, 0, 0, [], [], 0, 0, 0, named=False)
+            rec = self._live[rid] = _Request(rid, None, 0, [], 0, 0, 0)
             self._ended.pop(rid, None)
             return rec.state(self.page_size)
 
@@ -212,26 +200,22 @@ class PrefixCache:
         released and the chain continues from the indexed one); a name held by different ids stops indexing there.
         Returns the number of pages newly indexed.
         """
-        P = self.page_size
         with self._lock:
             rec = self._get(rid, live=True)
         out = as_tokens(output_ids, self._vocab_limit)
-        seq = np.concatenate((rec.tokens, out)) if out.size else rec.tokens
-        m = min(seq.size, rec.computed) // P if rec.named else 0
-        if rec.protected is not None:  # a windowed label stores only its protected-prefix run
-            m = min(m, rec.protected // P)
-        names = rec.names[:m]
-        if m > len(names):  # generated tokens extend the chain from the prompt's last full page
-            start = len(names)
-            names += chain(names[-1] if names else rec.root, seq[start * P:m * P], P, start, rec.media)
-        mids = media_ids(rec.media, range(m))
+        written = rec.computed if rec.protected is None else min(rec.computed, rec.protected)  # windowed: the run
+        if rec.prompt is None:  # admitted unnamed: nothing to index
+            names, page_tokens, mids = [], out[:0].reshape(0, self.page_size), None
+        else:
+            names, page_tokens, mids = rec.prompt.written_pages(out, written)
         with self._lock:
             if self._live.get(rid) is not rec:
                 raise UnknownRequest(f"request {rid!r} ended while finishing")
-            adopted = self.index.insert(rec.pages, names, seq[:m * P].reshape(m, P), mids, rec.salt_id)
+            adopted = self.index.insert(rec.pages, names, page_tokens, mids, rec.salt_id)
             kept = set(adopted)
-            if self.tiers is not None:  # write-through of newly indexed pages to the shared store
-                self.tiers.published(self.pool, rec.pages, adopted, names, seq, mids, rec.salt)
+            if self.tiers is not None and adopted:  # write-through of newly indexed pages to the shared store
+                self.tiers.published(self.pool, rec.pages, adopted, names, page_tokens.reshape(-1), mids,
+                                     rec.prompt.salt)
             self.pool.release([p for j, p in enumerate(rec.pages) if j not in kept])  # the rest stay the index's
             self._end(rid)
             return len(kept)
@@ -266,8 +250,9 @@ class PrefixCache:
             if not rec.suspended:
                 raise InvalidRequest(f"request {rid!r} is not suspended")
             j0 = rec.first_page
-            mids = media_ids(rec.media, range(j0))
-            idx = self.index.match(rec.names[:j0], rec.tokens, mids, rec.salt_id)
+            idx = (np.empty(0, dtype=np.int64) if rec.prompt is None  # unnamed: shares nothing, so j0 == 0
+                   else self.index.match(rec.prompt.names[:j0], rec.prompt.tokens, rec.prompt.media_ids(j0),
+                                         rec.salt_id))
             self.pool.retain(idx, distinct=True)
             gap = j0 - idx.size
             try:

@@ -11,11 +11,8 @@ import threading
 from collections import Counter
 from typing import Hashable, Sequence
 
-import numpy as np
-
-from mmcache.checks import as_names
-from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
-from mmcache.names import Fingerprint, _digest_bytes, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.errors import DuplicateRequest, UnknownRequest
+from mmcache.names import Fingerprint, NamedPrompt, _digest_bytes, as_tokens
 from mmcache.stats import ShadowStats
 
 
@@ -61,11 +58,8 @@ class ReplicaSpread:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Live:
-    tokens: np.ndarray
-    media: dict[int, bytes]
-    root: int
+    prompt: NamedPrompt
     salt_id: int
-    names: list[int]
 
 
 class ShadowIndex:
@@ -95,15 +89,9 @@ class ShadowIndex:
     def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
               names: Sequence[int] | None = None, replica: Hashable = 0) -> ShadowMatch:
         P = self.page_size
-        tokens = as_tokens(token_ids)
-        if tokens.size == 0:
-            raise InvalidRequest(f"request {rid!r}: a prompt needs at least one token")
-        root = chain_root(self.fingerprint, salt)
-        blobs = media_by_page(media, P, tokens.size)
-        names = chain(root, tokens, P, 0, blobs) if names is None else as_names(names, tokens.size // P,
-                                                                                 f"request {rid!r}")
-        limit = (tokens.size - 1) // P
-        mids = media_ids(blobs, range(limit))
+        prompt = NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, what=f"request {rid!r}")
+        tokens, names, limit = prompt.tokens, prompt.names, prompt.matchable
+        mids = prompt.media_ids(limit)
         digests = [(bytes(salt), _digest_bytes(d)) for _, d in media or ()]  # media_by_page has checked each mark
         with self._lock:
             if rid in self._live:
@@ -122,7 +110,7 @@ class ShadowIndex:
             inflight = 0
             while k + inflight < limit and self._inflight[names[k + inflight]]:
                 inflight += 1
-            self._live[rid] = _Live(tokens, blobs, root, salt_id, names)
+            self._live[rid] = _Live(prompt, salt_id)
             self._inflight.update(names[:limit])
             match = ShadowMatch(rid, int(tokens.size), k, inflight)
             self.records.append(match)
@@ -130,21 +118,14 @@ class ShadowIndex:
 
     def finish(self, rid: Hashable, output_ids=()) -> None:
         """Record the full pages of prompt + output under their names, as PrefixCache.finish would index them."""
-        P = self.page_size
         with self._lock:
             live = self._pop(rid)
         out = as_tokens(output_ids)
-        seq = np.concatenate((live.tokens, out)) if out.size else live.tokens
-        m = seq.size // P
-        names = live.names[:m]
-        if m > len(names):
-            names += chain(names[-1] if names else live.root, seq[len(names) * P:m * P], P, len(names), live.media)
-        mids = media_ids(live.media, range(m))
+        names, page_tokens, mids = live.prompt.written_pages(out, live.prompt.tokens.size + out.size)
         with self._lock:
             parent = None
-            for j, name in enumerate(names):
-                self._table.setdefault(name, (parent, live.salt_id, seq[j * P:(j + 1) * P].tobytes(),
-                                              mids[j].tobytes()))
+            for name, tokens, mid in zip(names, page_tokens, mids):
+                self._table.setdefault(name, (parent, live.salt_id, tokens.tobytes(), mid.tobytes()))
                 parent = name
 
     def abort(self, rid: Hashable) -> None:
@@ -155,7 +136,7 @@ class ShadowIndex:
         live = self._live.pop(rid, None)
         if live is None:
             raise UnknownRequest(f"request {rid!r} is not live in the shadow index")
-        for name in live.names[:(live.tokens.size - 1) // self.page_size]:
+        for name in live.prompt.names[:live.prompt.matchable]:
             if self._inflight[name] > 1:
                 self._inflight[name] -= 1
             else:

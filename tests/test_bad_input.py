@@ -108,7 +108,7 @@ def test_token_ids_must_be_one_flat_prompt(tokens):
 def test_a_batch_of_one_row_is_its_prompt():
     cache = PrefixCache(PagePool(8), FP)
     assert cache.admit("a", torch.tensor([PROMPT])).seq_len == 0 and cache.state("a").rid == "a"
-    assert (cache._live["a"].tokens == PROMPT).all()
+    assert (cache._live["a"].prompt.tokens == PROMPT).all()
 
 
 @pytest.mark.parametrize("media", [[(True, b"x" * 16)], [(1, b"")], [(1, True)], [(1, "abc")]])

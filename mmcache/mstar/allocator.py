@@ -43,7 +43,7 @@ import torch
 
 from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.mstar.vendor import import_mstar
-from mmcache.names import Fingerprint, as_tokens, chain, chain_root, media_by_page, media_ids
+from mmcache.names import Fingerprint, NamedPrompt, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import reclaim, reclaimable
@@ -113,13 +113,10 @@ class PrefixReuse:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Claim:
-    """What names a (request, label)'s KV: its prompt ids, media blobs by page, salt, and appended generated ids."""
+    """What names a (request, label)'s KV: its named prompt, salt id, and the generated ids appended so far."""
 
-    tokens: np.ndarray
-    media: dict[int, bytes]
-    root: int
+    prompt: NamedPrompt
     salt_id: int
-    names: list[int]
     generated: list[int]
 
 
@@ -218,14 +215,8 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
         if not self._reuses(label):
             return 0
         P = self.config.page_size
-        tokens = as_tokens(token_ids)
-        if tokens.size == 0:
-            raise InvalidRequest(f"request {request_id!r}: a prompt needs at least one token")
-        root = chain_root(self.reuse.fingerprint, salt)
-        blobs = media_by_page(media, P, tokens.size)
-        names = chain(root, tokens, P, 0, blobs)
-        limit = (tokens.size - 1) // P
-        mids = media_ids(blobs, range(limit))
+        prompt = NamedPrompt.build(self.reuse.fingerprint, token_ids, media, salt, what=f"request {request_id!r}")
+        tokens, limit = prompt.tokens, prompt.matchable
         with self._lock:
             state = self.get_state(request_id, label)
             if state.page_indices or state.seq_len or (request_id, label) in self._claims:
@@ -233,13 +224,13 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
                                      f"before its first prefill")
             index = self._index(label)
             salt_id = index.salt_id(salt)
-            idx = index.match(names[:limit], tokens, mids, salt_id)
+            idx = index.match(prompt.names[:limit], tokens, prompt.media_ids(limit), salt_id)
             self.pool.retain(idx, distinct=True)
             index.touch(idx)
             k = idx.size * P
             state.page_indices = idx.tolist()
             state.seq_len = state.position_id_start = k
-            self._claims[(request_id, label)] = _Claim(tokens, blobs, root, salt_id, names, [])
+            self._claims[(request_id, label)] = _Claim(prompt, salt_id, [])
             c = index.counters
             c["queries"] += 1
             c["hits"] += bool(k)
@@ -416,16 +407,9 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
         if claim is None or not pages:
             self.page_allocator.free(pages)
             return
-        P = self.config.page_size
-        seq = np.concatenate((claim.tokens, np.asarray(claim.generated, dtype=claim.tokens.dtype)))
-        m = min(seq.size, state.seq_len) // P
-        m = min(m, len(pages))
-        names = claim.names[:m]
-        if m > len(names):  # generated ids extend the chain from the prompt's last full page
-            start = len(names)
-            names += chain(names[-1] if names else claim.root, seq[start * P:m * P], P, start, claim.media)
-        mids = media_ids(claim.media, range(m))
-        kept = set(self._index(label).insert(pages, names, seq[:m * P].reshape(m, P), mids, claim.salt_id))
+        written = min(state.seq_len, len(pages) * self.config.page_size)
+        names, page_tokens, mids = claim.prompt.written_pages(np.asarray(claim.generated, dtype=np.int32), written)
+        kept = set(self._index(label).insert(pages, names, page_tokens, mids, claim.salt_id))
         self.page_allocator.free([p for j, p in enumerate(pages) if j not in kept])
 
 
