@@ -452,14 +452,11 @@ class EncoderStore:
                 keys += [e.tick * scale] * len(e.pages)
         return np.asarray(pages, dtype=np.int64), np.asarray(keys, dtype=np.int64)
 
-    def evict(self, pages, short: int) -> None:
+    def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries: a partial one frees its other pages too)."""
         chosen = set(np.asarray(pages).tolist())
         if chosen:
             self._drop([e for e in self._entries.values() if not chosen.isdisjoint(e.pages)], evicted=True)
-
-    def stalled(self) -> None:
-        pass
 
     def _remove(self, name: tuple) -> None:
         if (entry := self._entries.get(name)) is not None:

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from mmcache.pool import PagePool
-from mmcache.reclaim import Clock, reclaim
+from mmcache.reclaim import Clock, make_room
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -146,8 +146,7 @@ class PrefixIndex:
         """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
         nothing) when even every cached page on the pool would not cover the shortfall. The choice of what to
         evict lives in ``mmcache.reclaim``, across every cache on the pool (other labels' indexes, an encoder store)."""
-        with self.pool.cache_lock:
-            reclaim(self.pool, need, None, self.evict_batch_pages)
+        make_room(self.pool, need, self.evict_batch_pages, self.counters)
 
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their eviction keys: lower goes first.
@@ -157,12 +156,8 @@ class PrefixIndex:
         cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
         return cands, self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
 
-    def evict(self, pages: np.ndarray, short: int) -> None:
+    def evict(self, pages: np.ndarray) -> None:
         """Drop ``pages`` (a prefix of the candidate order, all held only by the index) and release them."""
-        c = self.counters
-        if short:
-            c["eviction_batches"] += 1
-            c["shortfall_pages"] += short
         if not len(pages):
             return
         if self.spill is not None:
@@ -171,10 +166,7 @@ class PrefixIndex:
             del self._pages[name]
         self._indexed[pages] = False
         self.pool.release(pages)
-        c["evicted_pages"] += len(pages)
-
-    def stalled(self) -> None:
-        self.counters["stalls"] += 1
+        self.counters["evicted_pages"] += len(pages)
 
     def clear(self) -> int:
         """Drop every entry and release the index's owner on its pages; returns how many were dropped."""

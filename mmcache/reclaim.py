@@ -44,9 +44,7 @@ class Clock:
 class Evictable(Protocol):
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def evict(self, pages: np.ndarray, short: int) -> None: ...
-
-    def stalled(self) -> None: ...
+    def evict(self, pages: np.ndarray) -> None: ...
 
 
 def reclaimable(owners: Sequence[Evictable]) -> int:
@@ -67,15 +65,13 @@ def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None
     found = [o.eviction_candidates() for o in owners]
     total = sum(len(pages) for pages, _ in found)
     if total < short:
-        for o in owners:
-            o.stalled()
         raise OutOfPages(short - total, requested=need)
     n = min(total, max(short, batch))
     if len(owners) == 1:
         pages, keys = found[0]
         if n < total:
             pages = pages[np.argpartition(keys, n - 1)[:n]]
-        owners[0].evict(pages, short)
+        owners[0].evict(pages)
         return n
     which = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, _) in enumerate(found)])
     pages = np.concatenate([p for p, _ in found])
@@ -84,5 +80,24 @@ def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None
         pick = np.argpartition(keys, n - 1)[:n]
         pages, which = pages[pick], which[pick]
     for i, owner in enumerate(owners):
-        owner.evict(pages[which == i], short if i == 0 else 0)
+        owner.evict(pages[which == i])
     return n
+
+
+def make_room(pool: PagePool, need: int, batch: int, counters: dict | None) -> None:
+    """``reclaim`` for one owner's request, counted on that owner's ``counters`` (when given): a covered shortfall
+    as one eviction batch and its ``shortfall_pages``, a refusal as a stall. The evicted pages are counted by the
+    caches they left, so on a shared pool each cache's counters say what happened to it."""
+    with pool.cache_lock:
+        short = need - pool.num_free
+        if short <= 0:
+            return
+        try:
+            reclaim(pool, need, None, batch)
+        except OutOfPages:
+            if counters is not None:
+                counters["stalls"] += 1
+            raise
+        if counters is not None:
+            counters["eviction_batches"] += 1
+            counters["shortfall_pages"] += short

@@ -53,6 +53,24 @@ def test_grow_evicts_encoder_entries_and_encoder_puts_evict_kv():
     assert_same_value(store.get(key(9)), floats(16 * 7))
 
 
+def test_each_cache_counts_what_happened_to_it():
+    """On a shared pool the request that was short counts the eviction (or the stall); the pages count where they
+    left from. An encoder put that cannot fit is no stall of the prefix cache."""
+    pool, cache, store = node(8)
+    for i in range(4):
+        assert store.put(key(i), floats(16, seed=i))
+    cache.admit("b", list(range(100, 128)))
+    cache.grow("b", 28)                                         # 7 pages, 4 free: 3 encoder pages evicted for it
+    s = cache.stats()
+    assert (s.eviction_batches, s.shortfall_pages, s.evicted_pages, s.stalls) == (1, 3, 0, 0)
+    assert store.stats().totals.evictions == 3
+    assert not store.put(key(9), floats(16 * 2))                # 2 pages, 1 free, nothing evictable: a bypass
+    assert cache.stats().stalls == 0
+    with pytest.raises(OutOfPages):
+        cache.grow("b", 40)                                     # 10 pages > the pool: the prefix cache's stall
+    assert cache.stats().stalls == 1
+
+
 def test_pinned_and_live_pages_are_never_evicted():
     pool, cache, store = node(8)
     assert store.put(key(0), floats(32))                       # 2 pages

@@ -46,7 +46,7 @@ from mmcache.mstar.vendor import import_mstar
 from mmcache.names import Fingerprint, NamedPrompt, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import PrefixIndex
-from mmcache.reclaim import reclaim, reclaimable
+from mmcache.reclaim import make_room, reclaimable
 from mmcache.stats import PrefixCacheStats
 
 import_mstar()
@@ -386,13 +386,14 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
             index = self.indexes[label] = PrefixIndex(self.pool, self.config.page_size, self._batch)
         return index
 
-    def _reclaim(self, n: int) -> None:
-        with self._lock:
-            reclaim(self.pool, n, None, self._batch)
+    def _reclaim(self, n: int, label: str | None = None) -> None:
+        """Evict cold cached pages of any cache on the pool for ``n`` pages, counted on ``label``'s index."""
+        index = self.indexes.get(label)
+        make_room(self.pool, n, self._batch, index.counters if index is not None else None)
 
     def _take(self, n: int, request_id, label: str) -> list[int]:
         try:
-            self._reclaim(n)
+            self._reclaim(n, label)
             return self.pool.alloc(n)
         except OutOfPages as err:
             raise AllocationFailedError(
