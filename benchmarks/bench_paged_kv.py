@@ -37,7 +37,7 @@ from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape  # noqa: E402
 from mmcache.hf.runner import chunk_spans, replay, serve  # noqa: E402
 from mmcache.hf.llava import LlavaPrefill  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
-from workloads.traces.swe_agent import load_tokenizer  # noqa: E402
+from workloads.traces.tokenizer import load_tokenizer  # noqa: E402
 
 BOS, INST, END_INST, EOS, IMG = 1, 3, 4, 2, 10  # Mistral v3 control tokens
 SYSTEM = ("You are a helpful, knowledgeable assistant. Answer the user's questions accurately and concisely, "

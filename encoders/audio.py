@@ -16,7 +16,7 @@ import torchaudio
 from torch import nn
 
 import digests
-from encoders.base import CachedEncoder, media_bytes, module_fingerprint
+from encoders.base import CachedEncoder, module_fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
 
@@ -56,13 +56,7 @@ class CachedWavEncoder(CachedEncoder):
     def read(self, wav):
         """``wav`` as immutable bytes (a path read once) or the ``(waveform, sample_rate)`` pair; InvalidMedia
         otherwise."""
-        if isinstance(wav, tuple) and len(wav) == 2:
-            return wav
-        data = media_bytes(wav, "WAV")
-        if data is None:
-            raise InvalidMedia(f"cannot encode {type(wav).__qualname__}: expected WAV bytes, a path or (waveform, "
-                               f"rate)")
-        return data
+        return wav if isinstance(wav, tuple) and len(wav) == 2 else super().read(wav)
 
     def digest(self, data) -> digests.Digest:
         return digests.audio(data, self.params)

@@ -78,7 +78,9 @@ def load_model(cls, options, kind: str, config, *, build: Callable | None = None
 
 # ------------------------------------------------------------------------------------------------------ tokenizers
 class HFTokenizer:
-    """A transformers tokenizer behind the calls the loaders make on a SentencePiece processor."""
+    """A model folder's own transformers tokenizer behind the calls the loaders make on a SentencePiece processor.
+    Apart from ``workloads.traces.tokenizer`` (which reads a trace's tokenizer file): a model needs its tokenizer
+    exactly as ``AutoTokenizer`` loads it, with its special ids (``eos_id`` for CSM's segments)."""
 
     def __init__(self, tok):
         self.tok = tok
@@ -96,7 +98,7 @@ class HFTokenizer:
 def text_tokenizer(folder: Path | None):
     """The tokenizer of a user's model folder when it has one, else the SentencePiece model of ``mistral_common``
     (what the tiny models' vocabulary is sized for)."""
-    from workloads.traces.swe_agent import load_tokenizer
+    from workloads.traces.tokenizer import load_tokenizer
 
     if folder is not None and any((Path(folder) / f).is_file() for f in
                                   ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -110,13 +112,12 @@ def t5_style_tokenizer(folder: Path):
     T5's conventions (``</s>`` appended, a ``<pad>`` token), saved to ``folder`` and loaded back. Byte fallback keeps
     it lossless, so distinct prompts never share token ids and hit rates are those of the text. Merges are recovered
     from the vocabulary as transformers' SentencePieceExtractor does (which needs protobuf)."""
-    import sentencepiece
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from workloads.traces.swe_agent import tokenizer_path
+    from workloads.traces.tokenizer import load_tokenizer
 
-    spm = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path()))
+    spm = load_tokenizer()
     vocab = {spm.id_to_piece(i): i for i in range(spm.get_piece_size())}
     merges = sorted((vocab[p], vocab[p[:k]], vocab[p[k:]], p[:k], p[k:]) for p in vocab for k in range(1, len(p))
                     if p[:k] in vocab and p[k:] in vocab)

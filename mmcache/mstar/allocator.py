@@ -159,14 +159,12 @@ class PrefixPagedAllocationManager(PagedAllocationManager):
 
     def _init_cpu(self, config, kv_cache, transfer_engine_info) -> None:
         """M*'s constructor body for a KV cache off the GPU, with in-process reads in place of the CUDA-IPC engine
-        (``storage._share_cuda_()`` needs CUDA). Mirrors kv_store.py:466-497; ``page_allocator`` is set after."""
-        import threading
-
+        (``storage._share_cuda_()`` needs CUDA). Mirrors kv_store.py:466-497; ``page_allocator`` and ``_lock`` (the
+        pool's) are set after, by ``_init_reuse``."""
         self.config = config
         self.request_states = {}
         self.kv_cache = kv_cache
         self.write_policy = kv_store.StoreWritePolicy.ALWAYS
-        self._lock = threading.RLock()
         self._kv_transfer_engine = CPUKVTransferEngine(kv_cache)
         self._offload_stream = None
         self.pending_reads = {}

@@ -31,7 +31,17 @@ import torch
 
 from mmcache.errors import InvalidRequest
 
-SALT_KWARG = "mmcache_salt"  # a request's tenant salt among its model_kwargs (must match the node's step_metadata)
+SALT_KEY = "mmcache_salt"  # a request's tenant salt: among its model_kwargs here, in its step_metadata at the node
+
+
+def request_salt(entries, where: str) -> bytes:
+    """The tenant salt under ``SALT_KEY`` in ``entries`` (model_kwargs or step_metadata; may be None) as bytes."""
+    salt = (entries or {}).get(SALT_KEY, b"")
+    if isinstance(salt, str):
+        salt = salt.encode()
+    if not isinstance(salt, (bytes, bytearray)):
+        raise InvalidRequest(f"{where}[{SALT_KEY!r}] must be bytes or str, got {type(salt).__name__}")
+    return bytes(salt)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ import torch
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
+from mmcache.mstar.decode_skip import request_salt
 from mmcache.mstar.vendor import import_mstar
 
 import_mstar()
@@ -40,7 +41,6 @@ import_mstar()
 from mstar.engine.base import NodeBatch  # noqa: E402
 from mstar.model.submodule_base import ModelInputsFromEngine, NodeInputs, NodeSubmodule  # noqa: E402
 
-SALT_KEY = "mmcache_salt"  # step_metadata entry holding a request's tenant salt (bytes or str)
 DEFAULT_CAPACITY = 1 << 30
 
 
@@ -111,12 +111,7 @@ def _clone(value):
 
 
 def _salt(fwd_info) -> bytes:
-    salt = (getattr(fwd_info, "step_metadata", None) or {}).get(SALT_KEY, b"")
-    if isinstance(salt, str):
-        salt = salt.encode()
-    if not isinstance(salt, (bytes, bytearray)):
-        raise InvalidRequest(f"step_metadata[{SALT_KEY!r}] must be bytes or str, got {type(salt).__name__}")
-    return bytes(salt)
+    return request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
 
 
 @dataclasses.dataclass(eq=False)

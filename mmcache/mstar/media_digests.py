@@ -25,7 +25,7 @@ import torch
 
 import digests
 from mmcache.errors import InvalidRequest
-from mmcache.mstar.decode_skip import SALT_KWARG, Known, MediaKey, stand_ins_for
+from mmcache.mstar.decode_skip import Known, MediaKey, request_salt, stand_ins_for
 from mmcache.mstar.media_bytes import decode_from, read_request_files
 
 _MEDIA = {"image": digests.image, "audio": digests.audio, "video": digests.video}
@@ -80,8 +80,7 @@ def install_digests(worker, params: dict[str, object], known: Known | None = Non
         stored = stand_ins.lookup(raw)
         if stored is None:
             return None
-        salt = (input.model_kwargs or {}).get(SALT_KWARG, b"")
-        salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+        salt = request_salt(input.model_kwargs, "model_kwargs")
         keys = {MediaKey(input.request_id, m, d, salt) for m, ds in raw.items() for d in ds}
         return stored if known(sorted(keys, key=repr)) >= keys else None
 

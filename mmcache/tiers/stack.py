@@ -95,7 +95,7 @@ class TierStack:
     def nominates(self, name) -> bool:
         """Whether the lookup may continue below the device at the page named ``name`` (the all-miss fast path:
         one dict probe when there is no store; with a store, every device miss asks it)."""
-        return self.store is not None or (self.host is not None and name in self.host._pages)
+        return self.store is not None or (self.host is not None and name in self.host)
 
     def extend(self, index, idx: np.ndarray, names, tokens: np.ndarray, mids: np.ndarray, salt: bytes,
                salt_id: int) -> tuple[list[int], PageFetch | None]:

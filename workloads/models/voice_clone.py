@@ -63,6 +63,7 @@ from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.harness.serving import Clock, Request
+from workloads.models.text import prefix_ceiling
 from workloads.options import ModelWorkloadOptions
 
 NAME = "voice-clone"
@@ -313,8 +314,6 @@ class VoiceClone:
                        zip(offsets[1:], turn.history))]
             shadow.admit(req.rid, ids, media=marks)
             shadow.finish(req.rid)
-        prompt = sum(r.prompt_tokens for r in shadow.records)
-        matched = sum(r.matched_pages for r in shadow.records) * self.page_size
-        return ({"prefix": matched / prompt if prompt else 0.0, "audio": hits / items if items else 0.0},
-                {"prefix": prompt, "audio": items})
+        return ({"prefix": prefix_ceiling(shadow), "audio": hits / items if items else 0.0},
+                {"prefix": sum(r.prompt_tokens for r in shadow.records), "audio": items})
 

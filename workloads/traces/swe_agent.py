@@ -30,7 +30,7 @@ import numpy as np
 
 from mmcache.errors import TraceError
 from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
-from workloads.traces.tokenizer import load_tokenizer, tokenizer_path  # noqa: F401 (the names model workloads import)
+from workloads.traces.tokenizer import load_tokenizer
 
 
 def render(role: str, content: str) -> str:
