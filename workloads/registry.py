@@ -101,6 +101,11 @@ def embedded_slice() -> Path:
     return Path(str(resources.files("workloads") / "data" / "mooncake_slice.jsonl"))
 
 
+def default_data() -> Path:
+    """``../shared/data`` from the working directory: where a checkout beside the project's shared folder has it."""
+    return Path.cwd().parent / "shared" / "data"
+
+
 def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:
     """The shared data folder and where it came from: ``--data``, else ``$MMCACHE_DATA``, else ``../shared/data``.
     The first one given is the only one used: data from a folder the user did not name is never picked up."""
@@ -108,7 +113,7 @@ def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:
         return Path(explicit), "--data"
     if os.environ.get(DATA_ENV):
         return Path(os.environ[DATA_ENV]), f"${DATA_ENV}"
-    return Path.cwd().parent / "shared" / "data", "../shared/data"
+    return default_data(), "../shared/data"
 
 
 def find_data(name: str, explicit: str | Path | None = None) -> Path:
@@ -120,7 +125,7 @@ def find_data(name: str, explicit: str | Path | None = None) -> Path:
         return root
     sources = [f"--data {explicit}" if explicit else "no --data PATH",
                f"${DATA_ENV}={os.environ[DATA_ENV]}" if os.environ.get(DATA_ENV) else f"${DATA_ENV} not set",
-               f"../shared/data = {Path.cwd().parent / 'shared' / 'data'}"]
+               f"../shared/data = {default_data()}"]
     raise UnknownWorkload(f"no data for workload {w.name!r}: looked for {root / w.data_path} (from {how}; "
                           f"searched in this order: {', '.join(sources)}). Pass --data PATH (the folder holding "
                           f"{w.data_path or 'the data'}) or set ${DATA_ENV}")
