@@ -130,5 +130,6 @@ def test_copy_up_from_pinned_memory_is_gated_by_an_event():
         cache.finish(rid)
     s = cache.admit("c", list(range(1, 10)))
     assert s.fetch is not None and s.fetch.host_pages >= 1
+    assert s.fetch._event is not None  # the copy-up went through a CUDA event (nothing has polled it yet)
     s.fetch.wait()
     assert s.fetch.ready and pool.data[s.page_indices[0]][0].item() == 1.0
