@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from mmcache.mstar.vendor import import_mstar, mstar_root
+from mmcache.mstar.requirement import why_unavailable
 from hypothesis import given, strategies as st
 
 from mmcache import Fingerprint, page_names
@@ -69,9 +69,8 @@ def test_affinity_spreads_distinct_prefixes_over_every_replica():
 # ----------------------------------------------------------------- M*'s conductor
 @pytest.fixture(scope="module")
 def mstar():
-    if mstar_root() is None:
-        pytest.skip("M* not found: set MMCACHE_MSTAR or place it at ../shared/vendor/mstar")
-    import_mstar()
+    if why_unavailable() is not None:
+        pytest.skip(why_unavailable())
     try:
         from mstar.conductor import conductor
         from mstar.graph.base import GraphNode

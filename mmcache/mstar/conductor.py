@@ -1,4 +1,4 @@
-"""Replica affinity in M*'s conductor, from outside the vendored code (RFC phase 3b).
+"""Replica affinity in M*'s conductor, from outside M*'s code (RFC phase 3b).
 
 M*'s ``Conductor._assign_worker_graphs_to_workers`` picks each node group's data-parallel replica with
 ``np.random.randint``. ``AffinityConductor`` overrides that one method: the replica of each group comes from an
@@ -11,7 +11,7 @@ request: ``route_names(body)`` reads ``body.model_kwargs["mmcache_route_names"]`
 them with ``mmcache.page_names``; a list of ints). Override ``route_names`` in a subclass to derive them otherwise.
 A request without names is placed as today.
 
-Importing this module imports M* (found by ``mmcache.mstar.vendor``; M*'s own dependencies: ``pip install
+Importing this module imports M* (checked by ``mmcache.mstar.requirement``; M*'s own dependencies: ``pip install
 'mmcache[mstar]'``).
 """
 
@@ -21,10 +21,10 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from mmcache.mstar.vendor import import_mstar
+from mmcache.mstar.requirement import require_mstar
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
 
-import_mstar()
+require_mstar()
 from mstar.conductor.conductor import Conductor  # noqa: E402
 
 ROUTE_NAMES_KWARG = "mmcache_route_names"

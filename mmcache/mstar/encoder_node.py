@@ -34,9 +34,9 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
 from mmcache.mstar.decode_skip import request_salt
-from mmcache.mstar.vendor import import_mstar
+from mmcache.mstar.requirement import require_mstar
 
-import_mstar()
+require_mstar()
 
 from mstar.engine.base import NodeBatch  # noqa: E402
 from mstar.model.submodule_base import ModelInputsFromEngine, NodeInputs, NodeSubmodule  # noqa: E402
