@@ -24,13 +24,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the loopback Mooncake master
 from benchmarks.timing import best  # noqa: E402
 from mmcache import Fingerprint, PagePool, PrefixCache  # noqa: E402
 from mmcache.pool import HostPagePool  # noqa: E402
+from mmcache.reclaim import make_room  # noqa: E402
 from mmcache.tiers import HostTier, StoreTier, TierStack, mooncake  # noqa: E402
 from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
 from mmcache.tiers.stack import _copy_up  # noqa: E402
 from mmcache.tiers.store import Expected  # noqa: E402
+from mooncake_master import MooncakeMaster  # noqa: E402
 
 P = 128
 
@@ -104,7 +107,7 @@ def store_bandwidth(repeats, pages):
     if why:
         print(f"\n2./3. store: skipped ({why})")
         return None
-    master = mooncake.MooncakeMaster().start()
+    master = MooncakeMaster().start()
     client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 1 << 30, 256 << 20)
     try:
         for page_kib in (256, 1024):
@@ -112,9 +115,9 @@ def store_bandwidth(repeats, pages):
             dev = PagePool(pages * 2, shape, torch.bfloat16)
             dev.data.normal_()
             fp = Fingerprint(model=f"bench{page_kib}", page_size=P)
-            cache = PrefixCache(dev, fp)
+            cache = PrefixCache(dev, fp)  # no tier: its pages are published below, timed alone
             store = StoreTier(client, publish_async=False)
-            cache.attach_tiers(TierStack(fp, store=store))
+            stack = TierStack(fp, store=store)
             rng = np.random.default_rng(page_kib)
             put_o, put_b, get_o, get_b = [], [], [], []
             for rep in range(repeats):
@@ -125,8 +128,8 @@ def store_bandwidth(repeats, pages):
                 cache.mark_computed("w", ids.size)
                 rec = cache._live["w"]
                 mids = np.zeros((pages, 2), dtype=np.uint64)
-                put_o.append(best(lambda: cache.tiers.published(dev, rec.pages, list(range(pages)), names,
-                                                                ids, mids, b""), 1))
+                put_o.append(best(lambda: stack.publish(dev, rec.pages, list(range(pages)), names, ids, mids,
+                                                        b""), 1))
                 cache.abort("w")
                 raw = [dev.data[p].view(torch.uint8).numpy().tobytes() for p in range(pages)]
                 keys = [f"raw/{rep}/{j}/{page_kib}" for j in range(pages)]
@@ -157,9 +160,8 @@ def lookups(repeats, store_client):
         ids = np.random.default_rng(chain_pages).integers(0, 30000, n).astype(np.int32)
         shape = (16, 64)  # 4 KiB pages
         dev = PagePool(chain_pages * 2 + 2, shape, torch.float32)
-        cache = PrefixCache(dev, fp)
         host = HostTier(HostPagePool.like(dev, chain_pages + 1), P)
-        cache.attach_tiers(TierStack(fp, host=host))
+        cache = PrefixCache(dev, fp, tiers=TierStack(fp, host=host))
         cache.admit("a", ids)
         cache.grow("a", n)
         cache.mark_computed("a", n)
@@ -169,7 +171,7 @@ def lookups(repeats, store_client):
         tokens = ids
         salt_id = cache.index.salt_id(b"")
         dev_t = [best(lambda: cache.index.match(chain_names, tokens, mids, salt_id), 5) for _ in range(repeats)]
-        cache.index.make_room(dev.num_pages)  # every cached page goes to the host tier
+        make_room(dev, dev.num_pages, dev.num_pages)  # every cached page goes to the host tier
         assert len(host) == chain_pages
 
         def host_lookup():
@@ -183,7 +185,7 @@ def lookups(repeats, store_client):
             stack = TierStack(fp, store=store)
             rows = list(range(chain_pages))
             dev2 = PagePool(chain_pages, shape, torch.float32)
-            stack.published(dev2, rows, rows, chain_names, tokens, mids, b"")
+            stack.publish(dev2, rows, rows, chain_names, tokens, mids, b"")
             want = Expected(fp, b"", dev2.page_shape, dev2.dtype, dev2.page_bytes)
             st = [best(lambda: store.match(chain_names, 0, tokens, mids,
                                            RequestLineage(root_lineage(fp, b""), tokens, mids, P), want), 1)
@@ -199,10 +201,8 @@ def all_miss(repeats, requests):
         def cache_for(tiered, pages=64):
             fp = Fingerprint(model="miss", page_size=P)
             pool = PagePool(pages, shape, torch.bfloat16)
-            cache = PrefixCache(pool, fp)
-            if tiered:
-                cache.attach_tiers(TierStack(fp, host=HostTier(HostPagePool.like(pool, 256), P)))
-            return cache
+            tiers = TierStack(fp, host=HostTier(HostPagePool.like(pool, 256), P)) if tiered else None
+            return PrefixCache(pool, fp, tiers=tiers)
 
         def admissions(tiered):  # admission only: the lookup misses on the device and in the tier
             cache = cache_for(tiered)

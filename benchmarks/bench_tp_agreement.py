@@ -25,26 +25,27 @@ P, PROMPT, INNER, REPEATS = 128, 2048, 200, 7
 
 def _rank(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    cache = PrefixCache(PagePool(64), Fingerprint("bench", tp_rank=rank, tp_size=world, page_size=P))
+    fp = Fingerprint("bench", tp_rank=rank, tp_size=world, page_size=P)
     tokens = np.arange(PROMPT + 1, dtype=np.int32)
-    cache.admit("warm", tokens)
-    cache.grow("warm", len(tokens))
-    cache.mark_computed("warm", len(tokens))
-    cache.finish("warm")
-    tp = TPAgreement(cache)
+    local, tp = PrefixCache(PagePool(64), fp), PrefixCache(PagePool(64), fp, agreement=TPAgreement())
+    for cache in (local, tp):
+        cache.admit("warm", tokens)
+        cache.grow("warm", len(tokens))
+        cache.mark_computed("warm", len(tokens))
+        cache.finish("warm")
 
-    def once(admit):
+    def once(cache):
         dist.barrier()
         t = time.perf_counter()
         for i in range(INNER):
-            admit(i, tokens)
+            cache.admit(i, tokens)
             cache.abort(i)
         return (time.perf_counter() - t) / INNER
 
     plain, agreed = [], []
     for _ in range(REPEATS):
-        plain.append(once(cache.admit))
-        agreed.append(once(tp.admit))
+        plain.append(once(local))
+        agreed.append(once(tp))
     if rank == 0:
         out.put((world, plain, agreed))
     dist.barrier()

@@ -39,7 +39,7 @@ from mmcache.checks import as_int
 from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.pool import PagePool
-from mmcache.reclaim import reclaim
+from mmcache.reclaim import eviction_key, take
 from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class EncoderStore:
                 logger.warning("encoder store: %s output of %d bytes exceeds the whole pool (%d bytes); not cached",
                                key.modality, nbytes, self.capacity_bytes)
                 return False
-            pages = self._make_room(n)
+            pages = self._take(n)
             if pages is None:
                 self._count(key.modality, bypasses=1)
                 return False
@@ -429,28 +429,26 @@ class EncoderStore:
                 f"{key.modality} output {[(s, d) for s, d, _ in layout]} differs from the one stored for this key "
                 f"{[(s, d) for s, d, _ in old.layout]}")
 
-    def _make_room(self, n: int) -> list[int] | None:
+    def _take(self, n: int) -> list[int] | None:
         """``n`` pages, evicting the coldest cached pages of the pool (entries of this store, or KV pages of a prefix
         index on the same pool) as one batch if the free ones fall short; None, with nothing evicted, when even that
         is not enough."""
         try:
-            reclaim(self.pool, n)
-            return self.pool.alloc(n)
+            return take(self.pool, n)
         except OutOfPages:  # live requests and pins hold the rest
             return None
 
     # -- the pool's reclaim protocol (``mmcache.reclaim``; called under ``cache_lock``) -------------------------------
 
     def eviction_candidates(self):
-        """Pages of entries only the store holds (no pin, no hit copying out), keyed by the entry's last-use tick on
-        the pool clock in the prefix index's scale (``tick * (num_pages + 1)``), so keys compare across kinds."""
-        counts, pages, keys = self.pool.counts, [], []
-        scale = self.pool.num_pages + 1
+        """Pages of entries only the store holds (no pin, no hit copying out), keyed by ``eviction_key`` of the
+        entry's last-use tick on the pool clock (depth 0), so keys compare with the prefix indexes' on the pool."""
+        counts, pages, ticks = self.pool.counts, [], []
         for e in self._entries.values():
             if e.pages and (counts[e.pages] == 1).all():
                 pages += e.pages
-                keys += [e.tick * scale] * len(e.pages)
-        return np.asarray(pages, dtype=np.int64), np.asarray(keys, dtype=np.int64)
+                ticks += [e.tick] * len(e.pages)
+        return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
 
     def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries: a partial one frees its other pages too)."""

@@ -11,6 +11,7 @@ host pages' only owner, and releasing them returns them to the host free list.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from typing import Iterable, Sequence
@@ -20,7 +21,17 @@ import torch
 
 from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
-from mmcache.reclaim import Clock
+
+
+class Clock:
+    """The one recency clock of a pool: a monotonic tick its owners stamp entries with (``itertools.count`` is atomic
+    under the GIL), so the eviction keys of every cache on one pool compare."""
+
+    def __init__(self):
+        self._count = itertools.count(1)
+
+    def tick(self) -> int:
+        return next(self._count)
 
 
 def canonical_device(device: str | torch.device) -> torch.device:

@@ -1,33 +1,33 @@
-"""PrefixCache: the table of live requests over one PrefixIndex: token-verified prefix reuse of KV pages (RFC phase 2).
+"""PrefixCache: the table of live requests over one ``PrefixLifecycle``: token-verified prefix reuse of KV pages.
 
 One PrefixCache per pool (node × label × rank); labels never share pages. Every method that changes state validates
-its arguments first and holds ``self._lock`` while it mutates, so an error leaves the cache as it was. The index
-(``mmcache.prefix_index``) has no lock of its own and is driven only under this one, so a request's pages and the
-index change together. Names are computed outside the lock.
+its arguments first and holds the pool's ``cache_lock`` while it mutates, so an error leaves the cache as it was.
+Names are computed outside the lock. Match, page taking, commit-as-written, release and stats are the lifecycle's
+(``mmcache.lifecycle``, shared with M*'s KV resource); this module keeps only the live requests and their pages.
 
-Ownership: the index holds one owner on each indexed page, a live request one on each page it holds. The pool frees
-a page when its count reaches 0; this module never frees pages any other way. A live request holds index pages only
-as a prefix of its chain (the index's eviction order relies on it): a lookup retains a verified chain prefix, and
-every page after it is fresh.
+Ownership: a live request holds one owner on each page it lists, the index one on each indexed page. The pool frees a
+page when its count reaches 0; this module never frees pages any other way.
+
+Commit as written: ``mark_computed`` indexes every full page whose KV is now written (with ``output_ids``, generated
+pages too), so a request admitted meanwhile shares them. ``finish`` commits what is left and releases the request's
+pages (the index keeps its own); ``abort`` releases without committing more, and ``abort(rid, discard=True)`` also
+unindexes what the request committed, for KV that turned out bad.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
 from mmcache.checks import as_int
-from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, UnknownRequest
-from mmcache.names import Fingerprint, NamedPrompt, as_tokens
+from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, RefusedByGroup, UnknownRequest
+from mmcache.lifecycle import Claim, GroupAgreement, LowerTier, PrefixLifecycle, Readiness
+from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
-from mmcache.prefix_index import PrefixIndex
 from mmcache.stats import PrefixCacheStats
-
-if TYPE_CHECKING:
-    from mmcache.tiers.stack import PageFetch, TierStack
 
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
 
@@ -50,14 +50,13 @@ class RequestState:
     computed_tokens: int
     protected_tokens: int | None = None
     released_tokens: int = 0
-    fetch: "PageFetch | None" = None  # tiers: pages copied up from host/store; read none before ``fetch.ready``
+    fetch: Readiness | None = None  # pages copied up from a lower tier: read none before ``fetch.ready``
 
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Request:
     rid: Hashable
-    prompt: NamedPrompt | None  # None: admitted without a prompt (``admit_unnamed``); never matched nor indexed
-    salt_id: int
+    claim: Claim | None         # None: admitted without a prompt (``admit_unnamed``); never matched nor indexed
     pages: list[int]            # pages held, in position order from first_page (less the released window)
     seq_len: int
     computed: int
@@ -67,7 +66,7 @@ class _Request:
     offloaded: int = 0          # while suspended: own pages handed back after the engine copied them out
     protected: int | None = None  # windowed label: tokens kept at the start; only their full pages are indexed
     released: int = 0           # windowed label: pages released after the protected run
-    fetch: "PageFetch | None" = None  # tiers: the copy-up of the pages the lookup found below the device
+    fetch: Readiness | None = None  # the copy-up of the pages the lookup found below the device
 
     def state(self, page_size: int) -> RequestState:
         return RequestState(self.rid, tuple(self.pages), self.seq_len, self.first_page * page_size,
@@ -79,86 +78,89 @@ class _Request:
 
 
 class PrefixCache:
-    """Live requests plus an index of full, written pages keyed by page name and confirmed by verifying ids.
+    """Live requests plus the lifecycle of their prefix: full, written pages indexed by page name as they are written,
+    confirmed by verifying ids on every match.
 
     ``evict_batch_pages``: the least number of cached pages one eviction frees (default 1/64 of the pool), so a
-    saturated pool evicts in batches instead of once per allocation.
-    ``vocab_size``: if given, token ids must lie below it.
-    ``index``: the ``PrefixIndex`` of this cache's pool; read it, never drive it (its lock is this cache's).
+    saturated pool evicts in batches instead of once per allocation. ``vocab_size``: if given, token ids must lie
+    below it. ``tiers``: a ``LowerTier`` (``mmcache.tiers.TierStack``) under the pool: evicted pages move down to it
+    and lookups continue there. ``agreement``: a ``GroupAgreement`` (``mmcache.tp.TPAgreement``) that every admission
+    agrees with. ``index``: the ``PrefixIndex``; read it, never drive it (its lock is the pool's).
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
-                 vocab_size: int | None = None, tiers: "TierStack | None" = None):
+                 vocab_size: int | None = None, tiers: LowerTier | None = None,
+                 agreement: GroupAgreement | None = None):
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
-        self._vocab_limit = int(vocab_size) if vocab_size else np.iinfo(np.int32).max
-        self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64))
+        self.lifecycle = PrefixLifecycle(pool, fingerprint, evict_batch_pages=evict_batch_pages,
+                                         vocab_size=vocab_size, tiers=tiers, agreement=agreement)
+        self.index = self.lifecycle.index
         self._live: dict[Hashable, _Request] = {}
         self._ended: OrderedDict[Hashable, None] = OrderedDict()
         self._lock = pool.cache_lock  # one lock for every cache on the pool: eviction crosses them (mmcache.reclaim)
-        self.tiers: TierStack | None = None
-        if tiers is not None:
-            self.attach_tiers(tiers)
 
     @property
     def vocab_size(self) -> int:
         """Token ids must lie below this (the int32 maximum when no vocabulary size was given)."""
-        return self._vocab_limit
+        return self.lifecycle.vocab_size
 
     @property
     def evict_batch_pages(self) -> int:
         return self.index.evict_batch_pages
 
-    def attach_tiers(self, tiers: "TierStack | None") -> None:
-        """Put ``tiers`` (``mmcache.tiers.TierStack``: host tier and/or shared store) under this cache's pool, or
-        take them away (None): evicted pages then move down to them, and lookups continue there."""
-        with self._lock:
-            self.tiers = tiers
-            self.index.spill = tiers.spill if tiers is not None else None
+    @property
+    def tiers(self) -> LowerTier | None:
+        return self.lifecycle.tiers
 
     # ----------------------------------------------------------------- engine contract
     def admit(self, rid: Hashable, token_ids, media: Sequence = (), salt: bytes = b"",
-              names: Sequence[int] | None = None) -> RequestState:
+              names: Sequence[int] | None = None, reserve_tokens: int | None = None) -> RequestState:
         """Start a request: match the longest verified prefix of full pages and retain those pages.
 
         At most ``(n-1) // page_size`` pages match, so the last prompt token is always computed. The state's
-        ``seq_len == computed_tokens == matched_tokens``; ``grow`` adds pages for the rest.
+        ``seq_len == computed_tokens == matched_tokens``; ``grow`` adds pages for the rest. Under a group agreement
+        every rank keeps the group's minimum; with ``reserve_tokens`` every rank also holds pages for that many tokens,
+        or none is admitted (the failing rank raises its own error, the others ``RefusedByGroup``).
         """
-        P = self.page_size
-        # Names are checked here, not at finish: a name that cannot be stored must not leave a request live.
-        prompt = NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, vocab_limit=self._vocab_limit,
-                                   what=f"request {rid!r}")
-        tokens, names, limit = prompt.tokens, prompt.names, prompt.matchable
-        mids = prompt.media_ids(limit)
+        life = self.lifecycle
+        try:  # names are checked here: a name that cannot be stored must not leave a request live
+            prompt = life.name(token_ids, media, salt, names, what=f"request {rid!r}")
+            with self._lock:
+                self._not_live(rid)
+        except Exception:
+            life.refuse()
+            raise
+        claim, match = life.match(prompt)
         with self._lock:
-            if rid in self._live:
-                raise DuplicateRequest(f"request {rid!r} is already live")
-            salt_id = self.index.salt_id(salt)
-            idx = self.index.match(names[:limit], tokens, mids, salt_id)
-            self.pool.retain(idx, distinct=True)
-            self.index.touch(idx)
-            pages, fetch = idx.tolist(), None
-            if self.tiers is not None and idx.size < limit and self.tiers.nominates(names[idx.size]):  # tiers
-                pages, fetch = self.tiers.extend(self.index, idx, names[:limit], tokens, mids, salt, salt_id)
-            k = len(pages) * P
-            rec = _Request(rid, prompt, salt_id, pages, k, k, k, fetch=fetch)
+            if rid in self._live:  # admitted concurrently under the same id while this one matched
+                life.release(match.pages)
+                self._not_live(rid)
+            k = len(match.pages) * self.page_size
+            rec = _Request(rid, claim, list(match.pages), k, k, k, fetch=match.fetch)
             self._live[rid] = rec
             self._ended.pop(rid, None)
-            c = self.index.counters
-            c["queries"] += 1
-            c["hits"] += bool(k)
-            c["queried_tokens"] += int(tokens.size)
-            c["hit_tokens"] += k
-            return rec.state(P)
+            state = rec.state(self.page_size)
+        if reserve_tokens is None:
+            return state
+        error = None
+        try:
+            state = self.grow(rid, reserve_tokens)
+        except Exception as e:  # OutOfPages, or a bad length: the group undoes the admission either way
+            error = e
+        if not life.agree(error is None):
+            self.abort(rid)
+            raise error if error is not None else RefusedByGroup(
+                f"request {rid!r}: another rank could not hold {reserve_tokens} tokens")
+        return state
 
     def admit_unnamed(self, rid: Hashable) -> RequestState:
         """Start a request whose KV no token ids describe (e.g. a label fed by another model's hidden states): it
-        matches nothing, holds fresh pages from position 0 as it grows, and ``finish`` indexes none of them."""
+        matches nothing, holds fresh pages from position 0 as it grows, and none of them is ever indexed."""
         with self._lock:
-            if rid in self._live:
-                raise DuplicateRequest(f"request {rid!r} is already live")
-            rec = self._live[rid] = _Request(rid, None, 0, [], 0, 0, 0)
+            self._not_live(rid)
+            rec = self._live[rid] = _Request(rid, None, [], 0, 0, 0)
             self._ended.pop(rid, None)
             return rec.state(self.page_size)
 
@@ -173,20 +175,23 @@ class PrefixCache:
                                      f"{rec.seq_len} it already holds")
             need = -(-total_tokens // self.page_size) - rec.pages_spanned()
             if need > 0:
-                self.index.make_room(need)
-                rec.pages += self.pool.alloc(need)
+                rec.pages += self.lifecycle.take(need)
             rec.seq_len = total_tokens
             return rec.state(self.page_size)
 
-    def mark_computed(self, rid: Hashable, total_tokens: int) -> RequestState:
-        """Record that the KV of the first ``total_tokens`` tokens is written (never decreases, never past seq_len)."""
+    def mark_computed(self, rid: Hashable, total_tokens: int, output_ids=None) -> RequestState:
+        """Record that the KV of the first ``total_tokens`` tokens is written (never decreases, never past seq_len),
+        and index the full pages that are now written: the prompt's, and with ``output_ids`` (every id generated so
+        far) the generated pages too. A windowed request indexes only its protected run."""
         total_tokens = as_int(total_tokens, "total_tokens")
         with self._lock:
             rec = self._get(rid, live=True)
             if not rec.computed <= total_tokens <= rec.seq_len:
                 raise InvalidRequest(f"request {rid!r}: computed tokens must stay within "
                                      f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
+            generated = self._generated(rec, output_ids)
             rec.computed = total_tokens
+            self._commit(rec, generated)
             return rec.state(self.page_size)
 
     def state(self, rid: Hashable) -> RequestState:
@@ -194,37 +199,26 @@ class PrefixCache:
             return self._get(rid).state(self.page_size)
 
     def finish(self, rid: Hashable, output_ids=()) -> int:
-        """Tear a request down: every full, written page of prompt + output moves to the index; the rest is released.
-
-        A page whose name is already indexed with equal verifying ids is not duplicated (the request's copy is
-        released and the chain continues from the indexed one); a name held by different ids stops indexing there.
-        Returns the number of pages newly indexed.
-        """
+        """Tear a request down: commit every full, written page of prompt + ``output_ids`` not yet indexed, then
+        release the request's pages (indexed ones stay the index's). Returns the pages the request indexed over its
+        life. A page whose name another request indexed first with equal verifying ids is not duplicated; a name
+        held by different ids stops indexing there."""
         with self._lock:
             rec = self._get(rid, live=True)
-        out = as_tokens(output_ids, self._vocab_limit)
-        written = rec.computed if rec.protected is None else min(rec.computed, rec.protected)  # windowed: the run
-        if rec.prompt is None:  # admitted unnamed: nothing to index
-            names, page_tokens, mids = [], out[:0].reshape(0, self.page_size), None
-        else:
-            names, page_tokens, mids = rec.prompt.written_pages(out, written)
-        with self._lock:
-            if self._live.get(rid) is not rec:
-                raise UnknownRequest(f"request {rid!r} ended while finishing")
-            adopted = self.index.insert(rec.pages, names, page_tokens, mids, rec.salt_id)
-            kept = set(adopted)
-            if self.tiers is not None and adopted:  # write-through of newly indexed pages to the shared store
-                self.tiers.published(self.pool, rec.pages, adopted, names, page_tokens.reshape(-1), mids,
-                                     rec.prompt.salt)
-            self.pool.release([p for j, p in enumerate(rec.pages) if j not in kept])  # the rest stay the index's
+            generated = self._generated(rec, output_ids)
+            self._commit(rec, generated)
+            self.lifecycle.release(rec.pages)
             self._end(rid)
-            return len(kept)
+            return len(rec.claim.adopted) if rec.claim is not None else 0
 
-    def abort(self, rid: Hashable) -> None:
-        """End a request without indexing anything (its KV may be unusable); all its pages are released."""
+    def abort(self, rid: Hashable, discard: bool = False) -> None:
+        """End a request without indexing anything more; all its pages are released. Pages it already committed stay
+        indexed (their KV was written), unless ``discard``: then they leave the index too (its KV may be bad)."""
         with self._lock:
             rec = self._get(rid)
-            self.pool.release(rec.pages)
+            if discard and rec.claim is not None:
+                self.lifecycle.discard(rec.claim)
+            self.lifecycle.release(rec.pages)
             self._end(rid)
 
     def suspend(self, rid: Hashable) -> list[int]:
@@ -234,10 +228,11 @@ class PrefixCache:
             rec = self._get(rid, live=True)
             if rec.protected is not None or rec.released:
                 raise InvalidRequest(f"request {rid!r} is windowed; windowed requests are not suspended")
+            # The leading run of pages another owner also holds (matched, or committed into the index) stays resident
+            # for them; the rest is copied out, including a committed page after a copy of the request's own.
             shared = self.pool.counts[rec.pages] > 1
             j0 = int(np.argmin(shared)) if not shared.all() else len(rec.pages)
-            assert not shared[j0:].any(), "shared pages of a live request form a prefix"
-            self.pool.release(rec.pages[:j0])
+            self.lifecycle.release(rec.pages[:j0])
             rec.pages, rec.first_page, rec.suspended = rec.pages[j0:], j0, True
             return list(rec.pages)
 
@@ -250,18 +245,14 @@ class PrefixCache:
             if not rec.suspended:
                 raise InvalidRequest(f"request {rid!r} is not suspended")
             j0 = rec.first_page
-            idx = (np.empty(0, dtype=np.int64) if rec.prompt is None  # unnamed: shares nothing, so j0 == 0
-                   else self.index.match(rec.prompt.names[:j0], rec.prompt.tokens, rec.prompt.media_ids(j0),
-                                         rec.salt_id))
-            self.pool.retain(idx, distinct=True)
+            idx = (np.empty(0, dtype=np.int64) if rec.claim is None  # unnamed: shares nothing, so j0 == 0
+                   else self.lifecycle.rematch(rec.claim, j0))
             gap = j0 - idx.size
             try:
-                self.index.make_room(gap + rec.offloaded)
+                fresh = self.lifecycle.take(gap + rec.offloaded)
             except OutOfPages:
-                self.pool.release(idx)
+                self.lifecycle.release(idx)
                 raise
-            self.index.touch(idx)
-            fresh = self.pool.alloc(gap + rec.offloaded)
             rec.pages = idx.tolist() + fresh + rec.pages  # the gap, then the offloaded positions, then kept pages
             rec.first_page, rec.suspended, rec.offloaded = 0, False, 0
             rec.matched = idx.size * P
@@ -315,39 +306,35 @@ class PrefixCache:
             rec.released += pages
             return rec.state(P)
 
-    # ----------------------------------------------------------------- TP agreement hook (mmcache.tp)
-    def trim_match(self, rid: Hashable, pages: int) -> RequestState:
-        """Keep only the first ``pages`` matched pages of a request that has not grown past its match (just
-        admitted): the rest are released (they stay the index's) and the counters count only what is kept."""
-        pages = as_int(pages, "pages")
-        P = self.page_size
-        with self._lock:
-            rec = self._get(rid, live=True)
-            k = rec.matched // P
-            if rec.seq_len != rec.matched or not 0 <= pages <= k:
-                raise InvalidRequest(f"request {rid!r}: can trim its match of {k} page(s) to [0, {k}] only before "
-                                     f"it grows, got {pages}")
-            if pages < k:
-                self.pool.release(rec.pages[pages:])
-                del rec.pages[pages:]
-                rec.seq_len = rec.computed = rec.matched = pages * P
-                self.index.counters["hit_tokens"] -= (k - pages) * P
-                self.index.counters["hits"] -= pages == 0
-            return rec.state(P)
-
     def clear(self) -> int:
         """Drop every index entry (live requests keep their pages); returns how many entries were dropped."""
         with self._lock:
             return self.index.clear()
 
     def stats(self) -> PrefixCacheStats:
+        """The lifecycle's counters and the pool now; ``pages_live`` counts the distinct pages live requests hold."""
         with self._lock:
-            counts = self.pool.counts
-            return PrefixCacheStats(**self.index.counters, pages_free=self.pool.num_free,
-                                    pages_live=int(np.count_nonzero(counts > self.index.indexed)),
-                                    pages_cached=len(self.index), requests_live=len(self._live))
+            held = [rec.pages for rec in self._live.values() if rec.pages]
+            live = int(np.unique(np.concatenate(held)).size) if held else 0
+            return self.lifecycle.stats(live, len(self._live))
 
     # ----------------------------------------------------------------- internals (callers hold the lock)
+    def _not_live(self, rid: Hashable) -> None:
+        if rid in self._live:
+            raise DuplicateRequest(f"request {rid!r} is already live")
+
+    def _generated(self, rec: _Request, output_ids) -> np.ndarray:
+        """``output_ids`` checked as token ids (before any state changes); an unnamed request's name nothing."""
+        out = as_tokens(() if output_ids is None else output_ids, self.lifecycle.vocab_size)
+        return out[:0] if rec.claim is None else out
+
+    def _commit(self, rec: _Request, generated: np.ndarray) -> None:
+        """Index what is written and named; a windowed request only within its protected run."""
+        if rec.claim is None:
+            return
+        written = rec.computed if rec.protected is None else min(rec.computed, rec.protected)
+        self.lifecycle.commit(rec.claim, rec.pages, written, generated)
+
     def _get(self, rid: Hashable, live: bool = False) -> _Request:
         rec = self._live.get(rid)
         if rec is None:

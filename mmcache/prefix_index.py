@@ -1,26 +1,29 @@
 """PrefixIndex: full, written KV pages by page name, each confirmed by its verifying ids, with cold-tail eviction.
 
 The index holds one owner on each indexed page; the pool frees a page when its count reaches 0, and this module
-never frees pages any other way. It takes no lock of its own: its one user (``PrefixCache``) calls every method under
-its lock, so the index and the live table change together.
+never frees pages any other way. It takes no lock of its own: its one user (``PrefixLifecycle``) calls every method
+under the pool's ``cache_lock``, so the index and the request tables change together.
 
-Chain invariants the eviction order relies on (the caller keeps the first, ``touch`` the second):
-- a live request holds index pages only as a prefix 0..k-1 of its chain, so a page only the index owns (count 1)
-  has no live holder below it either;
-- every touch of a page touches all its ancestors with the same tick, so ticks never increase along a chain, and
-  ordering by (tick, -depth) puts every page after all of its descendants: any prefix of that order is a set of
-  whole cold tails.
+Invariants:
+- closed under parents: an indexed page's parent is indexed and is the very page it was indexed under. ``evict`` and
+  ``remove`` take every indexed descendant of a page with it, so a page id the pool hands out again can never stand
+  as the parent of a stale child (the parent page id is a verifying id, and a reused id must not satisfy it);
+- every touch of a page touches its whole chain prefix with one tick, so ticks never increase along a chain, and the
+  ``eviction_key`` order (tick, then deeper first) evicts cold tails from their ends;
+- ``serial[page]`` is unique per indexing of a page: a request table that remembers (page, serial) of a chain page it
+  did not retain can tell later whether that page is still the one it saw.
 """
 
 from __future__ import annotations
 
+import itertools
 from itertools import repeat
 from typing import Callable, Sequence
 
 import numpy as np
 
 from mmcache.pool import PagePool
-from mmcache.reclaim import Clock, make_room
+from mmcache.reclaim import eviction_key
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -30,16 +33,18 @@ class PrefixIndex:
     """Page name -> page, plus per-page verifying ids (tokens, 128-bit media id, parent page, salt) and LRU ticks.
 
     ``evict_batch_pages``: the least number of cached pages one eviction frees, so a saturated pool evicts in
-    batches instead of once per allocation. ``counters`` are the cache's counters (see ``COUNTERS``); the index
-    advances the eviction and collision ones, its user the query ones.
+    batches instead of once per allocation. ``spill(index, pages)``: called by ``evict`` while the evicted pages still
+    hold their bytes and ids (a lower tier's write-back). ``counters`` are the lifecycle's counters (``COUNTERS``);
+    the index advances the eviction and collision ones, the lifecycle the query ones.
     """
 
-    def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int, clock: Clock | None = None):
+    def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int,
+                 spill: Callable[[PrefixIndex, np.ndarray], None] | None = None):
         self.pool = pool
-        self.clock = clock or pool.clock  # shared by every cache on the pool, so their ticks compare
         pool.register(self)
         self.page_size = P = page_size
         self.evict_batch_pages = evict_batch_pages
+        self._spill = spill
         n = pool.num_pages
         # Verifying ids and chain metadata, preallocated and indexed by page id (valid where _indexed).
         self._name = np.zeros(n, dtype=np.uint64)
@@ -50,12 +55,12 @@ class PrefixIndex:
         self._salt = np.zeros(n, dtype=np.int32)
         self._depth = np.zeros(n, dtype=np.int32)
         self._tick = np.zeros(n, dtype=np.int64)
+        self._serial = np.zeros(n, dtype=np.int64)
         self._indexed = np.zeros(n, dtype=bool)
+        self._serials = itertools.count(1)
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
         self.counters = dict.fromkeys(COUNTERS, 0)
-        # Tiers (mmcache.tiers): called with (index, pages) by ``evict`` while the pages still hold their bytes and ids.
-        self.spill: Callable[[PrefixIndex, np.ndarray], None] | None = None
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -70,6 +75,10 @@ class PrefixIndex:
     def salt_id(self, salt: bytes) -> int:
         """A small integer per distinct salt, stored per page in place of the salt's bytes."""
         return self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
+
+    def serial(self, page: int) -> int:
+        """The serial of ``page``'s current indexing (0 when not indexed)."""
+        return int(self._serial[page]) if self._indexed[page] else 0
 
     def match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int) -> np.ndarray:
         """Pages nominated by walking ``names`` to the first miss, cut at the first that fails verification.
@@ -100,20 +109,23 @@ class PrefixIndex:
     def touch(self, pages) -> None:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains)."""
         if len(pages):
-            self._tick[pages] = self.clock.tick()
+            self._tick[pages] = self.pool.clock.tick()
 
-    def insert(self, pages: list[int], names: list[int], page_tokens: np.ndarray, mids: np.ndarray,
-               salt_id: int) -> list[int]:
-        """Index the chain ``pages[j]`` named ``names[j]`` (``pages`` may run past ``names``; the rest are ignored).
+    def insert(self, pages: Sequence[int], names: Sequence[int], page_tokens: np.ndarray, mids: np.ndarray,
+               salt_id: int, depth: int = 0, parent: int = -1) -> tuple[list[int], list[int], bool]:
+        """Index the chain positions ``depth, depth+1, ...``: ``pages[j]`` named ``names[j]`` with verifying ids
+        ``page_tokens[j]``/``mids[j]``, under the indexed page ``parent`` (-1 at depth 0; a caller that did not retain
+        it checks first, by ``serial``, that it is still the page it saw). Each page adopted gets an owner of the
+        index's own; a page that is already indexed is the caller's own matched page and continues the chain.
 
-        A name already indexed with equal verifying ids is not duplicated (the chain continues from the indexed
-        page); a name held by different ids stops indexing there. Returns the positions ``j`` whose page the index
-        adopted: the caller's owner on each becomes the index's, and the caller releases every other page it holds.
+        A name already indexed with equal verifying ids is not duplicated: the chain continues from the indexed page
+        (the caller's copy stays the caller's). A name held by different ids stops indexing there. Returns the
+        positions ``j`` adopted, the chain pages walked (position ``depth + i`` is ``chain[i]``; the last is the parent
+        of the next position) and whether the chain may go on. Touches the pages walked.
         """
-        chain_pages, new = [], []
-        parent = -1
+        new, chain_pages, first_parent, ok = [], [], parent, True
         for j, name in enumerate(names):
-            page = pages[j]
+            page = int(pages[j])
             if not self._indexed[page]:
                 other = self._pages.get(name)
                 if other is None:
@@ -123,50 +135,75 @@ class PrefixIndex:
                     page = other
                 else:
                     self.counters["collisions"] += 1
+                    ok = False
                     break
             chain_pages.append(parent := page)
         if new:
-            adopted = [pages[j] for j in new]
+            adopted = [int(pages[j]) for j in new]
+            self.pool.retain(adopted, distinct=True)
             self._name[adopted] = np.array([names[j] for j in new], dtype=np.uint64)
             self._tokens[adopted] = page_tokens[new]
             self._media_lo[adopted], self._media_hi[adopted] = mids[new, 0], mids[new, 1]
-            self._parent[adopted] = [chain_pages[j - 1] if j else -1 for j in new]
+            self._parent[adopted] = [chain_pages[j - 1] if j else first_parent for j in new]
             self._salt[adopted] = salt_id
-            self._depth[adopted] = new
+            self._depth[adopted] = [depth + j for j in new]
+            self._serial[adopted] = [next(self._serials) for _ in adopted]
             self._indexed[adopted] = True
         self.touch(chain_pages)
-        return new
+        return new, chain_pages, ok
 
     def _same(self, page: int, tokens: np.ndarray, mid: np.ndarray, parent: int, salt_id: int) -> bool:
         return bool(self._parent[page] == parent and self._salt[page] == salt_id
                     and self._media_lo[page] == mid[0] and self._media_hi[page] == mid[1]
                     and (self._tokens[page] == tokens).all())
 
-    def make_room(self, need: int) -> None:
-        """Ensure ``need`` free pages by evicting whole cold tails in one batch; raise ``OutOfPages`` (evicting
-        nothing) when even every cached page on the pool would not cover the shortfall. The choice of what to
-        evict lives in ``mmcache.reclaim``, across every cache on the pool (other labels' indexes, an encoder store)."""
-        make_room(self.pool, need, self.evict_batch_pages, self.counters)
-
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
-        """Pages only the index holds (count 1) and their eviction keys: lower goes first.
-
-        Key = (tick, -depth) folded into one int64: coldest first, deeper first among equal ticks, so any prefix of
-        the order is a set of whole cold tails (see the module docstring)."""
+        """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal
+        ticks, so any prefix of the order is a set of whole cold tails (see the module docstring)."""
         cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
-        return cands, self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
+        return cands, eviction_key(self.pool, self._tick[cands], self._depth[cands])
 
     def evict(self, pages: np.ndarray) -> None:
-        """Drop ``pages`` (a prefix of the candidate order, all held only by the index) and release them."""
-        if not len(pages):
+        """Drop ``pages`` (held only by the index) and every indexed descendant of theirs, after the lower tier took
+        their bytes; counted as evicted."""
+        pages = self._with_descendants(np.asarray(pages, dtype=np.int64))
+        if not pages.size:
             return
-        if self.spill is not None:
-            self.spill(self, pages)
+        if self._spill is not None:
+            self._spill(self, pages)
+        self._drop(pages)
+        self.counters["evicted_pages"] += int(pages.size)
+
+    def remove(self, pages) -> int:
+        """Unindex ``pages`` that are indexed, with their indexed descendants (not spilled, not counted as evicted:
+        the caller says their KV is bad). Live holders keep their own owners. Returns the pages unindexed."""
+        pages = np.asarray(pages, dtype=np.int64)
+        pages = self._with_descendants(pages[self._indexed[pages]] if pages.size else pages)
+        self._drop(pages)
+        return int(pages.size)
+
+    def _with_descendants(self, pages: np.ndarray) -> np.ndarray:
+        """``pages`` and every indexed page whose chain runs through one of them (one pass per level; the common
+        cold-tail batch has no descendants outside itself and costs one pass)."""
+        if not pages.size:
+            return pages
+        out = np.zeros(self.pool.num_pages, dtype=bool)
+        out[pages] = True
+        frontier = pages
+        while True:
+            kids = np.flatnonzero(self._indexed & ~out & np.isin(self._parent, frontier))
+            if not kids.size:
+                return np.flatnonzero(out)
+            out[kids] = True
+            frontier = kids
+
+    def _drop(self, pages: np.ndarray) -> None:
+        if not pages.size:
+            return
         for name in self._name[pages].tolist():
             del self._pages[name]
         self._indexed[pages] = False
         self.pool.release(pages)
-        self.counters["evicted_pages"] += len(pages)
 
     def clear(self) -> int:
         """Drop every entry and release the index's owner on its pages; returns how many were dropped."""

@@ -3,48 +3,43 @@
 One pool per node: the prefix index of every label and the encoder store of a node are caches on one ``PagePool``,
 registered on it (``pool.evictables``), ordered by its one ``pool.clock`` and driven under its one ``pool.cache_lock``
 (an RLock every cache on the pool takes for the state eviction reads or changes, so a put that evicts KV pages and a
-grow that evicts encoder entries never race or deadlock). Every cache on a pool (the prefix index of each label, the
-encoder store) is an *evictable owner*: it offers ``eviction_candidates() -> (pages, keys)`` (pages only it holds, with
-an int64 key; lower is evicted first) and ``evict(pages, short)``. ``reclaim`` merges the candidates of all owners on
-the pool and evicts the lowest keys as one batch, so one kind of cached data can never starve another, and a live
-request fails only when every cached page together would not cover its shortfall. Keys are recency ticks from one
-``Clock`` shared by the owners of a pool (an owner may fold a tie-breaker into its key, as the prefix index folds chain
-depth), so they compare across kinds.
+grow that evicts encoder entries never race or deadlock). A host tier is the one evictable owner of its host pool,
+driven the same way. Every such cache is an ``Evictable``: it offers ``eviction_candidates() -> (pages, keys)``
+(pages only it holds, keyed by ``eviction_key``; lower is evicted first) and ``evict(pages)``. ``reclaim`` merges the
+candidates of all owners on the pool and evicts the lowest keys as one batch, so one kind of cached data can never
+starve another, and a live request fails only when every cached page together would not cover its shortfall.
 
 Why recency alone, and not recompute cost per byte: the encoder store knows each entry's measured encoder time, but
 a KV page has no such figure (its cost depends on its position, the attention backend and the batch it was prefilled
 in), so a cost-weighted key would rank one kind by measurement and the other by a model of the engine. One clock keeps
 the order exact and explainable: the least recently used cached bytes go first, whichever kind they are.
-A later tier (host memory) hooks in here: whatever leaves the pool leaves through ``evict``.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from mmcache.errors import OutOfPages
-
-if TYPE_CHECKING:  # pool.py makes each pool's Clock: no import cycle at runtime
-    from mmcache.pool import PagePool
-
-
-class Clock:
-    """A monotonic tick shared by the owners of one pool (``itertools.count`` is atomic under the GIL)."""
-
-    def __init__(self):
-        self._count = itertools.count(1)
-
-    def tick(self) -> int:
-        return next(self._count)
+from mmcache.pool import PagePool
 
 
 class Evictable(Protocol):
-    def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]: ...
+    """A cache whose pages a shortfall on its pool may take (registered with ``pool.register``)."""
 
-    def evict(self, pages: np.ndarray) -> None: ...
+    def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Pages only this cache holds (owner count 1) and their ``eviction_key``s."""
+
+    def evict(self, pages: np.ndarray) -> None:
+        """Drop the entries holding ``pages`` (a cache may drop more: whole entries, descendants) and release them."""
+
+
+def eviction_key(pool: PagePool, ticks, depths=0) -> np.ndarray:
+    """The one eviction order: coldest tick first and, among equal ticks, the deepest page of a chain first (so any
+    prefix of the order is a set of whole cold tails). Ticks come from ``pool.clock``, so keys of every cache on one
+    pool compare; entries with no chain (encoder outputs) have depth 0."""
+    return np.asarray(ticks, dtype=np.int64) * (pool.num_pages + 1) - depths
 
 
 def reclaimable(owners: Sequence[Evictable]) -> int:
@@ -84,9 +79,10 @@ def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None
     return n
 
 
-def make_room(pool: PagePool, need: int, batch: int, counters: dict | None) -> None:
-    """``reclaim`` for one owner's request, counted on that owner's ``counters`` (when given): a covered shortfall
-    as one eviction batch and its ``shortfall_pages``, a refusal as a stall. The evicted pages are counted by the
+def make_room(pool: PagePool, need: int, batch: int = 1, counters: dict | None = None) -> None:
+    """The one way an owner makes ``need`` pages free before taking them: ``reclaim`` under ``pool.cache_lock``,
+    counted on the asking owner's ``counters`` (when given): a covered shortfall as one eviction batch and its
+    ``shortfall_pages``, a refusal (``OutOfPages``, nothing evicted) as a stall. The evicted pages are counted by the
     caches they left, so on a shared pool each cache's counters say what happened to it."""
     with pool.cache_lock:
         short = need - pool.num_free
@@ -101,3 +97,11 @@ def make_room(pool: PagePool, need: int, batch: int, counters: dict | None) -> N
         if counters is not None:
             counters["eviction_batches"] += 1
             counters["shortfall_pages"] += short
+
+
+def take(pool: PagePool, n: int, batch: int = 1, counters: dict | None = None) -> list[int]:
+    """``make_room`` then ``pool.alloc(n)`` atomically (under ``pool.cache_lock``): ``n`` fresh pages, evicting cold
+    cached pages first; ``OutOfPages`` and nothing changed when live owners alone hold too much."""
+    with pool.cache_lock:
+        make_room(pool, n, batch, counters)
+        return pool.alloc(n)

@@ -88,13 +88,3 @@ class ShadowStats(_Snapshot):
     repeated_prefixes: int = 0          # page names admitted at least twice
     replica_spread_mean: float = 0.0    # replicas per repeated prefix, mean over them
     replica_spread_max: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AllocatorStats(_Snapshot):
-    """``PagedAllocator.stats()``: the allocator's own counts (each label's cache has its ``PrefixCacheStats``)."""
-
-    requests: int = 0
-    batches_in_flight: int = 0
-    removals_queued: int = 0
-    requests_offloaded: int = 0

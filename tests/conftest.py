@@ -1,6 +1,6 @@
 """Shared test helpers: where the real workload data lives, hypothesis profiles sized for a 2-core CI box, tiny
 models built through ``workloads.fixtures``, the tiny multimodal chat workload of the harness tests (``tiny_chat.py``,
-through the fixtures ``tiny_model``, ``tiny_media``, ``tiny_chat``), and the allocator and encoder-store helpers."""
+through the fixtures ``tiny_model``, ``tiny_media``, ``tiny_chat``), and the encoder-store helpers."""
 
 import dataclasses
 import os
@@ -13,9 +13,7 @@ import torch
 from PIL import Image
 from hypothesis import HealthCheck, settings
 
-from mmcache import EncoderKey, Fingerprint, PagePool, PrefixCache
-from mmcache.paged_allocator import PagedAllocator
-from mmcache.pool import HostPagePool
+from mmcache import EncoderKey
 from tiny_chat import TinyChat, TinyModel, make_media
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -146,104 +144,6 @@ class TinyChatKit:
 def tiny_chat(tiny_model, tiny_media) -> TinyChatKit:
     """A real tiny multimodal chat workload (see ``TinyChat``) on a warmed-up model and real media files."""
     return TinyChatKit(tiny_model, tiny_media)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# PagedAllocator helpers (tests/test_engine_*.py): two labels on real pools that carry data. Modules import them under
-# short names: ``from conftest import alloc_make as make``.
-
-ALLOC_P = 4
-# (k/v, slot, heads, dim) per label
-ALLOC_SHAPES = {"text": ((2, ALLOC_P, 2, 8), torch.float32), "audio": ((2, ALLOC_P, 1, 4), torch.float16)}
-ALLOC_LABELS = ["text", "audio"]
-ALLOC_MOD = 2039  # values stay exact in float16
-
-
-def alloc_make(text_pages=16, audio_pages=12, evict=1):
-    caches = {}
-    for label, pages in (("text", text_pages), ("audio", audio_pages)):
-        shape, dtype = ALLOC_SHAPES[label]
-        caches[label] = PrefixCache(PagePool(pages, shape, dtype),
-                                    Fingerprint(f"org/{label}@rev", page_size=ALLOC_P, kv_dtype=str(dtype)),
-                                    evict_batch_pages=evict)
-    return PagedAllocator(caches)
-
-
-def alloc_hosts(alloc, pages=16):
-    return {label: HostPagePool.like(alloc.cache(label).pool, pages) for label in ALLOC_LABELS}
-
-
-def alloc_generated(t: int) -> int:
-    return (t * 7) % 3  # the token a request "generates" at position t
-
-
-def alloc_sequence(prompt, upto):
-    return list(prompt) + [alloc_generated(t) for t in range(len(prompt), upto)]
-
-
-def alloc_values(label, salt, prompt, upto, rid=None) -> list[int]:
-    """The 'KV' of positions 0..upto-1: a rolling hash of the whole prefix, or of the request for no prompt."""
-    if prompt is None:
-        return [(hash(rid) % 97 * 31 + t) % ALLOC_MOD for t in range(upto)]
-    h, out = (hash(label) ^ hash(salt)) & 0xFFFF, []
-    for tok in alloc_sequence(prompt, upto):
-        h = (h * 1_000_003 + tok + 1) % (1 << 61)
-        out.append(h % ALLOC_MOD)
-    return out
-
-
-def alloc_page_of(state, t: int) -> int | None:
-    """The page holding token t (None inside a released window)."""
-    j = t // ALLOC_P - state.position_id_start // ALLOC_P
-    keep = -(-(state.protected_tokens or 0) // ALLOC_P)
-    if state.protected_tokens is not None and j >= keep:
-        j -= state.released_tokens // ALLOC_P
-        if j < keep:
-            return None
-    return state.page_indices[j]
-
-
-def alloc_write(alloc, rid, label, upto, vals):
-    """What an engine's forward pass does: write the KV of computed..upto-1 into the request's own pages."""
-    state, pool = alloc.get_state(rid, label), alloc.cache(label).pool
-    for t in range(state.computed_tokens, upto):
-        page = alloc_page_of(state, t)
-        assert pool.counts[page] == 1, "a request writes only into pages it owns alone"
-        pool.data[page, :, t % ALLOC_P] = vals[t]
-    return alloc.mark_computed(rid, label, upto)
-
-
-def alloc_held(alloc, rid, label):
-    """The KV bytes of every computed position the request holds, position by position."""
-    state, data = alloc.get_state(rid, label), alloc.cache(label).pool.data
-    ts = [t for t in range(state.computed_tokens) if alloc_page_of(state, t) is not None]
-    if not ts:
-        return ts, data[:0, :, 0]
-    return ts, data[[alloc_page_of(state, t) for t in ts], :, [t % ALLOC_P for t in ts]]
-
-
-def alloc_assert_exact(alloc, rid, label, expected):
-    ts, got = alloc_held(alloc, rid, label)
-    want = torch.tensor([expected[t] for t in ts], dtype=got.dtype).reshape(-1, *[1] * (got.dim() - 1))
-    assert torch.equal(got, want.expand_as(got)), f"request {rid!r} label {label!r} holds wrong KV"
-
-
-def alloc_snapshot(alloc, rids=()):
-    return ([alloc.cache(label).pool.counts.copy().tolist() for label in ALLOC_LABELS],
-            [alloc.cache(label).stats().pages_cached for label in ALLOC_LABELS],
-            [alloc.get_state(rid, label) for rid in rids for label in alloc.get_labels(rid)])
-
-
-def alloc_serve(alloc, rid, prompts, decode=4, salt=b""):
-    """A whole request: add with prompts, allocate, prefill + decode, remove with its outputs."""
-    alloc.add_request(rid, ALLOC_LABELS, token_ids=prompts, salt=salt)
-    outputs = {}
-    for label, prompt in prompts.items():
-        total = len(prompt) + decode
-        alloc.alloc(rid, label, total)
-        alloc_write(alloc, rid, label, total, alloc_values(label, salt, prompt, total))
-        outputs[label] = alloc_sequence(prompt, total)[len(prompt):]
-    alloc.remove_request(rid, output_ids=outputs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ def main() -> None:
     folder, rpc, metadata = sys.argv[1:4]
     request = json.loads(sys.stdin.readline())
     model = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
-    kv = PagedKVCache.for_model(model, num_pages=32, page_size=request["page_size"])
     store = StoreTier(MooncakeClient(rpc, metadata, 64 << 20, 32 << 20))
-    kv.prefix.attach_tiers(TierStack(kv.prefix.fingerprint, store=store))
+    P = request["page_size"]
+    kv = PagedKVCache.for_model(model, num_pages=32, page_size=P,
+                                tiers=TierStack(PagedKVCache.fingerprint_for(model, P), store=store))
     got = serve(model, kv, "a", request["prompt"], max_new_tokens=request["new"], chunk_tokens=request["page_size"])
     store.flush(30)
     print(json.dumps({"output_ids": got.output_ids, "published": store.counters["published_pages"]}), flush=True)

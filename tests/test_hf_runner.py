@@ -23,17 +23,32 @@ def ids(n, seed):
 
 
 # -- lifecycle ------------------------------------------------------------------------------------------------------
-def test_a_failed_request_is_aborted_and_indexes_nothing(tiny_llama):
+def test_a_failed_request_is_aborted_and_keeps_only_what_its_forwards_wrote(tiny_llama):
     kv = PagedKVCache.for_model(tiny_llama, num_pages=32, page_size=P)
     prompt = ids(13, 1)
     with pytest.raises(RuntimeError, match="boom"):
         with runner.request(kv, "bad", prompt, config=tiny_llama.config) as lease:
-            runner.replay(tiny_llama, lease.cache, prompt, runner.chunk_spans(0, 13, P))
+            runner.replay(tiny_llama, lease.cache, prompt, runner.chunk_spans(0, 8, P))
             raise RuntimeError("boom")
     assert kv.prefix.stats().requests_live == 0
     first = runner.serve(tiny_llama, kv, "first", prompt, max_new_tokens=NEW)
-    assert first.matched_tokens == 0  # the failed request's written pages never reached the index
+    assert first.matched_tokens == 8  # the 2 pages its finished forwards wrote were committed; nothing after
+    want = runner.serve(tiny_llama, None, "cold", prompt, max_new_tokens=NEW, chunk_tokens=P)
+    assert first.output_ids == want.output_ids
+    kv.admit("bad-kv", prompt)
+    kv.abort("bad-kv", discard=False)
     assert runner.serve(tiny_llama, kv, "again", prompt, max_new_tokens=NEW).matched_tokens == 12
+
+
+def test_discard_drops_what_a_request_committed(tiny_llama):
+    kv = PagedKVCache.for_model(tiny_llama, num_pages=32, page_size=P)
+    prompt = ids(13, 2)
+    kv.admit("bad", prompt)
+    runner.replay(tiny_llama, kv, prompt, runner.chunk_spans(0, 12, P))
+    assert kv.prefix.stats().pages_cached == 3                      # committed as written
+    kv.abort("bad", discard=True)                                   # ...and dropped: say its KV is bad
+    assert kv.prefix.stats().pages_cached == 0
+    assert runner.serve(tiny_llama, kv, "next", prompt, max_new_tokens=NEW).matched_tokens == 0
 
 
 def test_the_uncached_path_runs_the_same_schedule_and_gives_the_same_tokens(tiny_llama):

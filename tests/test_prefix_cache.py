@@ -162,9 +162,9 @@ def test_suspend_releases_shared_pages_and_resume_relooks_them_up():
     st = cache.admit("b", list(range(12)) + [5] * 6)
     cache.grow("b", 18)
     cache.mark_computed("b", 18)
-    own = cache.suspend("b")
-    assert st.matched_tokens == 12 and len(own) == 2 and cache.state("b").position_id_start == 12
-    assert cache.stats().pages_live == 2
+    own = cache.suspend("b")  # page 3 was indexed when its KV was written: only the tail page is b's alone
+    assert st.matched_tokens == 12 and len(own) == 1 and cache.state("b").position_id_start == 16
+    assert cache.stats().pages_live == 1
     with pytest.raises(InvalidRequest):
         cache.grow("b", 30)                                          # suspended requests do not grow
     back = cache.resume("b")
@@ -260,9 +260,11 @@ def test_windowed_label_stores_only_its_protected_prefix_and_releases_through_co
         cache.release_oldest("w", 5)                                 # would reach the tail page
     with pytest.raises(InvalidRequest):
         cache.suspend("w")
-    assert cache.finish("w", [1, 2, 3, 4]) == 0                      # page 0 is already indexed; nothing after it
+    # positions 4-6 were indexed when written, before any release (a fresh prefill writes the same KV); nothing of
+    # the request is indexed after the window
+    assert cache.finish("w", [1, 2, 3, 4]) == 3
     s = cache.stats()
-    assert s.pages_cached == 4 and s.pages_live == 0
+    assert s.pages_cached == 7 and s.pages_live == 0
 
 
 def test_windowed_request_grows_past_its_released_window():
@@ -286,10 +288,11 @@ def test_offload_releases_own_pages_and_resume_gives_fresh_ones_at_the_same_posi
     cache.mark_computed("b", 18)
     own = cache.suspend("b")
     saved = cache.pool.data[own].clone()                             # the engine copies them to host memory
-    assert cache.release_suspended("b") == 2 and cache.stats().pages_live == 0
+    # page 3 was indexed when its KV was written, so it stays resident for the index: only the tail is b's alone
+    assert cache.release_suspended("b") == 1 and cache.stats().pages_live == 0
     back = cache.resume("b")
     assert back.computed_tokens == 18 and len(back.page_indices) == 5
-    cache.pool.data[list(back.page_indices[3:])] = saved             # ...and back into the fresh pages
+    cache.pool.data[list(back.page_indices[4:])] = saved             # ...and back into the fresh page
     cache.finish("b")
     hit = cache.admit("c", list(range(12)) + [5] * 6 + [0])
     assert torch.equal(cache.pool.data[list(hit.page_indices[3:4])], kv[3:4])
@@ -312,3 +315,35 @@ def test_vocab_size_is_public_and_read_only():
     assert make(vocab_size=100).vocab_size == 100 and make().vocab_size == 2**31 - 1
     with pytest.raises(AttributeError):
         make().vocab_size = 5
+
+
+def test_a_reused_parent_page_never_verifies_a_stale_child():
+    """The wrong hit of a windowed request (issue 17): its released matched page was evicted and handed to another
+    chain while the page's children stayed indexed under its page id; a name colliding with a stale child then
+    verified. Children now leave the index with their parent, so the collision costs a miss."""
+    P = 2
+    pool = PagePool(8, (P,), torch.int64)
+    c = PrefixCache(pool, Fingerprint("m", page_size=P), evict_batch_pages=1)
+
+    def prefill(rid, toks, names, tag):
+        st = c.admit(rid, toks, names=names)
+        k = st.matched_tokens
+        st = c.grow(rid, len(toks))
+        for j, p in enumerate(st.page_indices):
+            if j * P >= k:
+                pool.data[p] = tag * 100 + j
+        c.mark_computed(rid, len(toks))
+
+    A = [1, 1, 2, 2, 3, 3, 9]
+    prefill("a", A, [10, 11, 12], tag=1)
+    c.finish("a")
+    c.admit("w", A, names=[10, 11, 12])
+    c.grow("w", 9)
+    c.release_oldest("w", 2)
+    c.admit_unnamed("hog")
+    c.grow("hog", P * (pool.num_free - 1))
+    prefill("b", [5, 5, 2, 2, 9], [20, 11], tag=2)
+    c.finish("b")
+    st = c.admit("victim", [5, 5, 2, 2, 3, 3, 9], names=[20, 11, 12])
+    served = [int(pool.data[p][0]) for p in st.page_indices]
+    assert served in ([], [200], [200, 201]), served            # never a page computed after another prefix

@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 from conftest import random_tokens
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
-from mmcache.hf.paged_kv import PagedKVCache
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from mmcache.hf.runner import chunk_spans, replay, serve
 from mmcache.pool import HostPagePool
 from mmcache.tiers import HostBudget, HostTier, TierStack
@@ -19,10 +19,9 @@ P, NEW = 4, 5
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def with_host_tier(cache: PrefixCache, host_pages: int) -> HostTier:
-    host = HostTier(HostPagePool.like(cache.pool, host_pages), cache.page_size)
-    cache.attach_tiers(TierStack(cache.fingerprint, host=host))
-    return host
+def host_tier(pool: PagePool, fp: Fingerprint, host_pages: int) -> tuple[TierStack, HostTier]:
+    host = HostTier(HostPagePool.like(pool, host_pages), fp.page_size)
+    return TierStack(fp, host=host), host
 
 
 
@@ -31,8 +30,9 @@ def with_host_tier(cache: PrefixCache, host_pages: int) -> HostTier:
 @pytest.mark.parametrize("dtype,attn", [(torch.float32, "eager"), (torch.bfloat16, "sdpa")])
 def test_a_prefix_served_from_the_host_tier_is_bit_exact(llama_folder, dtype, attn):
     model = LlamaForCausalLM.from_pretrained(llama_folder, attn_implementation=attn, dtype=dtype).eval()
-    kv = PagedKVCache.for_model(model, num_pages=8, page_size=P, evict_batch_pages=1)
-    host = with_host_tier(kv.prefix, 32)
+    host = HostTier(HostPagePool(32, kv_page_shape(model.config, P), dtype), P)
+    kv = PagedKVCache.for_model(model, num_pages=8, page_size=P, evict_batch_pages=1,
+                                tiers=TierStack(PagedKVCache.fingerprint_for(model, P), host=host))
     first = random_tokens(13, 1)
     a = serve(model, kv, "a", first, max_new_tokens=NEW, chunk_tokens=P)
     written = (len(first) + NEW - 1) // P * P
@@ -56,8 +56,8 @@ def test_a_prefix_served_from_the_host_tier_is_bit_exact(llama_folder, dtype, at
 def test_host_hits_are_gated_and_counted():
     pool = PagePool(4, (P,), torch.float32)
     fp = Fingerprint(model="gate", page_size=P)
-    cache = PrefixCache(pool, fp, evict_batch_pages=1)
-    with_host_tier(cache, 8)
+    tiers, _ = host_tier(pool, fp, 8)
+    cache = PrefixCache(pool, fp, evict_batch_pages=1, tiers=tiers)
 
     def run(rid, ids):
         s = cache.admit(rid, ids)
@@ -82,8 +82,8 @@ def test_host_hits_are_gated_and_counted():
 def test_a_host_hit_the_device_cannot_hold_is_given_up_not_an_error():
     pool = PagePool(3, (P,), torch.float32)
     fp = Fingerprint(model="full", page_size=P)
-    cache = PrefixCache(pool, fp, evict_batch_pages=1)
-    host = with_host_tier(cache, 8)
+    tiers, host = host_tier(pool, fp, 8)
+    cache = PrefixCache(pool, fp, evict_batch_pages=1, tiers=tiers)
     cache.admit("a", list(range(1, 10)))
     cache.grow("a", 9)
     cache.mark_computed("a", 9)
@@ -100,8 +100,8 @@ def test_the_host_budget_is_split_explicitly():
     budget = HostBudget(pool, tier_pages=3, offload_pages=5)
     assert budget.tier is not budget.offload and (budget.tier.num_pages, budget.offload.num_pages) == (3, 5)
     assert not budget.tier.pinned  # pinned memory needs CUDA; the default pins only for a CUDA pool
-    cache = PrefixCache(pool, Fingerprint(model="split", page_size=P), evict_batch_pages=1)
-    cache.attach_tiers(TierStack(cache.fingerprint, host=HostTier(budget.tier, P)))
+    fp = Fingerprint(model="split", page_size=P)
+    cache = PrefixCache(pool, fp, evict_batch_pages=1, tiers=TierStack(fp, host=HostTier(budget.tier, P)))
     for i in range(9):  # fill the tier (and more): it drops its own coldest pages, never the offload pool's
         ids = random_tokens(9, 10 + i)
         cache.admit(i, ids)
@@ -118,9 +118,9 @@ def test_the_host_budget_is_split_explicitly():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory and the async copy-up need CUDA")
 def test_copy_up_from_pinned_memory_is_gated_by_an_event():
     pool = PagePool(2, (P,), torch.float32, device="cuda")
-    cache = PrefixCache(pool, Fingerprint(model="cuda", page_size=P), evict_batch_pages=1)
+    fp = Fingerprint(model="cuda", page_size=P)
     host = HostTier(HostPagePool.like(pool, 4, pin_memory=True), P)
-    cache.attach_tiers(TierStack(cache.fingerprint, host=host))
+    cache = PrefixCache(pool, fp, evict_batch_pages=1, tiers=TierStack(fp, host=host))
     for rid, ids in (("a", list(range(1, 10))), ("b", list(range(20, 29)))):
         s = cache.admit(rid, ids)
         s = cache.grow(rid, 9)

@@ -20,6 +20,7 @@ from mmcache.hf.paged_kv import PagedKVCache
 from mmcache.hf.runner import chunk_spans, replay, serve
 from mmcache.tiers import MemoryStore, StoreTier, TierStack
 from mmcache.tiers import mooncake
+from mooncake_master import MooncakeMaster
 
 P, NEW = 4, 5
 WHY = mooncake.available()
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def master():
-    with mooncake.MooncakeMaster() as m:
+    with MooncakeMaster() as m:
         yield m
 
 
@@ -40,16 +41,19 @@ def master():
 def instance(master):
     """``instance(model, probe_s)``: a PagedKVCache with a store tier on ``master``; its client is closed after the
     test, so no reconnecting client outlives it."""
-    clients = []
+    clients, stores = [], []
 
     def make(model, probe_s=5.0):
-        kv = PagedKVCache.for_model(model, num_pages=32, page_size=P)
         clients.append(mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20))
         store = StoreTier(clients[-1], probe_s=probe_s)
-        kv.prefix.attach_tiers(TierStack(kv.prefix.fingerprint, store=store))
+        stores.append(store)
+        kv = PagedKVCache.for_model(model, num_pages=32, page_size=P,
+                                    tiers=TierStack(PagedKVCache.fingerprint_for(model, P), store=store))
         return kv, store
 
     yield make
+    for store in stores:
+        store.close()  # its publisher stops before the client it calls goes
     for client in clients:
         client.close()
 
@@ -123,10 +127,8 @@ def test_a_store_page_is_verified_before_use():
     shared = MemoryStore(64)
 
     def cache(fingerprint=fp):
-        c = PrefixCache(pool if fingerprint is fp else PagePool(8, (P,), torch.float32), fingerprint,
-                        evict_batch_pages=1)
-        c.attach_tiers(TierStack(fingerprint, store=StoreTier(shared, publish_async=False)))
-        return c
+        return PrefixCache(pool if fingerprint is fp else PagePool(8, (P,), torch.float32), fingerprint,
+                           evict_batch_pages=1, tiers=TierStack(fingerprint, store=StoreTier(shared, publish_async=False)))
 
     a = cache()
     a.admit("a", list(range(1, 10)), salt=b"t")

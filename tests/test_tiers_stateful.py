@@ -24,9 +24,9 @@ class DeviceAndHost(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = PagePool(5, (P,), torch.float32)
-        self.cache = PrefixCache(self.pool, Fingerprint(model="collide", page_size=P), evict_batch_pages=1)
+        fp = Fingerprint(model="collide", page_size=P)
         self.host = HostTier(HostPagePool.like(self.pool, 5), P)
-        self.cache.attach_tiers(TierStack(self.cache.fingerprint, host=self.host))
+        self.cache = PrefixCache(self.pool, fp, evict_batch_pages=1, tiers=TierStack(fp, host=self.host))
         self.live = {}
         self.n = 0
 

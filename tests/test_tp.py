@@ -27,7 +27,8 @@ class Rank:
     def __init__(self, rank, world, pages=64):
         self.rank, self.world = rank, world
         self.pool = PagePool(pages, page_shape=(P, 2), dtype=torch.float64)
-        self.tp = TPAgreement(PrefixCache(self.pool, Fingerprint("m", tp_rank=rank, tp_size=world, page_size=P)))
+        self.tp = PrefixCache(self.pool, Fingerprint("m", tp_rank=rank, tp_size=world, page_size=P),
+                              agreement=TPAgreement())
 
     def run(self, rid, tokens, out=(), names=None):
         """Admit with agreement, check the group, 'prefill' what was not matched, finish."""
@@ -118,20 +119,36 @@ def test_ranks_agree_on_the_matched_length_and_hold_the_same_bytes(world):
     mp.spawn(_scenarios, args=(world, _free_port()), nprocs=world, join=True)
 
 
-def test_trim_match_releases_the_extra_retains_and_only_before_growth():
+class GroupOf:
+    """A group whose other ranks matched ``pages`` pages (None: another rank refused): the lifecycle must keep exactly
+    the minimum and count only what it kept."""
+
+    def __init__(self, pages):
+        self.pages, self.calls = pages, []
+
+    def agree(self, pages, ok):
+        self.calls.append((pages, ok))
+        if self.pages is None:
+            return 0, False
+        return min(pages, self.pages), ok
+
+
+def test_the_group_minimum_is_kept_and_counted_and_a_refusal_holds_nothing():
     pool = PagePool(16)
-    cache = PrefixCache(pool, Fingerprint("m", page_size=P))
+    group = GroupOf(1)
+    cache = PrefixCache(pool, Fingerprint("m", page_size=P), agreement=group)
     cache.admit("a", list(range(13)))
     cache.grow("a", 13)
     cache.mark_computed("a", 13)
     cache.finish("a")
+    assert pool.counts.sum() == 3                                   # the index's owners of a's 3 full pages
     st = cache.admit("b", list(range(13)))
-    assert st.matched_tokens == 12 and pool.counts.sum() == 6
-    with pytest.raises(Exception):
-        cache.trim_match("b", 4)
-    st = cache.trim_match("b", 1)
     assert st.matched_tokens == st.seq_len == 4 and len(st.page_indices) == 1 and pool.counts.sum() == 4
-    assert cache.stats().hit_tokens == 4
-    cache.grow("b", 13)
+    assert cache.stats().hit_tokens == 4 and group.calls[-1] == (3, True)
+    group.pages = None
+    with pytest.raises(RefusedByGroup):
+        cache.admit("c", list(range(13)))
+    assert pool.counts.sum() == 4 and cache.stats().queries == 2    # nothing held, nothing counted
     with pytest.raises(Exception):
-        cache.trim_match("b", 0)
+        cache.admit("bad", [])                                      # a local failure is told to the group too
+    assert group.calls[-1] == (0, False)

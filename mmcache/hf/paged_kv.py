@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
+from mmcache.lifecycle import LowerTier
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool, same_device
 from mmcache.prefix_cache import PrefixCache, RequestState
@@ -116,18 +117,25 @@ class PagedKVCache(Cache):
         self._kv: torch.Tensor | None = None  # staging [layers, 2, kv_heads, capacity, head_dim]
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: K and V of the staging buffer
 
+    @staticmethod
+    def fingerprint_for(model, page_size: int = 16, fingerprint: str | None = None) -> Fingerprint:
+        """The fingerprint ``for_model`` names pages under: the weights (``module_fingerprint``, or ``fingerprint`` if
+        given), KV dtype, attention backend and page size (a ``TierStack`` under the cache is built with it)."""
+        p = next(model.parameters())
+        text = model.config.get_text_config(decoder=True)
+        return Fingerprint(model=fingerprint or module_fingerprint(model), kv_dtype=str(p.dtype),
+                           attention_backend=str(text._attn_implementation), page_size=page_size)
+
     @classmethod
     def for_model(cls, model, num_pages: int, page_size: int = 16, *, fingerprint: str | None = None,
-                  evict_batch_pages: int | None = None) -> PagedKVCache:
+                  evict_batch_pages: int | None = None, tiers: LowerTier | None = None) -> PagedKVCache:
         """A cache over a new pool of ``num_pages`` pages in the model's dtype and device, with a ``PrefixCache``
-        whose fingerprint names the weights (``module_fingerprint``, or ``fingerprint`` if given), KV dtype,
-        attention backend and page size."""
+        under ``fingerprint_for(model, page_size, fingerprint)`` and, if given, ``tiers`` below its pool."""
         p = next(model.parameters())
         text = model.config.get_text_config(decoder=True)
         pool = PagePool(num_pages, kv_page_shape(model.config, page_size), p.dtype, p.device)
-        fp = Fingerprint(model=fingerprint or module_fingerprint(model), kv_dtype=str(p.dtype),
-                         attention_backend=str(text._attn_implementation), page_size=page_size)
-        prefix = PrefixCache(pool, fp, evict_batch_pages=evict_batch_pages, vocab_size=text.vocab_size)
+        prefix = PrefixCache(pool, cls.fingerprint_for(model, page_size, fingerprint),
+                             evict_batch_pages=evict_batch_pages, vocab_size=text.vocab_size, tiers=tiers)
         return cls(prefix, model.config)
 
     # ---------------------------------------------------------------------------------------------- request lifecycle
@@ -157,17 +165,19 @@ class PagedKVCache(Cache):
         return state
 
     def finish(self, rid: Hashable, output_ids=()) -> int:
-        """End ``rid``: every full, written page of prompt + ``output_ids`` moves to the index (see
-        ``PrefixCache.finish``); returns how many pages were newly indexed."""
+        """End ``rid``: every full, written page of prompt + ``output_ids`` is in the index (see
+        ``PrefixCache.finish``); returns how many pages the request indexed."""
         self._check(rid)
         added = self.prefix.finish(rid, output_ids)
         self._end()
         return added
 
-    def abort(self, rid: Hashable) -> None:
-        """End ``rid`` without indexing anything (e.g. after an error mid-forward)."""
+    def abort(self, rid: Hashable, discard: bool = False) -> None:
+        """End ``rid`` without indexing anything more (e.g. after an error mid-forward: the positions a failed forward
+        was writing were never marked computed). Pages committed as they were written stay indexed, unless
+        ``discard`` (see ``PrefixCache.abort``)."""
         self._check(rid)
-        self.prefix.abort(rid)
+        self.prefix.abort(rid, discard=discard)
         self._end()
 
     def state(self) -> RequestState:

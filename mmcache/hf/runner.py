@@ -2,7 +2,8 @@
 of what the cache did not supply, greedy decode, teardown. Every model adapter and workload goes through here.
 
 - ``request`` is the one request lifecycle: admit, yield, finish (written pages go to the index), abort on any
-  error so no page of a failed request is indexed. With ``kv=None`` it is the uncached path: a fresh
+  error: nothing more of a failed request is indexed (the pages its completed forwards wrote were committed as they
+  were written, and stay). With ``kv=None`` it is the uncached path: a fresh
   ``DynamicCache``, nothing matched, the same chunk spans after.
 - ``greedy`` is the one decode loop: pick a token (a text id, a CSM frame) from the last step's output, report it,
   feed it back, never feeding the last one.
@@ -71,7 +72,7 @@ class Lease:
 def request(kv: PagedKVCache | None, rid: Hashable, token_ids, *, config=None, media: Sequence = (),
             names: Sequence[int] | None = None, salt: bytes = b"") -> Iterator[Lease]:
     """The request lifecycle: ``kv.admit`` -> yield a ``Lease`` -> ``kv.finish(rid, lease.output_ids)``; any
-    exception in the body aborts the request (its pages are freed, none indexed) and propagates.
+    exception in the body aborts the request (its pages are released, nothing more is indexed) and propagates.
 
     ``kv=None``: the uncached path, a fresh ``DynamicCache(config=config)`` with nothing matched."""
     if kv is None:
@@ -114,7 +115,7 @@ def serve(model, kv: PagedKVCache | None, rid: Hashable, token_ids, *, max_new_t
           on_token: Callable[[int, list], None] | None = None, stage: Stage = no_stage) -> Served:
     """Admit ``rid`` on ``kv``, prefill the unmatched rest in page-aligned chunks of ``chunk_tokens`` (default: one
     page), decode ``max_new_tokens`` greedily, and finish: the prompt's written pages go to the index, and the
-    output's too with ``index_output``. Any error aborts the request, so no page of a failed request is ever indexed.
+    output's too with ``index_output``. Any error aborts the request: nothing more of it is indexed.
     ``kv=None`` is the uncached run of the same schedule (``chunk_tokens`` required).
 
     ``embed`` feeds ``inputs_embeds`` for prefill chunks instead of ``input_ids`` (VLMs, see ``mmcache.hf.llava``);

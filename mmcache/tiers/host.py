@@ -4,8 +4,10 @@ Write-back: a page is copied to the host only when the device evicts it (``spill
 the device. Inclusive: a page copied back up stays in the host tier too, so evicting it from the device again costs
 no copy. The tier owns one owner count on each page it holds in its ``HostPagePool``; a lookup that hits pins the
 matched pages (one more owner) until their bytes are copied up, so the tier's own eviction never takes a page that
-is being read. The tier takes no lock of its own: its one user (``TierStack``, driven under the ``PrefixCache``
-lock) serializes every call.
+is being read. The tier is the one evictable owner of its host pool (``mmcache.reclaim``): its entries are ordered by
+the host pool's clock with the same ``eviction_key`` as the device index, and room is made by the same ``make_room``.
+The tier takes no lock of its own: its one user (``TierStack``, driven under the device pool's ``cache_lock``)
+serializes every call.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from itertools import repeat
 import numpy as np
 import torch
 
-from mmcache.errors import InvalidRequest
+from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.pool import HostPagePool, PagePool, can_hold, copy_pages
+from mmcache.reclaim import eviction_key, make_room
 from mmcache.tiers.lineage import RequestLineage
 
 _LIN = np.dtype((np.void, 16))
@@ -24,7 +27,7 @@ _LIN = np.dtype((np.void, 16))
 
 class HostBudget:
     """Host memory split explicitly between the host tier (``tier``) and preemption offload (``offload``, the pool
-    ``PagedAllocator.offload_request`` takes). They are two ``HostPagePool``s, so neither can take the other's pages:
+    an engine's preemption offload takes, e.g. M*'s KV resource). They are two ``HostPagePool``s, so neither can take the other's pages:
     a full tier evicts its own coldest pages, a full offload pool refuses the offload, whatever the other holds.
 
     ``pin_memory`` defaults to pinning when the device pool is on CUDA (page-locked memory needs CUDA)."""
@@ -64,7 +67,7 @@ class HostTier:
         self._tick = np.zeros(n, dtype=np.int64)
         self._held = np.zeros(n, dtype=bool)
         self._pages: dict[int, int] = {}
-        self._clock = 0
+        pool.register(self)
         self.counters = dict.fromkeys(("written_pages", "refreshed_pages", "dropped_pages", "hit_pages",
                                        "collisions"), 0)
 
@@ -82,19 +85,19 @@ class HostTier:
         beyond the tier's free room after dropping its coldest unpinned pages are skipped. Returns pages copied."""
         if not can_hold(self.pool, src):
             raise InvalidRequest(f"host tier pages {self.pool!r} cannot hold device pages {src!r}")
-        self._clock += 1
+        tick = self.pool.clock.tick()
         fresh_at, replace = [], []
         for j, name in enumerate(names):
             page = self._pages.get(name)
             if page is not None and self._same(page, tokens[j], media[j], parent_lineages[j], depths[j]):
-                self._tick[page] = self._clock
+                self._tick[page] = tick
                 self.counters["refreshed_pages"] += 1
             else:
                 if page is not None:
                     replace.append(page)
                 fresh_at.append(j)
         self._drop(np.asarray(replace, dtype=np.int64))
-        room = self._make_room(len(fresh_at))
+        room = self._free_up_to(len(fresh_at))
         fresh_at = fresh_at[:room]
         if not fresh_at:
             return 0
@@ -107,7 +110,7 @@ class HostTier:
         self._media[hp] = media[fresh_at]
         self._plin[hp] = np.array([parent_lineages[j] for j in fresh_at], dtype=_LIN)
         self._depth[hp] = np.asarray(depths)[fresh_at]
-        self._tick[hp] = self._clock
+        self._tick[hp] = tick
         self._held[hp] = True
         self.counters["written_pages"] += len(hp)
         return len(hp)
@@ -138,8 +141,7 @@ class HostTier:
         out = idx[:k].tolist()
         if out:
             self.pool.retain(out, distinct=True)
-            self._clock += 1
-            self._tick[out] = self._clock
+            self._tick[out] = self.pool.clock.tick()
             self.counters["hit_pages"] += len(out)
         return out
 
@@ -147,17 +149,24 @@ class HostTier:
         return bool(self._depth[page] == depth and (self._media[page] == mid).all()
                     and self._plin[page].tobytes() == parent_lineage and (self._tokens[page] == tokens).all())
 
-    def _make_room(self, need: int) -> int:
+    def _free_up_to(self, need: int) -> int:
         """Free up to ``need`` pages by dropping the coldest (then deepest) pages only the tier holds; returns how
         many pages are free for the caller now (at most ``need``)."""
-        short = need - self.pool.num_free
-        if short > 0:
-            cands = np.flatnonzero(self._held & (self.pool.counts == 1))
-            if cands.size:
-                keys = self._tick[cands] * (self.pool.num_pages + 1) - self._depth[cands]
-                n = min(short, cands.size)
-                self._drop(cands[np.argpartition(keys, n - 1)[:n]] if n < cands.size else cands)
+        try:
+            make_room(self.pool, need)
+        except OutOfPages as e:  # pinned pages hold the rest: drop every candidate and use what is free
+            if need - e.shortfall > self.pool.num_free:
+                make_room(self.pool, need - e.shortfall)
         return min(need, self.pool.num_free)
+
+    # -- the pool's reclaim protocol (``mmcache.reclaim``) ------------------------------------------------------------
+    def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Pages only the tier holds (no hit pinning them), keyed coldest then deepest first."""
+        cands = np.flatnonzero(self._held & (self.pool.counts == 1))
+        return cands, eviction_key(self.pool, self._tick[cands], self._depth[cands])
+
+    def evict(self, pages: np.ndarray) -> None:
+        self._drop(np.asarray(pages, dtype=np.int64))
 
     def _drop(self, pages: np.ndarray) -> None:
         pages = pages[self._held[pages]] if pages.size else pages

@@ -1,14 +1,14 @@
-"""TierStack: the tiers below one ``PrefixCache``'s device pool, and the three places the cache meets them.
+"""TierStack: the tiers below one device pool, as the ``LowerTier`` a ``PrefixLifecycle`` declares.
 
+- ``nominates`` then ``extend`` (from ``PrefixLifecycle.match``, after the device match): the lookup continues in the
+  host tier, then in the store, each page verified the same way; hits get fresh device pages, their bytes are copied
+  up, they join the device index, and the request's state carries a ``PageFetch`` that says when they may be read.
 - ``spill`` (from ``PrefixIndex.evict``, the one place a cached page leaves the device): the evicted pages' bytes and
   verifying ids move to the host tier (write-back on eviction).
-- ``extend`` (from ``PrefixCache.admit``, after the device match): the lookup continues in the host tier, then in
-  the store, each page verified the same way; hits get fresh device pages, their bytes are copied up, they join the
-  device index, and the request's state carries a ``PageFetch`` that says when those pages may be read.
-- ``published`` (from ``PrefixCache.finish``, after pages are indexed): newly indexed pages are put to the store
-  (write-through, so other instances can use a prefix while it is hot here).
+- ``publish`` (from ``PrefixLifecycle.commit``, after pages are indexed): newly indexed pages are put to the store
+  (write-through, so other instances can use a prefix while it is hot here, and while its request still runs).
 
-Every call comes under the ``PrefixCache`` lock. A tier's failure is a miss: nothing here raises into a request.
+Every call comes under the pool's ``cache_lock``. A tier's failure is a miss: nothing here raises into a request.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import xxhash
 from mmcache.errors import OutOfPages
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool, copy_pages
+from mmcache.reclaim import make_room
 from mmcache.tiers.host import HostTier
 from mmcache.tiers.lineage import RequestLineage, root_lineage
 from mmcache.tiers.store import Expected, StoreTier, encode_page, page_key
@@ -115,11 +116,11 @@ class TierStack:
         if not h:
             return idx.tolist(), None
         try:
-            index.make_room(h)
+            make_room(pool, h, index.evict_batch_pages, index.counters)
         except OutOfPages as e:  # live requests fill the device: keep the part of the hit that fits, if any
             h -= e.shortfall
             if h > 0:
-                index.make_room(h)
+                make_room(pool, h, index.evict_batch_pages, index.counters)
             if len(host) > max(h, 0):
                 self.host.pool.release(host[max(h, 0):])
             host, store = host[:max(h, 0)], store[:max(h - len(host), 0)]
@@ -135,8 +136,7 @@ class TierStack:
         pages = idx.tolist() + fresh
         m = len(pages)
         P = index.page_size
-        adopted = index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id)
-        pool.retain([pages[j] for j in adopted], distinct=True)  # the index's owner; the request keeps its own
+        index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id)  # index's own owners
         release = (lambda: self.host.pool.release(host)) if host else None
         if event is None and release is not None:
             release()
@@ -144,7 +144,7 @@ class TierStack:
         return pages, PageFetch(len(host), len(store), event, release)
 
     # ----------------------------------------------------------------- device -> store (write-through on index)
-    def published(self, pool: PagePool, pages: list[int], positions: list[int], names, seq: np.ndarray,
+    def publish(self, pool: PagePool, pages: list[int], positions: list[int], names, seq: np.ndarray,
                   mids: np.ndarray, salt: bytes) -> None:
         """Put the newly indexed pages ``pages[j]`` (chain position ``j`` for j in ``positions``) to the store. The
         bytes are read now, under the caller's lock; the puts run on the store's publisher thread."""

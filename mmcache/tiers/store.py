@@ -120,9 +120,12 @@ class StoreTier:
         self.counters = dict.fromkeys(("published_pages", "publish_dropped", "hit_pages", "gets", "misses",
                                        "rejected", "failures", "skipped"), 0)
         self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
         if publish_async:
             self._queue = queue.Queue(maxsize=queue_pages)
-            threading.Thread(target=self._publisher, name="mmcache-store-publish", daemon=True).start()
+            self._thread = threading.Thread(target=self._publisher, name="mmcache-store-publish", daemon=True)
+            self._thread.start()
 
     # ----------------------------------------------------------------- health
     @property
@@ -145,6 +148,9 @@ class StoreTier:
         """Put ``(key, payload)`` pairs: on the publisher thread with ``publish_async`` (dropped, and counted, when
         its queue is full or the store is down), else now."""
         for item in items:
+            if self._closed:
+                self.counters["publish_dropped"] += 1
+                continue
             if self._queue is None:
                 self._put(*item)
                 continue
@@ -164,11 +170,22 @@ class StoreTier:
             time.sleep(0.005)
         return True
 
+    def close(self) -> None:
+        """Put what is queued, then stop the publisher thread; call it before closing the store's client (a client
+        closed under a put in flight crashes Mooncake's). Later publishes are dropped and counted."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread, self._queue = None, None
+            self._closed = True
+
     def _publisher(self) -> None:
         while True:
-            key, payload = self._queue.get()
+            item = self._queue.get()
             try:
-                self._put(key, payload)
+                if item is None:
+                    return
+                self._put(*item)
             finally:
                 self._queue.task_done()
 

@@ -1,0 +1,273 @@
+"""PrefixLifecycle: the one prefix lifecycle every request table drives, per label on a pool.
+
+A request table (``PrefixCache``'s live table, M*'s KV resource) keeps its own requests and pages; for the cached
+prefix it calls one lifecycle per label:
+
+- ``name`` a prompt (no lock: do it before entering the table);
+- ``match`` it: the longest verified chain prefix on the device, continued through the ``LowerTier`` (host tier,
+  shared store), agreed over the ``GroupAgreement`` (the TP minimum), retained for the request and counted; the
+  ``Claim`` it returns is the request's standing with the index;
+- ``take`` fresh pages (evicting cold cached pages of the pool first, ``mmcache.reclaim``);
+- ``commit`` pages as their KV is written: every full page the request's names cover is indexed then, so another
+  request with the same prefix shares it while the first still runs (prompt pages, and generated pages as they fill);
+- ``release`` the request's pages when it ends (the index keeps its own owners), ``discard`` what it indexed when
+  its KV turned out bad;
+- ``stats``.
+
+Ownership: the table holds one owner per page it lists for a request, the index one per indexed page; the pool frees
+a page when its count reaches 0. Every method that reads or changes the index takes the pool's ``cache_lock`` (an
+RLock, so a table may hold it around several calls); the group agreement runs outside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from mmcache.errors import RefusedByGroup
+from mmcache.names import Fingerprint, NamedPrompt, chain, media_ids
+from mmcache.pool import PagePool
+from mmcache.prefix_index import PrefixIndex
+from mmcache.reclaim import take
+from mmcache.stats import PrefixCacheStats
+
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+# ----------------------------------------------------------------- the interfaces the lifecycle declares
+class Readiness(Protocol):
+    """Pages copied up from a lower tier: the request reads none of them before ``ready`` (or ``wait()``)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class LowerTier(Protocol):
+    """Storage below the device pool (``mmcache.tiers.TierStack``). A tier's failure is a miss: nothing raises."""
+
+    def nominates(self, name: int) -> bool:
+        """Whether a lookup that missed on the device at the page named ``name`` should ask the tier."""
+
+    def extend(self, index: PrefixIndex, idx: np.ndarray, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray,
+               salt: bytes, salt_id: int) -> tuple[list[int], Readiness | None]:
+        """Continue the device match ``idx`` through the tier: the request's pages (``idx``, then fresh pages holding
+        verified tier hits, indexed and owned by the request too) and their readiness (None when nothing was hit)."""
+
+    def spill(self, index: PrefixIndex, pages: np.ndarray) -> None:
+        """``index`` evicts ``pages``, whose bytes and verifying ids are still intact: take what the tier keeps."""
+
+    def publish(self, pool: PagePool, pages: Sequence[int], positions: Sequence[int], names: Sequence[int],
+                seq: np.ndarray, mids: np.ndarray, salt: bytes) -> None:
+        """Pages ``pages[j]`` (chain position ``j`` for ``j`` in ``positions``) were just indexed: share them."""
+
+
+class GroupAgreement(Protocol):
+    """Ranks that must agree on a matched length (``mmcache.tp.TPAgreement``: MIN over the TP process group). Every
+    rank calls ``agree`` for the same requests in the same order."""
+
+    def agree(self, pages: int, ok: bool) -> tuple[int, bool]:
+        """The group's minimum of ``pages`` and whether every rank is ``ok``."""
+
+
+# ----------------------------------------------------------------- a request's standing with the index
+@dataclasses.dataclass(slots=True, eq=False)
+class Claim:
+    """One (request, label)'s named prompt and how far its chain is indexed.
+
+    Invariant: positions ``0..indexed-1`` of the request's chain are indexed as ``chain`` (page ids; a position where
+    another request indexed an equal page first names that page, not the request's own copy), the last of them
+    with serial ``parent_serial`` at the time. ``open`` is False once a collision or a lost parent stopped indexing:
+    nothing of this request is indexed past that point. ``adopted`` are the pages the index took from the request.
+    """
+
+    prompt: NamedPrompt
+    salt_id: int
+    matched: int                                        # pages matched at admission (a prefix of ``chain``)
+    chain: list[int] = dataclasses.field(default_factory=list)
+    parent_serial: int = 0
+    open: bool = True
+    adopted: list[int] = dataclasses.field(default_factory=list)
+    names: list[int] = dataclasses.field(default_factory=list)   # prompt names, then generated pages' as they fill
+
+    @property
+    def indexed(self) -> int:
+        return len(self.chain)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Match:
+    """What ``match`` retained for a request: its first pages in position order and their readiness (pages copied up
+    from a lower tier; None when all were on the device)."""
+
+    pages: list[int]
+    fetch: Readiness | None
+
+
+class PrefixLifecycle:
+    """Match, take, commit, release and stats for one label's prefix index on ``pool`` (see the module docstring).
+
+    ``evict_batch_pages``: the least cached pages one eviction frees (default 1/64 of the pool). ``vocab_size``: token
+    ids must lie below it. ``tiers``: a ``LowerTier`` under the pool. ``agreement``: a ``GroupAgreement`` over ranks.
+    """
+
+    def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
+                 vocab_size: int | None = None, tiers: LowerTier | None = None,
+                 agreement: GroupAgreement | None = None):
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self.page_size = fingerprint.page_size
+        self.vocab_size = int(vocab_size) if vocab_size else np.iinfo(np.int32).max
+        self.tiers = tiers
+        self.agreement = agreement
+        self.lock = pool.cache_lock
+        self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64),
+                                 spill=tiers.spill if tiers is not None else None)
+
+    @property
+    def counters(self) -> dict:
+        return self.index.counters
+
+    # ----------------------------------------------------------------- admission
+    def name(self, token_ids, media: Sequence = (), salt: bytes = b"", names: Sequence[int] | None = None,
+             what: str = "request") -> NamedPrompt:
+        """The prompt checked and named (``InvalidRequest`` naming ``what``); takes no lock."""
+        return NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, vocab_limit=self.vocab_size,
+                                 what=what)
+
+    def match(self, prompt: NamedPrompt) -> tuple[Claim, Match]:
+        """Retain the longest verified prefix of ``prompt``'s full pages (never the page of its last token): device
+        pages, then pages a lower tier verified and copied up; under a group agreement, the group's minimum, so no
+        rank keeps a page another did not match. Counted once, after the agreement. ``RefusedByGroup`` (nothing
+        held) when another rank could not admit the request."""
+        limit = prompt.matchable
+        mids = prompt.media_ids(limit)
+        with self.lock:
+            salt_id = self.index.salt_id(prompt.salt)
+            idx = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
+            self.pool.retain(idx, distinct=True)
+            self.index.touch(idx)
+            pages, fetch = idx.tolist(), None
+            if self.tiers is not None and idx.size < limit and self.tiers.nominates(prompt.names[idx.size]):
+                pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids,
+                                                 prompt.salt, salt_id)
+        if self.agreement is not None:
+            agreed, all_ok = self.agreement.agree(len(pages), True)
+            if not all_ok:
+                self.pool.release(pages)
+                raise RefusedByGroup("another rank could not admit this request")
+            if agreed < len(pages):
+                self.pool.release(pages[agreed:])
+                pages = pages[:agreed]
+        with self.lock:
+            c = self.index.counters
+            c["queries"] += 1
+            c["hits"] += bool(pages)
+            c["queried_tokens"] += int(prompt.tokens.size)
+            c["hit_tokens"] += len(pages) * self.page_size
+            claim = Claim(prompt, salt_id, len(pages), list(pages),
+                          self.index.serial(pages[-1]) if pages else 0, names=prompt.names)
+        return claim, Match(pages, fetch)
+
+    def refuse(self) -> None:
+        """This rank cannot admit the request it was about to match (bad input, a duplicate): tell the group, whose
+        other ranks then raise ``RefusedByGroup`` from ``match``. A no-op without a group."""
+        if self.agreement is not None:
+            self.agreement.agree(0, False)
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank of the group is ``ok`` (True without a group): for a step that all ranks take or none."""
+        return self.agreement is None or self.agreement.agree(0, ok)[1]
+
+    def rematch(self, claim: Claim, pages: int) -> np.ndarray:
+        """The verified part of the first ``pages`` pages of ``claim``'s chain, retained (a suspended request coming
+        back); not counted as a query."""
+        prompt = claim.prompt
+        with self.lock:
+            idx = self.index.match(prompt.names[:pages], prompt.tokens, prompt.media_ids(pages), claim.salt_id)
+            self.pool.retain(idx, distinct=True)
+            self.index.touch(idx)
+            return idx
+
+    # ----------------------------------------------------------------- pages
+    def take(self, n: int) -> list[int]:
+        """``n`` fresh pages with one owner each, evicting the pool's coldest cached pages first (one batch);
+        ``OutOfPages`` and nothing changed when live owners alone hold too much."""
+        return take(self.pool, n, self.index.evict_batch_pages, self.index.counters)
+
+    def release(self, pages) -> list[int]:
+        """Drop one owner from each page (the table's); returns the pages freed."""
+        return self.pool.release(pages)
+
+    # ----------------------------------------------------------------- commit as pages fill
+    def commit(self, claim: Claim, pages: Sequence[int], written_tokens: int, generated: np.ndarray = _NO_TOKENS,
+               tokens_named: int | None = None) -> int:
+        """Index the request's full pages whose KV is written (the first ``written_tokens`` tokens) and whose names
+        cover every position they hold: the prompt's, then ``generated`` (int32 ids after the prompt) as they fill.
+        ``tokens_named`` (default: prompt + generated) caps what the names cover. ``pages[j]`` holds chain position
+        ``j``. Returns the pages newly indexed. Nothing is indexed past a collision or a lost parent."""
+        if not claim.open:
+            return 0
+        P = self.page_size
+        prompt = claim.prompt
+        named = prompt.tokens.size + generated.size if tokens_named is None else tokens_named
+        m = min(written_tokens, named, prompt.tokens.size + generated.size, len(pages) * P) // P
+        lo = claim.indexed
+        if m <= lo:
+            return 0
+        with self.lock:
+            if lo and self.index.serial(claim.chain[-1]) != claim.parent_serial:
+                claim.open = False  # the parent left the index (evicted or discarded): its children may not hang on
+                return 0
+            rows = _rows(prompt, generated, lo, m)
+            if m > len(claim.names):  # generated pages: their names continue the prompt's chain (lo <= len(names))
+                start = len(claim.names)
+                claim.names = claim.names + chain(claim.names[-1] if start else prompt.root, rows[start - lo:].ravel(),
+                                                  P, start, prompt.media)
+            mids = media_ids(prompt.media, range(lo, m))
+            new, walked, claim.open = self.index.insert(pages[lo:m], claim.names[lo:m], rows, mids, claim.salt_id,
+                                                        lo, claim.chain[-1] if lo else -1)
+            if walked:
+                claim.chain += walked
+                claim.parent_serial = self.index.serial(walked[-1])
+                self.index.touch(claim.chain[:lo])
+            adopted = [int(pages[lo + j]) for j in new]
+            claim.adopted += adopted
+            if self.tiers is not None and new:
+                seq = np.concatenate((prompt.tokens, generated))[:m * P]
+                self.tiers.publish(self.pool, list(pages[:m]), [lo + j for j in new], claim.names[:m], seq,
+                                   media_ids(prompt.media, range(m)), prompt.salt)
+            return len(adopted)
+
+    def discard(self, claim: Claim) -> int:
+        """Unindex every page ``claim``'s request indexed, with the descendants other requests indexed under them
+        (its KV is bad); holders keep their own owners. Returns the pages unindexed."""
+        with self.lock:
+            claim.open = False
+            n = self.index.remove(claim.adopted)
+            claim.adopted = []
+            return n
+
+    # ----------------------------------------------------------------- stats
+    def stats(self, pages_live: int, requests_live: int) -> PrefixCacheStats:
+        """The index counters since creation, the pool's free pages, the pages and requests the table holds live
+        (``pages_live``: distinct pages its live requests hold), and the indexed pages."""
+        with self.lock:
+            return PrefixCacheStats(**self.index.counters, pages_free=self.pool.num_free, pages_live=pages_live,
+                                    pages_cached=len(self.index), requests_live=requests_live)
+
+
+def _rows(prompt: NamedPrompt, generated: np.ndarray, lo: int, m: int) -> np.ndarray:
+    """Token ids of chain positions ``lo..m-1`` of prompt + ``generated`` as rows of one page each."""
+    P = prompt.page_size
+    n = prompt.tokens.size
+    if m * P <= n:
+        flat = prompt.tokens[lo * P:m * P]
+    elif lo * P >= n:
+        flat = generated[lo * P - n:m * P - n]
+    else:
+        flat = np.concatenate((prompt.tokens[lo * P:], generated[:m * P - n]))
+    return flat.reshape(m - lo, P)
