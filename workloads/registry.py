@@ -171,8 +171,10 @@ def import_model_module(name: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise UnknownWorkload(f"workload {name!r} is not available: importing {module} failed ({e}); "
-                              f"install the model extra: pip install 'mmcache[models]'") from e
+        from mmcache.errors import MissingDependency
+        from mmcache.extras import install_hint
+        why = e if isinstance(e, MissingDependency) else f"importing {module} failed ({e}); {install_hint('models')}"
+        raise UnknownWorkload(f"workload {name!r} is not available: {why}") from e
 
 
 def model_factory(name: str, options):
