@@ -46,6 +46,7 @@ from workloads.sizing.tiers import TierModel
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
+INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
              "kv_bytes_per_token")
@@ -113,8 +114,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where the usage is, not the whole usage first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
+    parser = _Parser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
                                      "serving: measure it on real traces.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     names = ", ".join(sorted(registry.TRACE_WORKLOADS))
@@ -279,16 +287,41 @@ def output_problem(args) -> str | None:
 
 def _progress(args) -> bool:
     """Progress bars on stderr: on a terminal unless --no-progress; when off, the model libraries' bars go too."""
-    from workloads.harness.progress import quiet_third_party
+    from workloads.harness.progress import bars_available, quiet_third_party
     on = not args.no_progress and sys.stderr.isatty()
+    if on and not bars_available():
+        from mmcache.extras import install_hint
+        print(f"note: no progress bars (tqdm is missing: {install_hint('replay')})", file=sys.stderr)
+        on = False
     if not on:
         quiet_third_party()
     return on
 
 
+def _missing_dependency(args) -> str | None:
+    """Why an output or endpoint asked for cannot be made with what is installed, checked before any work runs."""
+    from mmcache.errors import MissingDependency
+    from mmcache.extras import require
+    try:
+        for flag, module in (("plot", "matplotlib"), ("html", "matplotlib"), ("metrics_port", "prometheus_client")):
+            if getattr(args, flag, None) is not None:
+                require("replay", "--" + flag.replace("_", "-"), module)
+    except MissingDependency as e:
+        return str(e)
+    return None
+
+
+def _save(flag: str, path: Path, data: bytes | str) -> bool:
+    """Write one output (``workloads.output_files.save``): print where it went; False when it had to fall back."""
+    from workloads.output_files import save
+    where, problem = save(flag, path, data)
+    print(f"wrote {where}" if problem is None else f"mmcache: error: {problem}", file=sys.stderr if problem else None)
+    return problem is None
+
+
 def replay_command(args, defaults: dict) -> int:
     """``defaults``: the replay options' defaults, to tell which options were given."""
-    if problem := output_problem(args):
+    if problem := output_problem(args) or _missing_dependency(args):
         return _fail(problem)
     if args.target in registry.MODEL_WORKLOADS:
         if misused := _given(args, defaults, TEXT_ONLY):
@@ -314,12 +347,12 @@ def replay_command(args, defaults: dict) -> int:
     if problem := _replica_problem(args, defaults):
         return _fail(problem)
     progress = _progress(args)
-    from mmcache.errors import TraceError
+    from mmcache.errors import MissingDependency, TraceError
     from workloads.sizing.sweep import format_table, run_sweep, sweep_json
     started = time.perf_counter()
     try:
         trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
-    except TraceError as e:
+    except (TraceError, MissingDependency) as e:
         return _fail(str(e))
     _warn_malformed(trace)
     if not trace.sessions:
@@ -342,14 +375,16 @@ def replay_command(args, defaults: dict) -> int:
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
           f"{100 * c.hit_rate:.2f}%; total {time.perf_counter() - started:.1f} s")
+    if sweep.interrupted:
+        print(f"partial: interrupted (Ctrl-C) after {len(sweep.runs)} of {len(args.pool_tokens)} pool sizes; the rows "
+              "above are complete replays")
+    saved = True
     if args.json:
-        args.json.write_text(json.dumps(sweep_json(sweep), indent=2) + "\n")
-        print(f"wrote {args.json}")
+        saved &= _save("--json", args.json, json.dumps(sweep_json(sweep), indent=2) + "\n")
     if args.plot:
         from workloads.sizing.plot import plot_sweeps
-        plot_sweeps([sweep], args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+        saved &= _save("--plot", args.plot, plot_sweeps([sweep]))
+    return INTERRUPTED if sweep.interrupted else 0 if saved else 1
 
 
 def _replica_pool(args, defaults: dict) -> int:
@@ -396,8 +431,7 @@ def _replica_replay(args, defaults: dict, trace, page_size: int, service: Servic
                "service_model": {"prefill_tokens_per_s": service.prefill_tokens_per_s,
                                  "s_per_output_token": service.s_per_output_token},
                "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs]}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        return 0 if _save("--json", args.json, json.dumps(doc, indent=2) + "\n") else 1
     return 0
 
 
@@ -487,7 +521,7 @@ def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
 def _replay_and_report(args, schedule, slo, progress: bool, started: float, exporter, port) -> int:
     from mmcache.errors import MmcacheError
     from workloads.harness.metrics import failure_lines, summary_table
-    from workloads.harness.report import report_json, write_report
+    from workloads.harness.report import report_html, report_json
     from workloads.harness.serving import compare
     name = args.target
     try:
@@ -508,28 +542,40 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
           f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
     off, on = compare(make, schedule, observer=exporter, progress=progress)
+    if off.interrupted:
+        print(f"interrupted (Ctrl-C) in the cache-off run after {len(off.records)} of {off.planned} requests; the "
+              "cache-on run did not start, so there is nothing to compare", file=sys.stderr)
+        return INTERRUPTED
+    if on.interrupted:  # compare the requests both runs served: the first ones of the same order
+        off = off.first(len(on.records))
+        print(f"partial: interrupted (Ctrl-C) in the cache-on run; the table compares the first {len(on.records)} of "
+              f"{on.planned} requests")
     print(summary_table(off, on, slo))
     print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
           f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
     for line in failure_lines(off, on):
         print(f"failed: {line}")
     print(f"total {time.perf_counter() - started:.1f} s")
+    saved = True
     if args.html:
-        paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
-        print("wrote " + " and ".join(map(str, paths)))
-    elif args.json:
-        args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
-    if exporter is not None and args.metrics_linger:
+        saved &= _save("--html", args.html, report_html(off, on, slo))
+    if args.json or args.html:
+        saved &= _save("--json", args.json or args.html.with_suffix(".json"),
+                       json.dumps(report_json(off, on, slo), indent=2) + "\n")
+    if exporter is not None and args.metrics_linger and not on.interrupted:
         _linger(exporter, args.metrics_linger, port)
-    return 0
+    return INTERRUPTED if on.interrupted else 0 if saved else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "replay":
-        return replay_command(args, vars(parser.parse_args(["replay"])))
+    try:
+        if args.command == "replay":
+            return replay_command(args, vars(parser.parse_args(["replay"])))
+    except KeyboardInterrupt:  # a replay that was measuring returns its partial results itself
+        print("mmcache: interrupted (Ctrl-C) before anything was measured", file=sys.stderr)
+        return INTERRUPTED
     return _fail(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it first)
 
 

@@ -135,7 +135,8 @@ def _savings(off: RunResult, on: RunResult) -> str | None:
     return _png(fig)
 
 
-def _html(off: RunResult, on: RunResult, slo: SLO) -> str:
+def report_html(off: RunResult, on: RunResult, slo: SLO = SLO()) -> str:
+    """The self-contained HTML report (see the module docstring)."""
     e = html.escape
     plots = [("Cache behaviour", [p for p in (_hit_rates(on), _occupancy(on), _savings(off, on)) if p]),
              ("Latency CDFs", [p for p in (_cdf(off, on, name) for name in LATENCIES) if p])]
@@ -167,8 +168,7 @@ latencies = simulated queueing + measured service time.</p>
 
 def write_report(off: RunResult, on: RunResult, html_path: str | Path, json_path: str | Path,
                  slo: SLO = SLO()) -> tuple[Path, Path]:
-    """Write the HTML report and its JSON; returns both paths."""
-    html_path, json_path = Path(html_path), Path(json_path)
-    html_path.write_text(_html(off, on, slo), encoding="utf-8")
-    json_path.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
-    return html_path, json_path
+    """Write the HTML report and its JSON, each atomically (``workloads.output_files``); returns both paths."""
+    from workloads.output_files import write_atomic
+    return (write_atomic(html_path, report_html(off, on, slo)),
+            write_atomic(json_path, json.dumps(report_json(off, on, slo), indent=2) + "\n"))
