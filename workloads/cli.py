@@ -1,6 +1,7 @@
 """The ``mmcache`` command line.
 
-    mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai|sharegpt] [--tokenizer PATH]
+    mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai[-requests|-conversations]|sharegpt]
+                   [--tokenizer PATH]
                    [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
     mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,cache-aware]
@@ -46,6 +47,8 @@ from workloads.sizing.tiers import TierModel
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
+TRACE_KINDS = {"openai-requests": "OpenAI request log (a line a request)",
+               "openai-conversations": "OpenAI conversation log (a line a conversation)"}
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
@@ -146,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--format", choices=registry.FORMATS, default="auto",
                     help="format of a TARGET file or folder (default auto: a folder is mini-swe-agent trajectories; "
                     "a file is told from its first line: a JSON list is ShareGPT, {\"messages\": ...} lines are "
-                    "OpenAI chat, anything else Mooncake)")
+                    "OpenAI chat, anything else Mooncake; OpenAI chat is a request log when most lines end in a "
+                    "turn other than the assistant's, else a conversation log: openai-requests or "
+                    "openai-conversations says which)")
     rp.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer of agent and chat traces: a tokenizer.json, a Hugging Face tokenizer folder, or a "
                     "SentencePiece model (default: the Mistral v3 SentencePiece model shipped in mistral_common)")
@@ -254,7 +259,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _warn_malformed(trace) -> None:
+def _warn_skipped(trace) -> None:
+    """Say what of the trace is not replayed: records skipped by reason, then malformed files."""
+    if trace.skipped:
+        print(f"note: not replayed from {trace.source}: "
+              + "; ".join(f"{n:,} {why}" for why, n in trace.skipped.items()), file=sys.stderr)
     if not trace.errors:
         return
     print(f"warning: skipped {trace.malformed} malformed file(s) in {trace.source}:", file=sys.stderr)
@@ -354,7 +363,7 @@ def replay_command(args, defaults: dict) -> int:
         trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
     except (TraceError, MissingDependency) as e:
         return _fail(str(e))
-    _warn_malformed(trace)
+    _warn_skipped(trace)
     if not trace.sessions:
         return _fail(f"no usable requests in {path}")
     page_size = args.page_size or trace.page_size or TEXT_PAGE_SIZE
@@ -363,7 +372,8 @@ def replay_command(args, defaults: dict) -> int:
     n, sessions = trace.num_requests, len(trace.sessions)
     shape = (f"{n:,} requests, each its own session" if n == sessions
              else f"{n:,} requests in {sessions:,} sessions")
-    print(f"{trace.kind} trace {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
+    kind = TRACE_KINDS.get(trace.kind, f"{trace.kind} trace")
+    print(f"{kind} {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
           f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
     service = ServiceModel(args.prefill_rate, args.tpot)
     if args.replicas:

@@ -31,15 +31,17 @@ from importlib import resources
 from pathlib import Path
 
 DATA_ENV = "MMCACHE_DATA"
-FORMATS = ("auto", "mooncake", "swe-agent", "openai", "sharegpt")
+FORMATS = ("auto", "mooncake", "swe-agent", "openai", "openai-requests", "openai-conversations", "sharegpt")
 LOADERS = {  # trace format -> "module:function(path, limit=..., [tokenizer=...]) -> TextTrace"
     "mooncake": "workloads.traces.mooncake:load_mooncake",
     "swe-agent": "workloads.traces.swe_agent:load_swe_agent",
-    "openai": "workloads.traces.chat:load_openai_chat",
+    "openai": "workloads.traces.chat:load_openai_chat",  # requests or conversations, told from the lines
+    "openai-requests": "workloads.traces.chat:load_openai_requests",
+    "openai-conversations": "workloads.traces.chat:load_openai_conversations",
     "sharegpt": "workloads.traces.chat:load_sharegpt",
     "hot-prefix": "workloads.traces.hot_prefix:load_hot_prefix",  # generated: reads nothing
 }
-TOKENIZED = ("swe-agent", "openai", "sharegpt")  # formats with text, read with a tokenizer
+TOKENIZED = ("swe-agent", "openai", "openai-requests", "openai-conversations", "sharegpt")  # text, read with a tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
