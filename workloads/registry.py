@@ -41,7 +41,8 @@ LOADERS = {  # trace format -> "module:function(path, limit=..., [tokenizer=...]
     "sharegpt": "workloads.traces.chat:load_sharegpt",
     "hot-prefix": "workloads.traces.hot_prefix:load_hot_prefix",  # generated: reads nothing
 }
-TOKENIZED = ("swe-agent", "openai", "openai-requests", "openai-conversations", "sharegpt")  # text, read with a tokenizer
+# formats with text, read with a tokenizer
+TOKENIZED = ("swe-agent", "openai", "openai-requests", "openai-conversations", "sharegpt")
 
 
 @dataclasses.dataclass(frozen=True)
