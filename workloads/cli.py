@@ -16,6 +16,9 @@ JSONL file, an OpenAI-style chat JSONL or ShareGPT JSON file (tokenized with ``-
 mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a metadata-only prefix cache
 at several pool sizes, no model involved.
 
+Data: ``mmcache data list`` names each public data set the replays read (source, licence, present or not);
+``mmcache data fetch [NAME ...]`` downloads them into the data folder (``workloads.datasets``).
+
 Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
 ``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
 both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per stage). Without
@@ -190,6 +193,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no progress bars on stderr, ours or the model libraries' (also off when stderr is not a "
                     "terminal)")
     _tier_options(rp)
+    _model_options(rp, defaults)
+    _data_parser(sub)
+    return parser
+
+
+def _data_parser(sub) -> None:
+    """``mmcache data list|fetch``: the public data sets of ``workloads/data/sources.json`` (``workloads.datasets``)."""
+    dp = sub.add_parser("data", help="list the public data sets the replays read, or fetch them into the data folder",
+                        description="List the public data sets the replays and benchmarks read (source, licence, "
+                        "whether present), or download them into the data folder with progress, resume and the "
+                        "checks the manifest has (size, sha256).")
+    actions = dp.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    for name, what in (("list", "each source, its licence and whether its files are present"),
+                       ("fetch", "download the sources named (default: all) into the data folder")):
+        ap = actions.add_parser(name, help=what, description=what)
+        if name == "fetch":
+            ap.add_argument("names", nargs="*", metavar="NAME", help="sources to fetch (default: every source)")
+            ap.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+        ap.add_argument("--data", metavar="PATH", help=f"the data folder (default: ${registry.DATA_ENV}, else "
+                        "../shared/data): where replays read with --data")
+        ap.add_argument("--manifest", type=Path, metavar="FILE", help="a sources manifest other than the one shipped "
+                        "(workloads/data/sources.json)")
+
+
+def _model_options(rp, defaults: ModelWorkloadOptions) -> None:
     mg = rp.add_argument_group("model workload options")
     mg.add_argument("--model", type=Path, metavar="PATH",
                     help="a local model folder (save_pretrained layout) instead of the tiny model built from config")
@@ -214,7 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--encoder-bytes", type=_bytes, metavar="SIZE",
                     help=f"bytes of each encoder store of the cache-on run, e.g. 256M, 2G (default "
                     f"{defaults.encoder_bytes >> 20}M)")
-    return parser
 
 
 
@@ -577,12 +604,47 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     return INTERRUPTED if on.interrupted else 0 if saved else 1
 
 
+def data_command(args) -> int:
+    """``mmcache data list|fetch``; unknown names and an unreadable manifest fail before anything is fetched."""
+    from workloads import datasets
+    try:
+        sources = datasets.load_sources(args.manifest)
+    except datasets.DataError as e:
+        return _fail(str(e))
+    root, how = registry.data_place(args.data)
+    if args.data_command == "list":
+        for s in sources.values():
+            present = sum((root / f.path).is_file() for f in s.files)
+            state = (f"{present} of {len(s.files)} files present" if s.files else
+                     f"made by hand, folder {'present' if (root / s.name).is_dir() else 'missing'} "
+                     f"(mmcache data fetch {s.name} says how)")
+            print(f"{s.name:15} {s.what}\n{'':15} read by {s.read_by}; licence {s.licence}; {s.home}; {state}")
+        print(f"data folder: {root} (from {how})")
+        return 0
+    if unknown := [n for n in args.names if n not in sources]:
+        return _fail(f"unknown data source {unknown[0]!r}; known: {', '.join(sources)}")
+    if root.exists() and not root.is_dir() or not os.access(root if root.exists() else root.parent, os.W_OK):
+        return _fail(f"data folder {root} (from {how}) is not a writable folder")
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        manual = datasets.fetch([sources[n] for n in args.names or sources], root, progress)
+    except datasets.DataError as e:
+        print(f"mmcache: error: {e}", file=sys.stderr)
+        return 1
+    for line in manual:
+        print(line)
+    print(f"data folder: {root} (from {how}); replays read it with --data {root}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "replay":
             return replay_command(args, vars(parser.parse_args(["replay"])))
+        if args.command == "data":
+            return data_command(args)
     except KeyboardInterrupt:  # a replay that was measuring returns its partial results itself
         print("mmcache: interrupted (Ctrl-C) before anything was measured", file=sys.stderr)
         return INTERRUPTED
