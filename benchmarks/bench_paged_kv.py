@@ -1,9 +1,11 @@
 """Pool-backed KV in real transformers models: time to first token with reuse on and off, and the decode step cost.
 
-- Text chat: MT-Bench two-turn questions (../shared/data/mt-bench, else generated text) behind a fixed system prompt,
-  Mistral v3 chat template and tokenizer, on a random-weight Llama (hidden 512, 8 layers, GQA 8/4, vocab 32768).
-- VLM chat: MMMU-Pro questions with their images (../shared/data/mmmu) and two follow-up turns on the same image, on a
-  random-weight LLaVA (CLIP ViT 224/14: 256 placeholders per image, + the same Llama).
+- Text chat: MT-Bench two-turn questions (mt-bench/ in $MMCACHE_DATA, else ../shared/data; else generated text)
+  behind a fixed system prompt, Mistral v3 chat template and tokenizer, on a random-weight Llama (hidden 512,
+  8 layers, GQA 8/4, vocab 32768).
+- VLM chat: MMMU-Pro questions with their images (mmmu/ in the same folder; else random images) and two follow-up
+  turns on the same image, on a random-weight LLaVA (CLIP ViT 224/14: 256 placeholders per image, + the same Llama).
+Each row names the data it ran on ("embedded default: ..." when the data is absent).
 - Decode: per-step time at a ~1k-token context, PagedKVCache against transformers' DynamicCache.
 
 Reuse on: ``PagedKVCache`` + ``EncoderStore`` (``runner.serve``). Reuse off: ``DynamicCache`` and the vision tower on
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import re
 import statistics
 import sys
@@ -37,6 +38,7 @@ from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape  # noqa: E402
 from mmcache.hf.runner import chunk_spans, replay, serve  # noqa: E402
 from mmcache.hf.llava import LlavaPrefill  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
+from workloads import registry  # noqa: E402
 from workloads.traces.tokenizer import load_tokenizer  # noqa: E402
 
 BOS, INST, END_INST, EOS, IMG = 1, 3, 4, 2, 10  # Mistral v3 control tokens
@@ -45,10 +47,9 @@ SYSTEM = ("You are a helpful, knowledgeable assistant. Answer the user's questio
 FOLLOW_UPS = ("Explain your reasoning step by step.", "Which details in the image support that answer?")
 
 
-def data_dir() -> Path | None:
-    env = os.environ.get("MMCACHE_DATA")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-    return path if path.is_dir() else None
+def data_dir() -> Path:
+    """The data folder the replays read: $MMCACHE_DATA, else ../shared/data (``registry.data_place``)."""
+    return registry.data_place()[0]
 
 
 def text_config() -> LlamaConfig:
@@ -62,34 +63,36 @@ def load(model, folder: Path, attn: str):
     return type(model).from_pretrained(folder, attn_implementation=attn).eval()
 
 
-def mt_bench_questions(n: int) -> list[list[str]]:
-    path = data_dir() and data_dir() / "mt-bench" / "question.jsonl"
-    if path and path.is_file():
-        return [json.loads(line)["turns"] for line in path.read_text().splitlines()[:n]]
+def mt_bench_questions(n: int) -> tuple[list[list[str]], str]:
+    """Two-turn questions and the label of the data they are: MT-Bench, or generated text when it is absent."""
+    path = data_dir() / "mt-bench" / "question.jsonl"
+    if path.is_file():
+        return [json.loads(line)["turns"] for line in path.read_text().splitlines()[:n]], "MT-Bench"
     rng = np.random.default_rng(0)
     words = "the of model cache page token image prefix reuse request chat answer question".split()
-    return [[" ".join(rng.choice(words, 40)), " ".join(rng.choice(words, 20))] for _ in range(n)]
+    return ([[" ".join(rng.choice(words, 40)), " ".join(rng.choice(words, 20))] for _ in range(n)],
+            "embedded default: generated text, no MT-Bench data")
 
 
-def mmmu_questions(n: int) -> list[list]:
+def mmmu_questions(n: int) -> tuple[list[list], str]:
     """MMMU-Pro questions as parts in order: text (str) and images (raw file bytes) where the text says
-    ``<image N>``; random PNGs stand in when the data is absent."""
-    root = data_dir() and data_dir() / "mmmu"
-    path = root and root / "mmmu_pro_tool_sample_questions.jsonl"
+    ``<image N>``, and the label of the data they are; random PNGs stand in when the data is absent."""
+    root = data_dir() / "mmmu"
+    path = root / "mmmu_pro_tool_sample_questions.jsonl"
     out = []
-    if path and path.is_file():
+    if path.is_file():
         for line in path.read_text().splitlines()[:n]:
             q = json.loads(line)
             options = "".join(f"\n{chr(65 + i)}. {o}" for i, o in enumerate(q["options"]))
             text = re.split(r"<image (\d)>", q["question"] + options + "\nAnswer with the option's letter.")
             out.append([(root / q[f"image_{part}"]).read_bytes() if i % 2 else part for i, part in enumerate(text)])
-        return out
+        return out, "MMMU-Pro"
     from PIL import Image
     for i in range(n):
         buf = io.BytesIO()
         Image.fromarray(np.random.default_rng(i).integers(0, 256, (336, 448, 3), dtype=np.uint8)).save(buf, "PNG")
         out.append([buf.getvalue(), f"Question {i}: what does the figure show?"])
-    return out
+    return out, "embedded default: random images, no MMMU-Pro data"
 
 
 def ms(seconds: float) -> str:
@@ -100,7 +103,8 @@ def text_chat(model, tok, args, rows) -> None:
     kv = PagedKVCache.for_model(model, num_pages=4096, page_size=args.page_size)
     system = [BOS, INST, *tok.encode(SYSTEM + "\n\n")]
     per_turn = {}
-    for c, turns in enumerate(mt_bench_questions(args.conversations)):
+    questions, data = mt_bench_questions(args.conversations)
+    for c, turns in enumerate(questions):
         history = []
         for t, question in enumerate(turns):
             prompt = (system if t == 0 else history + [INST]) + tok.encode(question) + [END_INST]
@@ -109,7 +113,7 @@ def text_chat(model, tok, args, rows) -> None:
                          max_new_tokens=1)
             per_turn.setdefault(t, []).append((len(prompt), on.matched_tokens, off.ttft_s, on.ttft_s))
             history = prompt + on.output_ids + [EOS]
-    report(rows, "text chat (MT-Bench)", per_turn)
+    report(rows, f"text chat ({data})", per_turn)
 
 
 def vlm_chat(model, tok, args, rows) -> None:
@@ -118,7 +122,8 @@ def vlm_chat(model, tok, args, rows) -> None:
     chat = LlavaPrefill(model, processor, kv, EncoderStore(256 << 20, 1 << 16))
     plain = LlavaPrefill(model, processor)
     per_turn = {}
-    for q, parts in enumerate(mmmu_questions(args.vlm_questions)):
+    questions, data = mmmu_questions(args.vlm_questions)
+    for q, parts in enumerate(questions):
         user = [[tok.encode(p) if isinstance(p, str) else p for p in parts]]
         user += [[tok.encode(follow_up)] for follow_up in FOLLOW_UPS]
         history = chat.prompt([BOS])
@@ -131,7 +136,7 @@ def vlm_chat(model, tok, args, rows) -> None:
                          max_new_tokens=1, embed=plain.embedder(prompt), arrival=arrival)
             per_turn.setdefault(t, []).append((n, on.matched_tokens, off.ttft_s, on.ttft_s))
             history = chat.prompt(prompt, on.output_ids, [EOS])
-    report(rows, "VLM chat (MMMU-Pro, same image)", per_turn)
+    report(rows, f"VLM chat ({data}, same image)", per_turn)
 
 
 def report(rows, name: str, per_turn: dict) -> None:
@@ -240,7 +245,8 @@ def main(argv=None) -> None:
     text_chat(llama, tok, args, ttft)
     vlm_chat(llava, tok, args, ttft)
     decode(llama, args, steps)
-    print(f"{args.attn}, float32, {args.threads} thread(s), page size {args.page_size}, prefill chunk {args.chunk}\n")
+    print(f"{args.attn}, float32, {args.threads} thread(s), page size {args.page_size}, prefill chunk {args.chunk}; "
+          f"data folder {data_dir()} ($MMCACHE_DATA, else ../shared/data)\n")
     print("Time to first token, median per request; off/on: total TTFT with reuse off / on")
     table(("workload", "requests", "prompt tokens", "matched", "reuse off ms", "reuse on ms", "off/on"), ttft)
     print("\nDecode, median per step; DynamicCache and PagedKVCache alternate step by step")

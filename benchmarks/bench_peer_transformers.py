@@ -30,9 +30,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmcache.hf.paged_kv import PagedKVCache  # noqa: E402
 from mmcache.hf.runner import serve  # noqa: E402
+from workloads import registry  # noqa: E402
 from workloads.peers.transformers_cb import Call, Outcome, PeerEngine  # noqa: E402
 
-DATA = Path(os.environ.get("MMCACHE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+DATA = registry.data_place()[0]  # $MMCACHE_DATA, else ../shared/data: where the replays read
+TRACE_FILES = {"mt-bench": ("mt-bench", "mt-bench/question.jsonl"),
+               "sharegpt": ("sharegpt", "sharegpt/sharegpt_sample_50_single_turn.json"),
+               "swe-agent": ("mini-swe-agent", "mini-swe-agent/trajs")}
+
+
+def missing_data(traces: list[str]) -> str | None:
+    """Why a trace asked for cannot run (an unknown name, or its data not in DATA), in one line; None if all can."""
+    for trace in traces:
+        if trace not in TRACE_FILES:
+            return f"unknown trace {trace!r}; expected {', '.join(TRACE_FILES)}"
+        source, path = TRACE_FILES[trace]
+        if not (DATA / path).exists():
+            return (f"no {trace} data: looked for {DATA / path} ($MMCACHE_DATA, else ../shared/data); get it with "
+                    f"`mmcache data fetch {source} --data {DATA}` or leave {trace} out of --traces")
+    return None
 BIGGER = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 
 
@@ -59,12 +75,13 @@ def load_calls(trace: str, args) -> list[Call]:
     from workloads.traces.mt_bench import load_mt_bench
     from workloads.traces.swe_agent import load_swe_agent
 
+    path = DATA / TRACE_FILES[trace][1]
     if trace == "mt-bench":
-        t = load_mt_bench(DATA / "mt-bench", limit=args.questions)
+        t = load_mt_bench(path, limit=args.questions)
     elif trace == "sharegpt":
-        t = load_sharegpt(DATA / "sharegpt" / "sharegpt_sample_50_single_turn.json", limit=args.questions)
+        t = load_sharegpt(path, limit=args.questions)
     else:
-        t = load_swe_agent(DATA / "mini-swe-agent" / "trajs", limit=args.sessions)
+        t = load_swe_agent(path, limit=args.sessions)
     keyed = []
     for s_i, s in enumerate(t.sessions):
         for i in range(min(len(s.calls), args.calls if trace == "swe-agent" else len(s.calls))):
@@ -151,6 +168,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MMCACHE_MODEL_DIR",
                                                                           Path.home() / ".cache/mmcache/models")))
     args = ap.parse_args(argv)
+    if problem := missing_data(args.traces.split(",")):
+        sys.exit(f"bench_peer_transformers: {problem}")
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.model_dir)
     P = args.page_size
@@ -175,7 +194,8 @@ def main(argv=None) -> None:
         floor = int(largest * 1.25) + 2  # the peer keeps a 15% margin free before admitting a prefill
         unbounded = int((distinct + largest) / 0.85) + 2  # every prompt page stays, margin included: no eviction
         pools = sorted({max(floor, int(float(f) * unbounded)) for f in args.pools.split(",")})
-        print(f"\n## {trace}: {len(calls)} requests, {prompt:,} prompt tokens, ceiling {sum(ceil) / prompt:.1%} "
+        print(f"\n## {trace} ({DATA / TRACE_FILES[trace][1]}): {len(calls)} requests, {prompt:,} prompt tokens, "
+              f"ceiling {sum(ceil) / prompt:.1%} "
               f"reusable, {distinct:,} distinct prompt pages, largest request {largest} pages")
         print(f"{'pool':>6} {'engine':<14} {'computed':>9} {'reuse':>6} {'of ceil':>7} {'TTFT p50 ms':>20} "
               f"{'TTFT p99 ms':>20} {'req/s':>18} {'x peer-off':>10} {'same out':>8}")

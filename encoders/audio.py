@@ -12,13 +12,15 @@ pass of the hash over its bytes, one lookup and one gather: no decode, no resamp
 from __future__ import annotations
 
 import torch
-import torchaudio
 from torch import nn
 
 import digests
 from encoders.base import CachedEncoder, module_fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
+from mmcache.extras import import_torchaudio
+
+torchaudio = import_torchaudio()
 
 # Passed to torchaudio.functional.resample verbatim and digested with the features: they are what runs.
 RESAMPLE = {"lowpass_filter_width": 6, "rolloff": 0.99, "resampling_method": "sinc_interp_hann"}

@@ -31,11 +31,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torchaudio.compliance import kaldi
 
 from encoders.audio import CachedWavEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
+from mmcache.extras import import_torchaudio
+
+kaldi = import_torchaudio("compliance.kaldi")
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 

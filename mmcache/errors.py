@@ -70,3 +70,8 @@ class AllocationFailed(OutOfPages):
 class RefusedByGroup(MmcacheError):
     """Another rank of a tensor-parallel group could not admit or hold a request, so this rank undid it too
     (``mmcache.tp``); the rank that failed raises its own error."""
+
+
+class MissingDependency(MmcacheError, ImportError):
+    """A module an optional feature needs is not installed (or does not load beside this torch); the message is one
+    line naming it and what to install (``mmcache.extras``)."""

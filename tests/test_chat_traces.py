@@ -50,7 +50,7 @@ def check_history_resent(trace):
 
 def test_openai_chat_sessions_resend_their_history(tmp_path):
     trace = load_openai_chat(openai_file(tmp_path), limit=2)
-    assert trace.kind == "openai" and [s.name for s in trace.sessions] == ["chat-1", "chat-3"]
+    assert trace.kind == "openai-conversations" and [s.name for s in trace.sessions] == ["chat-1", "chat-3"]
     assert trace.num_requests == 4 and [c.arrival_s for c in trace.sessions[0].calls] == [0.0, 1.0]
     check_history_resent(trace)
 
@@ -99,10 +99,11 @@ def test_tokenizer_json_and_folder(tmp_path):
 
 
 def test_cli_replays_chat_logs(tmp_path, capsys):
-    for path, fmt in ((openai_file(tmp_path), "openai"), (sharegpt_file(tmp_path), "sharegpt")):
+    for path, fmt, header in ((openai_file(tmp_path), "openai-conversations", "OpenAI conversation log"),
+                              (sharegpt_file(tmp_path), "sharegpt", "sharegpt trace")):
         out = tmp_path / f"{fmt}.json"
         assert main(["replay", str(path), "--pool-tokens", "inf", "--json", str(out), "--no-progress"]) == 0
-        assert f"{fmt} trace {path}" in capsys.readouterr().out
+        assert header in capsys.readouterr().out
         doc = json.loads(out.read_text())
         assert doc["kind"] == fmt and doc["page_size"] == 128
     assert main(["replay", str(openai_file(tmp_path)), "--format", "sharegpt", "--no-progress"]) == 2
@@ -121,3 +122,65 @@ def test_swe_agent_reads_the_mini_swe_agent_layout(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["replay", str(tmp_path / "empty"), "--no-progress"]) == 2
     assert "*/*.traj.json (mini-swe-agent's trajs/<id>/<id>.traj.json)" in capsys.readouterr().err
+
+
+def request_log(tmp_path, sessions=((1, 8), (2, 4), (3, 2))):
+    """A request log: every line one request that re-sends its history and ends in the user's turn."""
+    lines, s = [], 0
+    for turns, count in sessions:
+        for _ in range(count):
+            hist = [{"role": "system", "content": "be brief"}]
+            for t in range(turns):
+                hist = hist + [{"role": "user", "content": f"session {s} question {t}"}]
+                lines.append(json.dumps({"model": "m", "messages": hist}))
+                hist = hist + [{"role": "assistant", "content": f"answer {t} of session {s}"}]
+            s += 1
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_request_log_replays_every_request_as_sent(tmp_path):
+    trace = load_openai_chat(request_log(tmp_path))
+    assert trace.kind == "openai-requests" and trace.num_requests == 22 and len(trace.sessions) == 14
+    assert not trace.skipped
+    check_history_resent(trace)
+    arrivals = sorted(c.arrival_s for s in trace.sessions for c in s.calls)
+    assert arrivals == [float(k) for k in range(22)]  # in file order
+    three = trace.sessions[-1]
+    assert [c.output_len > 0 for c in three.calls] == [True, True, False]  # the last reply is not in the log
+
+
+def test_request_log_counts_what_it_skips(tmp_path, capsys):
+    path = request_log(tmp_path, sessions=((1, 3),))
+    with open(path, "a") as f:
+        f.write(json.dumps({"messages": []}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                + "\n")
+    trace = load_openai_chat(path)
+    assert trace.num_requests == 3 and trace.skipped == {
+        "lines without messages": 1, "lines ending in an assistant turn (a conversation, not a request)": 1}
+    assert main(["replay", str(path), "--pool-tokens", "inf", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "OpenAI request log (a line a request)" in captured.out
+    assert "3 requests, each its own session" in captured.out
+    assert "note: not replayed from" in captured.err and "1 lines without messages" in captured.err
+
+
+def test_format_names_the_kind_of_openai_log(tmp_path):
+    path = request_log(tmp_path)
+    as_conversations = registry.load("openai-conversations", path)  # each line's own request is then not replayed
+    assert as_conversations.kind == "openai-conversations" and as_conversations.num_requests == 10
+    assert as_conversations.skipped == {"conversations without an assistant reply after a message": 14,
+                                        "final turns without a reply (not replayed)": 8}
+    assert registry.load("openai-requests", openai_file(tmp_path)).skipped == {
+        "lines ending in an assistant turn (a conversation, not a request)": 3}
+
+
+def test_conversation_log_counts_an_unanswered_final_turn(tmp_path):
+    path = tmp_path / "c.jsonl"
+    conv = [{"role": r, "content": c} for r, c in CONV] + [{"role": "user", "content": "and 3+3?"}]
+    path.write_text(json.dumps({"messages": conv}) + "\n" + json.dumps({"messages": conv[:-1]}) + "\n")
+    trace = load_openai_chat(path)
+    assert trace.kind == "openai-conversations" and trace.num_requests == 4
+    assert trace.skipped == {"final turns without a reply (not replayed)": 1}

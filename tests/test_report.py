@@ -125,3 +125,27 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     for shown in seen["images"]:
         x, y, w, h = (round(v) for v in shown["box"])
         assert _inked(page.crop((x + 2, y + 2, x + w - 2, y + h - 2))) > 0.02, shown
+
+
+def test_saving_labels_show_noise_as_no_change():
+    from workloads.harness.report import saving_label
+    assert saving_label(1.0, 0.4) == "saved 0.600 s (60%)"
+    assert saving_label(0.100, 0.101) == "no change"  # decode's "saved -0.001 s" was timing noise
+    assert saving_label(1.0, 1.5) == "took 0.500 s more"
+
+
+def test_occupancy_axis_is_scaled_to_the_pages_used(monkeypatch):
+    from workloads.harness import report
+    from workloads.harness.metrics import RunResult
+    limits = {}
+    real = report._figure
+
+    def spy(*a):
+        fig, limits["ax"] = real(*a)
+        return fig, limits["ax"]
+
+    monkeypatch.setattr(report, "_figure", spy)
+    on = RunResult("w", True, "trace", {}, occupancy=[(0.0, 0, 50, 4046), (1.0, 20, 150, 3936)])  # 10 both
+    report._occupancy(on)
+    assert limits["ax"].get_ylim()[1] == pytest.approx(1.15 * 160)
+    assert "4,096 pages, at most 160 in use (3.9%)" in limits["ax"].get_title()

@@ -1,6 +1,7 @@
 """The ``mmcache`` command line.
 
-    mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai|sharegpt] [--tokenizer PATH]
+    mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai[-requests|-conversations]|sharegpt]
+                   [--tokenizer PATH]
                    [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
     mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,cache-aware]
@@ -14,6 +15,9 @@ Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see
 JSONL file, an OpenAI-style chat JSONL or ShareGPT JSON file (tokenized with ``--tokenizer``), or a folder of
 mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a metadata-only prefix cache
 at several pool sizes, no model involved.
+
+Data: ``mmcache data list`` names each public data set the replays read (source, licence, present or not);
+``mmcache data fetch [NAME ...]`` downloads them into the data folder (``workloads.datasets``).
 
 Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
 ``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
@@ -46,6 +50,9 @@ from workloads.sizing.tiers import TierModel
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
+TRACE_KINDS = {"openai-requests": "OpenAI request log (a line a request)",
+               "openai-conversations": "OpenAI conversation log (a line a conversation)"}
+INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
              "kv_bytes_per_token")
@@ -113,8 +120,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the message and where the usage is, not the whole usage first."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
+    parser = _Parser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
                                      "serving: measure it on real traces.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     names = ", ".join(sorted(registry.TRACE_WORKLOADS))
@@ -138,7 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--format", choices=registry.FORMATS, default="auto",
                     help="format of a TARGET file or folder (default auto: a folder is mini-swe-agent trajectories; "
                     "a file is told from its first line: a JSON list is ShareGPT, {\"messages\": ...} lines are "
-                    "OpenAI chat, anything else Mooncake)")
+                    "OpenAI chat, anything else Mooncake; OpenAI chat is a request log when most lines end in a "
+                    "turn other than the assistant's, else a conversation log: openai-requests or "
+                    "openai-conversations says which)")
     rp.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer of agent and chat traces: a tokenizer.json, a Hugging Face tokenizer folder, or a "
                     "SentencePiece model (default: the Mistral v3 SentencePiece model shipped in mistral_common)")
@@ -177,6 +193,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="no progress bars on stderr, ours or the model libraries' (also off when stderr is not a "
                     "terminal)")
     _tier_options(rp)
+    _model_options(rp, defaults)
+    _data_parser(sub)
+    return parser
+
+
+def _data_parser(sub) -> None:
+    """``mmcache data list|fetch``: the public data sets of ``workloads/data/sources.json`` (``workloads.datasets``)."""
+    dp = sub.add_parser("data", help="list the public data sets the replays read, or fetch them into the data folder",
+                        description="List the public data sets the replays and benchmarks read (source, licence, "
+                        "whether present), or download them into the data folder with progress, resume and the "
+                        "checks the manifest has (size, sha256).")
+    actions = dp.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    for name, what in (("list", "each source, its licence and whether its files are present"),
+                       ("fetch", "download the sources named (default: all) into the data folder")):
+        ap = actions.add_parser(name, help=what, description=what)
+        if name == "fetch":
+            ap.add_argument("names", nargs="*", metavar="NAME", help="sources to fetch (default: every source)")
+            ap.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+        ap.add_argument("--data", metavar="PATH", help=f"the data folder (default: ${registry.DATA_ENV}, else "
+                        "../shared/data): where replays read with --data")
+        ap.add_argument("--manifest", type=Path, metavar="FILE", help="a sources manifest other than the one shipped "
+                        "(workloads/data/sources.json)")
+
+
+def _model_options(rp, defaults: ModelWorkloadOptions) -> None:
     mg = rp.add_argument_group("model workload options")
     mg.add_argument("--model", type=Path, metavar="PATH",
                     help="a local model folder (save_pretrained layout) instead of the tiny model built from config")
@@ -201,7 +242,6 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--encoder-bytes", type=_bytes, metavar="SIZE",
                     help=f"bytes of each encoder store of the cache-on run, e.g. 256M, 2G (default "
                     f"{defaults.encoder_bytes >> 20}M)")
-    return parser
 
 
 
@@ -246,7 +286,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _warn_malformed(trace) -> None:
+def _warn_skipped(trace) -> None:
+    """Say what of the trace is not replayed: records skipped by reason, then malformed files."""
+    if trace.skipped:
+        print(f"note: not replayed from {trace.source}: "
+              + "; ".join(f"{n:,} {why}" for why, n in trace.skipped.items()), file=sys.stderr)
     if not trace.errors:
         return
     print(f"warning: skipped {trace.malformed} malformed file(s) in {trace.source}:", file=sys.stderr)
@@ -279,16 +323,41 @@ def output_problem(args) -> str | None:
 
 def _progress(args) -> bool:
     """Progress bars on stderr: on a terminal unless --no-progress; when off, the model libraries' bars go too."""
-    from workloads.harness.progress import quiet_third_party
+    from workloads.harness.progress import bars_available, quiet_third_party
     on = not args.no_progress and sys.stderr.isatty()
+    if on and not bars_available():
+        from mmcache.extras import install_hint
+        print(f"note: no progress bars (tqdm is missing: {install_hint('replay')})", file=sys.stderr)
+        on = False
     if not on:
         quiet_third_party()
     return on
 
 
+def _missing_dependency(args) -> str | None:
+    """Why an output or endpoint asked for cannot be made with what is installed, checked before any work runs."""
+    from mmcache.errors import MissingDependency
+    from mmcache.extras import require
+    try:
+        for flag, module in (("plot", "matplotlib"), ("html", "matplotlib"), ("metrics_port", "prometheus_client")):
+            if getattr(args, flag, None) is not None:
+                require("replay", "--" + flag.replace("_", "-"), module)
+    except MissingDependency as e:
+        return str(e)
+    return None
+
+
+def _save(flag: str, path: Path, data: bytes | str) -> bool:
+    """Write one output (``workloads.output_files.save``): print where it went; False when it had to fall back."""
+    from workloads.output_files import save
+    where, problem = save(flag, path, data)
+    print(f"wrote {where}" if problem is None else f"mmcache: error: {problem}", file=sys.stderr if problem else None)
+    return problem is None
+
+
 def replay_command(args, defaults: dict) -> int:
     """``defaults``: the replay options' defaults, to tell which options were given."""
-    if problem := output_problem(args):
+    if problem := output_problem(args) or _missing_dependency(args):
         return _fail(problem)
     if args.target in registry.MODEL_WORKLOADS:
         if misused := _given(args, defaults, TEXT_ONLY):
@@ -314,14 +383,14 @@ def replay_command(args, defaults: dict) -> int:
     if problem := _replica_problem(args, defaults):
         return _fail(problem)
     progress = _progress(args)
-    from mmcache.errors import TraceError
+    from mmcache.errors import MissingDependency, TraceError
     from workloads.sizing.sweep import format_table, run_sweep, sweep_json
     started = time.perf_counter()
     try:
         trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
-    except TraceError as e:
+    except (TraceError, MissingDependency) as e:
         return _fail(str(e))
-    _warn_malformed(trace)
+    _warn_skipped(trace)
     if not trace.sessions:
         return _fail(f"no usable requests in {path}")
     page_size = args.page_size or trace.page_size or TEXT_PAGE_SIZE
@@ -330,7 +399,8 @@ def replay_command(args, defaults: dict) -> int:
     n, sessions = trace.num_requests, len(trace.sessions)
     shape = (f"{n:,} requests, each its own session" if n == sessions
              else f"{n:,} requests in {sessions:,} sessions")
-    print(f"{trace.kind} trace {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
+    kind = TRACE_KINDS.get(trace.kind, f"{trace.kind} trace")
+    print(f"{kind} {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
           f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
     service = ServiceModel(args.prefill_rate, args.tpot)
     if args.replicas:
@@ -342,14 +412,16 @@ def replay_command(args, defaults: dict) -> int:
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
           f"{100 * c.hit_rate:.2f}%; total {time.perf_counter() - started:.1f} s")
+    if sweep.interrupted:
+        print(f"partial: interrupted (Ctrl-C) after {len(sweep.runs)} of {len(args.pool_tokens)} pool sizes; the rows "
+              "above are complete replays")
+    saved = True
     if args.json:
-        args.json.write_text(json.dumps(sweep_json(sweep), indent=2) + "\n")
-        print(f"wrote {args.json}")
+        saved &= _save("--json", args.json, json.dumps(sweep_json(sweep), indent=2) + "\n")
     if args.plot:
         from workloads.sizing.plot import plot_sweeps
-        plot_sweeps([sweep], args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+        saved &= _save("--plot", args.plot, plot_sweeps([sweep]))
+    return INTERRUPTED if sweep.interrupted else 0 if saved else 1
 
 
 def _replica_pool(args, defaults: dict) -> int:
@@ -396,8 +468,7 @@ def _replica_replay(args, defaults: dict, trace, page_size: int, service: Servic
                "service_model": {"prefill_tokens_per_s": service.prefill_tokens_per_s,
                                  "s_per_output_token": service.s_per_output_token},
                "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs]}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        return 0 if _save("--json", args.json, json.dumps(doc, indent=2) + "\n") else 1
     return 0
 
 
@@ -487,7 +558,7 @@ def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
 def _replay_and_report(args, schedule, slo, progress: bool, started: float, exporter, port) -> int:
     from mmcache.errors import MmcacheError
     from workloads.harness.metrics import failure_lines, summary_table
-    from workloads.harness.report import report_json, write_report
+    from workloads.harness.report import report_html, report_json
     from workloads.harness.serving import compare
     name = args.target
     try:
@@ -508,28 +579,75 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
           f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
     off, on = compare(make, schedule, observer=exporter, progress=progress)
+    if off.interrupted:
+        print(f"interrupted (Ctrl-C) in the cache-off run after {len(off.records)} of {off.planned} requests; the "
+              "cache-on run did not start, so there is nothing to compare", file=sys.stderr)
+        return INTERRUPTED
+    if on.interrupted:  # compare the requests both runs served: the first ones of the same order
+        off = off.first(len(on.records))
+        print(f"partial: interrupted (Ctrl-C) in the cache-on run; the table compares the first {len(on.records)} of "
+              f"{on.planned} requests")
     print(summary_table(off, on, slo))
     print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
           f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
     for line in failure_lines(off, on):
         print(f"failed: {line}")
     print(f"total {time.perf_counter() - started:.1f} s")
+    saved = True
     if args.html:
-        paths = write_report(off, on, args.html, args.json or args.html.with_suffix(".json"), slo)
-        print("wrote " + " and ".join(map(str, paths)))
-    elif args.json:
-        args.json.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
-    if exporter is not None and args.metrics_linger:
+        saved &= _save("--html", args.html, report_html(off, on, slo))
+    if args.json or args.html:
+        saved &= _save("--json", args.json or args.html.with_suffix(".json"),
+                       json.dumps(report_json(off, on, slo), indent=2) + "\n")
+    if exporter is not None and args.metrics_linger and not on.interrupted:
         _linger(exporter, args.metrics_linger, port)
+    return INTERRUPTED if on.interrupted else 0 if saved else 1
+
+
+def data_command(args) -> int:
+    """``mmcache data list|fetch``; unknown names and an unreadable manifest fail before anything is fetched."""
+    from workloads import datasets
+    try:
+        sources = datasets.load_sources(args.manifest)
+    except datasets.DataError as e:
+        return _fail(str(e))
+    root, how = registry.data_place(args.data)
+    if args.data_command == "list":
+        for s in sources.values():
+            present = sum((root / f.path).is_file() for f in s.files)
+            state = (f"{present} of {len(s.files)} files present" if s.files else
+                     f"made by hand, folder {'present' if (root / s.name).is_dir() else 'missing'} "
+                     f"(mmcache data fetch {s.name} says how)")
+            print(f"{s.name:15} {s.what}\n{'':15} read by {s.read_by}; licence {s.licence}; {s.home}; {state}")
+        print(f"data folder: {root} (from {how})")
+        return 0
+    if unknown := [n for n in args.names if n not in sources]:
+        return _fail(f"unknown data source {unknown[0]!r}; known: {', '.join(sources)}")
+    if root.exists() and not root.is_dir() or not os.access(root if root.exists() else root.parent, os.W_OK):
+        return _fail(f"data folder {root} (from {how}) is not a writable folder")
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        manual = datasets.fetch([sources[n] for n in args.names or sources], root, progress)
+    except datasets.DataError as e:
+        print(f"mmcache: error: {e}", file=sys.stderr)
+        return 1
+    for line in manual:
+        print(line)
+    print(f"data folder: {root} (from {how}); replays read it with --data {root}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "replay":
-        return replay_command(args, vars(parser.parse_args(["replay"])))
+    try:
+        if args.command == "replay":
+            return replay_command(args, vars(parser.parse_args(["replay"])))
+        if args.command == "data":
+            return data_command(args)
+    except KeyboardInterrupt:  # a replay that was measuring returns its partial results itself
+        print("mmcache: interrupted (Ctrl-C) before anything was measured", file=sys.stderr)
+        return INTERRUPTED
     return _fail(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it first)
 
 

@@ -31,15 +31,18 @@ from importlib import resources
 from pathlib import Path
 
 DATA_ENV = "MMCACHE_DATA"
-FORMATS = ("auto", "mooncake", "swe-agent", "openai", "sharegpt")
+FORMATS = ("auto", "mooncake", "swe-agent", "openai", "openai-requests", "openai-conversations", "sharegpt")
 LOADERS = {  # trace format -> "module:function(path, limit=..., [tokenizer=...]) -> TextTrace"
     "mooncake": "workloads.traces.mooncake:load_mooncake",
     "swe-agent": "workloads.traces.swe_agent:load_swe_agent",
-    "openai": "workloads.traces.chat:load_openai_chat",
+    "openai": "workloads.traces.chat:load_openai_chat",  # requests or conversations, told from the lines
+    "openai-requests": "workloads.traces.chat:load_openai_requests",
+    "openai-conversations": "workloads.traces.chat:load_openai_conversations",
     "sharegpt": "workloads.traces.chat:load_sharegpt",
     "hot-prefix": "workloads.traces.hot_prefix:load_hot_prefix",  # generated: reads nothing
 }
-TOKENIZED = ("swe-agent", "openai", "sharegpt")  # formats with text, read with a tokenizer
+# formats with text, read with a tokenizer
+TOKENIZED = ("swe-agent", "openai", "openai-requests", "openai-conversations", "sharegpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +174,10 @@ def import_model_module(name: str):
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise UnknownWorkload(f"workload {name!r} is not available: importing {module} failed ({e}); "
-                              f"install the model extra: pip install 'mmcache[models]'") from e
+        from mmcache.errors import MissingDependency
+        from mmcache.extras import install_hint
+        why = e if isinstance(e, MissingDependency) else f"importing {module} failed ({e}); {install_hint('models')}"
+        raise UnknownWorkload(f"workload {name!r} is not available: {why}") from e
 
 
 def model_factory(name: str, options):

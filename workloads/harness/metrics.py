@@ -145,6 +145,16 @@ class RunResult:
     occupancy: list[tuple[float, int, int, int]] = dataclasses.field(default_factory=list)
     cache_stats: dict = dataclasses.field(default_factory=dict)
     wall_s: float = 0.0
+    planned: int = 0             # requests in the schedule; more than len(records) when Ctrl-C stopped the run
+
+    @property
+    def interrupted(self) -> bool:
+        return len(self.records) < self.planned
+
+    def first(self, n: int) -> RunResult:
+        """The same run cut to its first ``n`` records (and their occupancy samples), to compare with a run that
+        served only those; ``cache_stats`` stays the final one."""
+        return dataclasses.replace(self, records=self.records[:n], occupancy=self.occupancy[:n], planned=n)
 
     @property
     def label(self) -> str:

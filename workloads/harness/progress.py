@@ -11,11 +11,31 @@ import os
 import sys
 
 
+class _NoBar:
+    """What ``progress_bar`` returns when disabled: the calls of a bar, doing nothing (and needing no tqdm)."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def bars_available() -> bool:
+    """Whether tqdm is installed (the ``replay`` extra); without it every bar is silent."""
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def progress_bar(total: int, desc: str, enabled: bool = True):
     """A tqdm bar over ``total`` steps (``update(n)``, ``close()``); a silent one unless ``enabled``."""
+    if not enabled:
+        return _NoBar()
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, disable=not enabled, file=sys.stderr, leave=False, unit="req",
-                dynamic_ncols=True, mininterval=0.5)
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="req", dynamic_ncols=True, mininterval=0.5)
 
 
 def quiet_third_party() -> None:

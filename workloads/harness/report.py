@@ -100,18 +100,35 @@ def _hit_rates(on: RunResult) -> str | None:
 
 
 def _occupancy(on: RunResult) -> str | None:
-    """Pool pages live / cached / free after each request of the cache-on run, stacked."""
+    """Pool pages in use, live and cached after each request of the cache-on run, on an axis scaled to the pages in
+    use (a large pool mostly free would leave them an invisible strip); the pool size and peak use in the title.
+    Live and cached overlap (a matched page is both), so they are lines over the pages in use, not a stack."""
     if not on.occupancy:
         return None
     t, live, cached, free = map(np.array, zip(*on.occupancy))
+    pool = int((live + cached + free).min())  # exact at any sample without overlap; overlap only adds
+    used = pool - free
     fig, ax = _figure()
-    ax.stackplot(t, live, cached, free, labels=("live", "cached", "free"), colors=("C3", "C0", "0.85"), step="post")
+    ax.fill_between(t, used, step="post", color="0.85", label="in use")
+    ax.step(t, cached, where="post", color="C0", label="cached (indexed)")
+    ax.step(t, live, where="post", color="C3", label="live (held by requests in flight)")
     ax.set_xlabel("time (s, simulated)")
     ax.set_ylabel("pages")
-    ax.set_ylim(0, (live + cached + free).max())
+    ax.set_ylim(0, max(1.0, 1.15 * float(used.max())))
+    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
-    ax.set_title("prefix-cache pool occupancy, cache on", fontsize=10)
+    ax.set_title(f"prefix-cache pool, cache on: {pool:,} pages, at most {int(used.max()):,} in use "
+                 f"({100 * used.max() / pool:.1f}%)", fontsize=10)
     return _png(fig)
+
+
+def saving_label(before: float, after: float) -> str:
+    """``saved X s (Y%)``, ``took X s more``, or ``no change`` when the difference is within timing noise (under
+    1% of the larger time and under 5 ms)."""
+    diff = before - after
+    if abs(diff) < max(0.01 * max(before, after), 0.005):
+        return "no change"
+    return f"saved {diff:.3f} s ({100 * diff / before:.0f}%)" if diff > 0 else f"took {-diff:.3f} s more"
 
 
 def _savings(off: RunResult, on: RunResult) -> str | None:
@@ -123,9 +140,9 @@ def _savings(off: RunResult, on: RunResult) -> str | None:
     y = np.arange(len(saved))
     for cached, totals, dy in ((False, a, 0.2), (True, b, -0.2)):
         ax.barh(y + dy, [totals.get(k, 0.0) for k in saved], height=0.4, **_STYLE[cached])
-    for yk, (k, s) in zip(y, saved.items()):
-        ax.annotate(f"saved {s:.3f} s", (max(a.get(k, 0.0), b.get(k, 0.0)), yk), xytext=(4, 0),
-                    textcoords="offset points", va="center", fontsize=8)
+    for yk, k in zip(y, saved):
+        ax.annotate(saving_label(a.get(k, 0.0), b.get(k, 0.0)), (max(a.get(k, 0.0), b.get(k, 0.0)), yk),
+                    xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
     ax.set_yticks(y, list(saved))
     ax.invert_yaxis()
     ax.margins(x=0.3)
@@ -135,7 +152,8 @@ def _savings(off: RunResult, on: RunResult) -> str | None:
     return _png(fig)
 
 
-def _html(off: RunResult, on: RunResult, slo: SLO) -> str:
+def report_html(off: RunResult, on: RunResult, slo: SLO = SLO()) -> str:
+    """The self-contained HTML report (see the module docstring)."""
     e = html.escape
     plots = [("Cache behaviour", [p for p in (_hit_rates(on), _occupancy(on), _savings(off, on)) if p]),
              ("Latency CDFs", [p for p in (_cdf(off, on, name) for name in LATENCIES) if p])]
@@ -167,8 +185,7 @@ latencies = simulated queueing + measured service time.</p>
 
 def write_report(off: RunResult, on: RunResult, html_path: str | Path, json_path: str | Path,
                  slo: SLO = SLO()) -> tuple[Path, Path]:
-    """Write the HTML report and its JSON; returns both paths."""
-    html_path, json_path = Path(html_path), Path(json_path)
-    html_path.write_text(_html(off, on, slo), encoding="utf-8")
-    json_path.write_text(json.dumps(report_json(off, on, slo), indent=2) + "\n", encoding="utf-8")
-    return html_path, json_path
+    """Write the HTML report and its JSON, each atomically (``workloads.output_files``); returns both paths."""
+    from workloads.output_files import write_atomic
+    return (write_atomic(html_path, report_html(off, on, slo)),
+            write_atomic(json_path, json.dumps(report_json(off, on, slo), indent=2) + "\n"))

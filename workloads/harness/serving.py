@@ -140,16 +140,17 @@ class Schedule:
     def parse(cls, text: str, seed: int = 0) -> Schedule:
         """``trace``, ``poisson:RATE`` (requests/s) or ``closed:N`` (clients); ValueError on anything else."""
         kind, _, arg = str(text).strip().partition(":")
+        if kind == "trace" and not arg:
+            return cls()
+        number, what = {"poisson": (float, "a rate in requests/s > 0, e.g. poisson:2.5"),
+                        "closed": (int, "a whole number of clients >= 1, e.g. closed:4")}.get(kind, (None, None))
+        if number is None:
+            raise ValueError(f"not a schedule: {text!r} (use trace, poisson:RATE or closed:N)")
         try:
-            if kind == "trace" and not arg:
-                return cls()
-            if kind == "poisson":
-                return cls("poisson", rate=float(arg), seed=seed)
-            if kind == "closed":
-                return cls("closed", concurrency=int(arg))
-        except ValueError as e:
-            raise ValueError(f"bad schedule {text!r}: {e}") from None
-        raise ValueError(f"not a schedule: {text!r} (use trace, poisson:RATE or closed:N)")
+            value = number(arg)
+            return cls("poisson", rate=value, seed=seed) if kind == "poisson" else cls("closed", concurrency=value)
+        except ValueError:
+            raise ValueError(f"bad schedule {text!r}: {kind} takes {what}") from None
 
     def __str__(self) -> str:
         if self.kind == "poisson":
@@ -173,16 +174,29 @@ def serve_run(workload_factory: Callable[[], Workload], schedule: Schedule, cach
     """Serve every request of a fresh ``workload_factory()`` on ``schedule``, its caches on when ``cached``.
 
     Records come in service order; pool occupancy is sampled from ``cache_stats()["prefix"]`` after each request.
+    Ctrl-C (KeyboardInterrupt) ends the run with the requests served so far (``run.interrupted``).
     """
     wl = workload_factory()
     order, arrivals = schedule.plan(list(wl.requests()))
-    run = RunResult(wl.name, cached, str(schedule), dict(wl.ceilings()))
+    run = RunResult(wl.name, cached, str(schedule), dict(wl.ceilings()), planned=len(order))
     if observer is not None:
         observer.start(run)
     clients = [0.0] * (schedule.concurrency or 0)  # closed loop: heap of the times clients send their next request
-    free = 0.0  # when the server finishes the request before
     bar = progress_bar(len(order), f"{wl.name}, cache {run.label}", enabled=progress)
     started = time.perf_counter()
+    try:
+        _serve_all(wl, order, arrivals, clients, cached, run, observer, bar)
+    except KeyboardInterrupt:  # Ctrl-C: keep what was served; run.interrupted says the rest was not
+        pass
+    bar.close()
+    run.cache_stats = wl.cache_stats()
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+def _serve_all(wl: Workload, order: list[Request], arrivals: list[float] | None, clients: list[float], cached: bool,
+               run: RunResult, observer: Observer | None, bar) -> None:
+    free = 0.0  # when the server finishes the request before
     for k, req in enumerate(order):
         arrival = arrivals[k] if arrivals is not None else heapq.heappop(clients)
         clock = Clock()
@@ -207,14 +221,13 @@ def serve_run(workload_factory: Callable[[], Workload], schedule: Schedule, cach
         if observer is not None:
             observer.observe(run, rec, stats)
         bar.update(1)
-    bar.close()
-    run.cache_stats = wl.cache_stats()
-    run.wall_s = time.perf_counter() - started
-    return run
 
 
 def compare(workload_factory: Callable[[], Workload], schedule: Schedule, *, observer: Observer | None = None,
             progress: bool = False) -> tuple[RunResult, RunResult]:
-    """``(off, on)``: the cache off, then on, each with a fresh workload and the same ``schedule``."""
+    """``(off, on)``: the cache off, then on, each with a fresh workload and the same ``schedule``. When Ctrl-C
+    stopped the cache-off run, the cache-on run is not started: ``on`` is empty, with ``on.interrupted`` set."""
     off = serve_run(workload_factory, schedule, False, observer=observer, progress=progress)
+    if off.interrupted:
+        return off, RunResult(off.workload, True, off.schedule, off.ceilings, planned=off.planned)
     return off, serve_run(workload_factory, schedule, True, observer=observer, progress=progress)

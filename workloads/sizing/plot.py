@@ -17,8 +17,11 @@ def label_of(sweep: Sweep) -> str:
     return f"{sweep.trace.kind} ({order})"
 
 
-def plot_sweeps(sweeps: Sequence[Sweep], path: str | Path, title: str | None = None) -> Path:
-    """Write one PNG with a line per sweep and a dashed ceiling per sweep; returns the path."""
+def plot_sweeps(sweeps: Sequence[Sweep], title: str | None = None) -> bytes:
+    """One PNG with a line per sweep and a dashed ceiling per sweep, as bytes (``workloads.output_files`` writes
+    them)."""
+    import io
+
     import matplotlib
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
@@ -48,6 +51,6 @@ def plot_sweeps(sweeps: Sequence[Sweep], path: str | Path, title: str | None = N
                           f"{first.requests:,} requests", fontsize=10)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png")
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

@@ -1,6 +1,7 @@
 """A pool-size sweep of one text trace: one replay per size plus the unbounded ceiling, as a table and as JSON.
 
-The ceiling is always run (reused when ``inf`` is among the sizes), so "of ceiling" is defined for every run.
+The ceiling is always run first (reused when ``inf`` is among the sizes), so "of ceiling" is defined for every run,
+also in a sweep that Ctrl-C stopped part way.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Sweep:
     runs: list[ReplayRun]        # in the order the sizes were given
     ceiling: ReplayRun           # the unbounded run
     tiers: TierModel = TierModel()
+    interrupted: bool = False    # Ctrl-C stopped it before every size was replayed
 
     @property
     def requests(self) -> int:
@@ -40,14 +42,22 @@ class Sweep:
 def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], order: str = "timestamp",
               in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
               tiers: TierModel = TierModel()) -> Sweep:
-    """Replay ``trace`` once per pool size (None = unbounded) and once unbounded for the ceiling if not listed;
-    every bounded pool gets ``tiers`` (host tier, store) under it."""
+    """Replay ``trace`` unbounded (the ceiling), then once per pool size (None = unbounded: the ceiling again);
+    every bounded pool gets ``tiers`` (host tier, store) under it.
+
+    Ctrl-C (KeyboardInterrupt) after the ceiling stops the sweep with the sizes replayed so far and ``interrupted``
+    set; every run in a sweep is a complete replay. During the ceiling it propagates: nothing was measured."""
     def one(size):
         return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
-                      service=service, progress=progress, tiers=tiers)
-    runs = [one(size) for size in pool_sizes]
-    ceiling = next((r for r in runs if r.pool_tokens is None), None) or one(None)
-    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling, tiers)
+                            service=service, progress=progress, tiers=tiers)
+    ceiling, runs, interrupted = one(None), [], False
+    try:
+        for size in pool_sizes:
+            runs.append(ceiling if size is None else one(size))
+    except KeyboardInterrupt:
+        interrupted = True
+    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling, tiers,
+                 interrupted)
 
 
 def sweep_json(sweep: Sweep) -> dict:
@@ -66,6 +76,7 @@ def sweep_json(sweep: Sweep) -> dict:
         "service_model": dataclasses.asdict(sweep.service) if sweep.order == "timestamp" else None,
         "tiers": dataclasses.asdict(sweep.tiers) if sweep.tiers.enabled else None,
         "runs": [{**r.to_dict(), "of_ceiling": sweep.of_ceiling(r)} for r in sweep.runs],
+        "interrupted": sweep.interrupted,
         "malformed_lines": sweep.trace.malformed,
         "errors": [str(e) for e in sweep.trace.errors[:100]],
     }

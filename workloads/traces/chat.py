@@ -1,26 +1,38 @@
-"""Users' own chat logs: OpenAI-style chat JSONL and ShareGPT JSON, read as sessions that re-send their history.
+"""Users' own chat logs: OpenAI-style JSONL (conversation logs or request logs) and ShareGPT JSON, as sessions.
 
 Formats (``detect_format`` tells them apart from the file's first bytes):
-- ``openai``: JSONL, one conversation a line: ``{"messages": [{"role": ..., "content": ...}, ...]}`` (the request
-  format serving benchmarks replay). A line may instead hold ShareGPT's ``{"conversations": [...]}``. Read with the
-  shared JSONL policy (``workloads.traces.jsonl``: the first malformed line raises ``TraceError`` with its line);
+- ``openai``: JSONL, one ``{"messages": [{"role": ..., "content": ...}, ...]}`` a line (a line may instead hold
+  ShareGPT's ``{"conversations": [...]}``), read with the shared JSONL policy (``workloads.traces.jsonl``: the first
+  malformed line raises ``TraceError`` with its line). Such a file is one of two kinds, told apart by how its lines
+  end (``openai-conversations`` / ``openai-requests`` name one, ``openai`` tells them: a request log when more lines
+  end in a turn other than the assistant's):
+  - a conversation log: each line a whole conversation, ending in the assistant's reply;
+  - a request log: each line one request as sent to the API, re-sending the history and ending in the user's turn;
 - ``sharegpt``: one JSON list of ``{"conversations": [{"from": ..., "value": ...}, ...]}``; ``from`` ``human`` is
   ``user``, ``gpt`` (or ``chatgpt``, ``bard``, ``bing``, ``model``, ``assistant``) is ``assistant``, others keep their
-  name. A malformed entry raises ``TraceError`` naming the file and the entry (0-based) in place of a line.
+  name; conversations. A malformed entry raises ``TraceError`` naming the file and the entry (0-based) in place of a
+  line.
 Content that is a list of parts (OpenAI's multimodal messages) is rendered as its text parts joined, each other part
-as ``[<type>]``.
+as ``[<type>]``. Prompts are BOS + every message of the prompt in the fixed template of ``swe_agent.render``, each
+message tokenized once per session, so a session's call i+1 starts with call i's prompt (and output, when known).
 
-Sessions: each conversation is one session (``<file stem>-<line or entry>``); every assistant message with at least
-one message before it is a call whose prompt is BOS + every earlier message (the fixed template of
-``swe_agent.render``, each message tokenized once) and whose output is that message, so call i+1's prompt starts with
-call i's prompt and output, like an agent's. Conversations without such a message have nothing to replay and are
-skipped. Arrival times: the logs carry none, so call i of every session arrives at i (sessions start together).
+Conversation logs: each conversation is one session (``<file stem>-<line or entry>``); every assistant message with
+at least one message before it is a call whose prompt is every earlier message and whose output is that message.
+Call i of every session arrives at i (sessions start together: the logs carry no times).
+
+Request logs: every line is one call, replayed as sent, arriving at its position in the file (``arrival_s`` = its
+index among the requests). A request continues the session of the latest earlier request whose messages are a prefix
+of its own (its history), else it starts a session; its output is the assistant message that follows its prompt in
+the session's next request, when there is one (else none: the log does not hold the reply).
+
+Nothing is dropped silently: every line or conversation not replayed is counted in ``TextTrace.skipped`` by reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -37,19 +49,22 @@ ROLES = {"human": "user"}
 
 @dataclasses.dataclass(slots=True)
 class ChatSession:
-    """One conversation: per-message token arrays, and the message index of each call's output."""
+    """One session: per-message token arrays; call i's prompt is ``messages[:ends[i]]`` and its output
+    ``messages[outputs[i]]`` (-1: not in the log)."""
 
     name: str
     bos: np.ndarray                  # [bos_id], or empty when the tokenizer has no BOS
     messages: list[np.ndarray]
-    outputs: list[int]               # call i outputs messages[outputs[i]] after messages[:outputs[i]]
+    ends: list[int]
+    outputs: list[int]
     calls: list[CallInfo]
 
     def build(self, i: int) -> TextRequest:
         k, c = self.outputs[i], self.calls[i]
-        prompt = np.concatenate([self.bos, *self.messages[:k]])
+        prompt = np.concatenate([self.bos, *self.messages[:self.ends[i]]])
+        output = self.messages[k] if k >= 0 else np.zeros(0, dtype=np.int32)
         return TextRequest(rid=f"{self.name}#{i}", session=self.name, arrival_s=c.arrival_s, token_ids=prompt,
-                           names=None, output_ids=self.messages[k], output_len=c.output_len)
+                           names=None, output_ids=output, output_len=c.output_len)
 
 
 def _text(content) -> str:
@@ -78,26 +93,109 @@ def conversation(row) -> list[tuple[str, str]]:
     return out
 
 
-def _sessions(convs: list[tuple[str, list[tuple[str, str]]]], tokenizer) -> list[ChatSession]:
+@dataclasses.dataclass
+class _Calls:
+    """A session before tokenization: its messages, and per call the prompt end, output index and arrival."""
+
+    name: str
+    conv: list[tuple[str, str]]
+    ends: list[int] = dataclasses.field(default_factory=list)
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    arrivals: list[float] = dataclasses.field(default_factory=list)
+
+
+def _tokenize(sessions: list[_Calls], tokenizer) -> list[ChatSession]:
     bos_id = tokenizer.bos_id()
     bos = np.array([bos_id] if bos_id >= 0 else [], dtype=np.int32)
+    out = []
+    for s in sessions:
+        arrays = [np.asarray(t, dtype=np.int32) for t in tokenizer.encode([render(r, t) for r, t in s.conv])]
+        lengths = np.cumsum([bos.size] + [a.size for a in arrays])  # prompt_len before message k = lengths[k]
+        calls = [CallInfo(t, int(lengths[e]), int(arrays[k].size) if k >= 0 else 0)
+                 for e, k, t in zip(s.ends, s.outputs, s.arrivals)]
+        out.append(ChatSession(s.name, bos, arrays, s.ends, s.outputs, calls))
+    return out
+
+
+def _conversation_calls(convs: list[tuple[str, list[tuple[str, str]]]], skipped: Counter) -> list[_Calls]:
+    """Each conversation a session, each assistant reply after another message a call (module docstring)."""
     sessions = []
     for name, conv in convs:
         outputs = [k for k, (role, _) in enumerate(conv) if role == "assistant" and k > 0]
         if not outputs:
+            skipped["conversations without an assistant reply after a message"] += 1
             continue
-        arrays = [np.asarray(t, dtype=np.int32) for t in tokenizer.encode([render(r, t) for r, t in conv])]
-        lengths = np.cumsum([bos.size] + [a.size for a in arrays])  # prompt_len before message k = lengths[k]
-        calls = [CallInfo(float(i), int(lengths[k]), int(arrays[k].size)) for i, k in enumerate(outputs)]
-        sessions.append(ChatSession(name, bos, arrays, outputs, calls))
+        if outputs[-1] < len(conv) - 1:
+            skipped["final turns without a reply (not replayed)"] += 1
+        sessions.append(_Calls(name, conv, outputs, outputs, [float(i) for i in range(len(outputs))]))
     return sessions
 
 
-def load_openai_chat(path: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
-    """OpenAI-style chat JSONL (see the module docstring): at most ``limit`` conversations."""
+def conversation_trace(source: str | Path, kind: str, convs: list[tuple[str, list[tuple[str, str]]]],
+                       tokenizer=None) -> TextTrace:
+    """``(name, [(role, text)])`` conversations as a trace of sessions by the conversation-log rules (module
+    docstring); every loader of conversations (ShareGPT, MT-Bench, conversation logs) builds its trace here."""
+    skipped: Counter = Counter()
+    sessions = _tokenize(_conversation_calls(convs, skipped), tokenizer or load_tokenizer())
+    return TextTrace(str(source), kind, sessions, skipped=dict(skipped))
+
+
+def _request_calls(convs: list[tuple[str, list[tuple[str, str]]]], skipped: Counter) -> list[_Calls]:
+    """Each line one call, joined to the session whose latest request its history extends (module docstring)."""
+    sessions: list[_Calls] = []
+    latest: dict[int, int] = {}  # hash of a session's latest request's messages -> session index
+    arrival = 0
+    for name, conv in convs:
+        if not conv:
+            skipped["lines without messages"] += 1
+            continue
+        if conv[-1][0] == "assistant":
+            skipped["lines ending in an assistant turn (a conversation, not a request)"] += 1
+            continue
+        prefixes = [hash(tuple(conv[:k])) for k in range(len(conv) + 1)]
+        found = next((latest.pop(prefixes[k]) for k in range(len(conv) - 1, 0, -1)  # the hash nominates, == decides
+                      if prefixes[k] in latest and sessions[latest[prefixes[k]]].conv == conv[:k]), None)
+        if found is None:
+            found, session = len(sessions), _Calls(name, conv)
+            sessions.append(session)
+        else:
+            session = sessions[found]
+            if session.ends and len(conv) > session.ends[-1] and conv[session.ends[-1]][0] == "assistant":
+                session.outputs[-1] = session.ends[-1]  # the reply to the previous call, re-sent here
+            session.conv = conv
+        session.ends.append(len(conv))
+        session.outputs.append(-1)
+        session.arrivals.append(float(arrival))
+        arrival += 1
+        latest[prefixes[-1]] = found
+    return sessions
+
+
+def _is_request_log(convs: list[tuple[str, list[tuple[str, str]]]]) -> bool:
+    ends_with_reply = sum(1 for _, conv in convs if conv and conv[-1][0] == "assistant")
+    return len(convs) - ends_with_reply > ends_with_reply
+
+
+def load_openai_chat(path: str | Path, limit: int | None = None, tokenizer=None, kind: str = "auto") -> TextTrace:
+    """OpenAI-style JSONL (see the module docstring): at most ``limit`` lines; ``kind`` is ``conversations``,
+    ``requests`` or ``auto`` (told from how the lines end)."""
     path = check_file(path)
     convs = load_jsonl(path, lambda row, n: (f"{path.stem}-{n}", conversation(row)), limit)
-    return TextTrace(str(path), "openai", _sessions(convs, tokenizer or load_tokenizer()))
+    if not (kind == "requests" or (kind == "auto" and _is_request_log(convs))):
+        return conversation_trace(path, "openai-conversations", convs, tokenizer)
+    skipped: Counter = Counter()
+    sessions = _tokenize(_request_calls(convs, skipped), tokenizer or load_tokenizer())
+    return TextTrace(str(path), "openai-requests", sessions, skipped=dict(skipped))
+
+
+def load_openai_requests(path: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
+    """A request log: every line one request as sent (``load_openai_chat`` with ``kind="requests"``)."""
+    return load_openai_chat(path, limit, tokenizer, kind="requests")
+
+
+def load_openai_conversations(path: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
+    """A conversation log: every line one whole conversation (``load_openai_chat`` with ``kind="conversations"``)."""
+    return load_openai_chat(path, limit, tokenizer, kind="conversations")
 
 
 def load_sharegpt(path: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
@@ -115,7 +213,7 @@ def load_sharegpt(path: str | Path, limit: int | None = None, tokenizer=None) ->
             convs.append((f"{path.stem}-{k}", conversation(row)))
         except ValueError as e:
             raise TraceError(path, None, f"entry {k}: {e}") from None
-    return TextTrace(str(path), "sharegpt", _sessions(convs, tokenizer or load_tokenizer()))
+    return conversation_trace(path, "sharegpt", convs, tokenizer)
 
 
 def detect_format(path: str | Path) -> str:

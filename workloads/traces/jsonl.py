@@ -36,12 +36,12 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            try:
-                yield lineno, json.loads(raw.decode("utf-8"))
+            try:  # stripped: a truncated line's newline would otherwise be "an invalid control character"
+                yield lineno, json.loads(raw.decode("utf-8").strip())
             except UnicodeDecodeError:
                 raise TraceError(path, lineno, "not UTF-8") from None
             except json.JSONDecodeError as e:
-                raise TraceError(path, lineno, f"not JSON: {e.msg}") from None
+                raise TraceError(path, lineno, f"not JSON: {e.msg} (column {e.colno})") from None
 
 
 def load_jsonl(path: str | Path, parse: Callable[[Any, int], T], limit: int | None = None) -> list[T]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workloads.traces.chat import _sessions
+from workloads.traces.chat import conversation_trace
 from workloads.traces.jsonl import check_file, load_jsonl
 from workloads.traces.text_trace import TextTrace
-from workloads.traces.tokenizer import load_tokenizer
 
 ANSWERS = "reference_answer_gpt-4.jsonl"
 
@@ -41,4 +40,4 @@ def load_mt_bench(path: str | Path, limit: int | None = None, tokenizer=None) ->
         replies = answers.get(qid, [f"(answer to question {qid}, turn {k + 1})" for k in range(len(turns))])
         conv = [m for k, t in enumerate(turns) for m in (("user", t), ("assistant", replies[k]))]
         convs.append((f"mt-bench-{qid}", conv))
-    return TextTrace(str(path), "mt-bench", _sessions(convs, tokenizer or load_tokenizer()))
+    return conversation_trace(path, "mt-bench", convs, tokenizer)

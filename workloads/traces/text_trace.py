@@ -65,10 +65,11 @@ class TextTrace:
     """Sessions in source order, the page size the trace fixes (None: any), and the lines that were skipped."""
 
     source: str
-    kind: str                                   # its format: "mooncake", "swe-agent", "openai", "sharegpt"
+    kind: str                  # "mooncake", "swe-agent", "openai-conversations", "openai-requests", "sharegpt"
     sessions: list[Session]
     page_size: int | None = None
     errors: list[TraceError] = dataclasses.field(default_factory=list)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # readable records not replayed, by reason
 
     @property
     def malformed(self) -> int:

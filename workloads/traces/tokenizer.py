@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from mmcache.errors import TraceError
+from mmcache.extras import require
 
 TOKENIZER_FILES = ("mistral_instruct_tokenizer_240323.model.v3", "mistral_instruct_tokenizer_241114.model.v7",
                    "tokenizer.model.v1")
@@ -48,6 +49,7 @@ def load_tokenizer(path: str | Path | None = None):
     """The tokenizer at ``path`` (see the module docstring), loaded once; ``TraceError`` naming the path when it is
     none of the accepted kinds or cannot be read."""
     if path is None:
+        require("replay", "the default tokenizer of agent and chat traces", "sentencepiece", "mistral_common")
         import sentencepiece
         return sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path()))
     path = Path(path)
@@ -58,6 +60,7 @@ def load_tokenizer(path: str | Path | None = None):
         path = found
     if not path.is_file():
         raise TraceError(path, None, "no such tokenizer file or folder")
+    require("replay", f"--tokenizer {path}", "tokenizers" if path.suffix == ".json" else "sentencepiece")
     try:
         if path.suffix == ".json":
             return JsonTokenizer(path)
