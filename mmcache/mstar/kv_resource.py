@@ -1,0 +1,302 @@
+"""ReuseKVManager: M*'s own ``KVManager`` (mstar-ai 0.2.1) over mmcache's pool, with exact prefix reuse per label.
+
+Built by M*'s engine like its own KV resource: a ``ReuseKVSpec`` (a ``KVSpec`` whose ``resource_class`` is this one)
+goes through ``build_resource(spec, info)``. Everything M* reads and writes is M*'s: the ``CacheStream`` table, the KV
+tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What differs:
+
+- Pages come from a ``PagePool`` over M*'s KV tensor (one owner count per page; page 0 stays M*'s sink page). The
+  arena's allocator is a ``CountedPageAllocator``: ``free`` drops one owner, a shortfall evicts the coldest cached
+  pages of the node's pool (every label's index and an ``EncoderStore`` built on ``manager.pool``) before M* sees
+  ``AllocationFailed``. M*'s ``_lock`` is the pool's ``cache_lock``: one lock for the streams, the indexes and the
+  encoder store.
+- One ``PrefixLifecycle`` per reused label (labels never share pages). ``feed`` (called by the seam in the node's
+  ``prepare_inputs``, ``mmcache.mstar.switch``) names what a step is about to write: the first feed of a stream is
+  matched, its verified prefix becomes the stream's first pages and ``stored_len``, and the seam cuts the input to
+  the suffix. ``commit`` then indexes every full page whose positions were all announced through ``feed``, prompt and
+  generated tokens alike, as it is written: a walk the seam did not name (embeddings, a remote retrieve) stops the
+  stream's indexing at its first position, so a page is never indexed under ids other than those its KV was
+  computed from. A retried step (after ``AllocationFailed``) feeds the prompt again and is cut at what is held.
+- The methods that assumed one owner per page count owners: ``reset_request(free=False)`` gives up a stream's pages
+  when another owner holds one (M* would rewind onto them and overwrite shared KV), ``reclaimable`` and the offload's
+  freed count count only the pages a request alone holds.
+
+With no ``PrefixReuse`` (``reuse=None``) nothing is matched or indexed: M*'s own behaviour on a counted pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from mmcache.errors import InvalidRequest, OutOfPages
+from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle
+from mmcache.mstar.requirement import require_mstar
+from mmcache.names import Fingerprint, as_tokens
+from mmcache.pool import PagePool
+from mmcache.reclaim import reclaimable as reclaimable_pages
+from mmcache.reclaim import take
+from mmcache.stats import PrefixCacheStats
+from mmcache.tp import TPAgreement
+
+require_mstar()
+from mstar.engine.resources.kv.cache import PageAllocator  # noqa: E402
+from mstar.engine.resources.kv.config import KVSpec  # noqa: E402
+from mstar.engine.resources.kv.manager import KVManager  # noqa: E402
+from mstar.engine.resources.kv.plan import SINK_PAGE  # noqa: E402
+
+
+class CountedPageAllocator(PageAllocator):
+    """M*'s ``PageAllocator`` interface over a ``PagePool``: ``try_allocate`` takes pages with one owner each,
+    evicting cold cached pages of the pool first; ``free`` drops one owner per page (the pool frees a page when its
+    count reaches 0). Thread-safe: every take and release holds the pool's locks."""
+
+    def __init__(self, pool: PagePool, evict_batch_pages: int = 1):
+        self.pool, self.max_num_pages, self.evict_batch_pages = pool, pool.num_pages, evict_batch_pages
+        self.counters = {"eviction_batches": 0, "shortfall_pages": 0, "stalls": 0}
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        try:
+            return take(self.pool, n, self.evict_batch_pages, self.counters)
+        except OutOfPages:
+            return None
+
+    def allocate(self, n: int) -> list[int]:
+        pages = self.try_allocate(n)
+        if pages is None:
+            raise RuntimeError(f"Not enough free pages: requested {n}, available {self.num_free}")
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self.pool.release(pages)
+
+    @property
+    def num_free(self) -> int:
+        """Pages free now plus cached pages a take would evict (what M* may count on)."""
+        with self.pool.cache_lock:
+            return self.pool.num_free + reclaimable_pages(self.pool.evictables)
+
+    @property
+    def free_pages(self):  # M*'s attribute is a queue; nothing outside the allocator reads it
+        raise AttributeError("a CountedPageAllocator has no free-page queue; use num_free")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixReuse:
+    """Turns reuse on for a KV resource. ``model`` names the weights exactly (repository@revision, or a hash of the
+    files): it roots every page name with the rest of the fingerprint (TP rank and size, KV dtype, page size, the
+    resource and label). ``labels``: the streams the seam names (the label a node's step writes its prompt into).
+    ``attention_backend``: part of the fingerprint. ``evict_batch_pages``: least pages one eviction frees (default
+    1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
+    ``position_after(rid, label, tokens)``: the stream's position after ``tokens`` prompt tokens (default: the token
+    count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own)."""
+
+    model: str
+    labels: tuple[str, ...] = ("main",)
+    attention_backend: str = "flashinfer"
+    evict_batch_pages: int | None = None
+    tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
+    position_after: Callable[[Hashable, str, int], int] | None = None
+
+
+@dataclasses.dataclass
+class ReuseKVSpec(KVSpec):
+    """M*'s ``KVSpec`` with ``reuse``; the engine builds a ``ReuseKVManager`` from it."""
+
+    reuse: PrefixReuse | None = None
+
+    @property
+    def resource_class(self):
+        return ReuseKVManager
+
+    @classmethod
+    def of(cls, spec: KVSpec, reuse: PrefixReuse | None) -> ReuseKVSpec:
+        """``spec`` (a model's own ``KVSpec``) with reuse, every field kept."""
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+        return cls(**fields, reuse=reuse)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Named:
+    """What names one (request, label) stream: its claim on the index, the ids fed after the prompt, how many leading
+    positions the names cover (``named``), and the feed announced for the step in flight (start, ids)."""
+
+    claim: Claim
+    generated: list[int]
+    named: int
+    pending: tuple[int, np.ndarray] | None = None
+    covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
+
+
+class ReuseKVManager(KVManager):
+    """M*'s ``KVManager`` on a counted pool with prefix reuse (see the module docstring)."""
+
+    def __init__(self, cfg, name, joint_comm_group, transfer_engine_info, device, dtype=torch.bfloat16,
+                 reuse: PrefixReuse | None = None):
+        super().__init__(cfg, name, joint_comm_group, transfer_engine_info, device, dtype)
+        self.reuse = reuse
+        self.pool = PagePool.over(self.kv_cache.tensor, page_dim=1)
+        batch = max(1, (reuse.evict_batch_pages if reuse and reuse.evict_batch_pages else self.pool.num_pages // 64))
+        self._lock = self.pool.cache_lock
+        self._arena.allocator = CountedPageAllocator(self.pool, batch)
+        if self._arena.acquire(1) != [SINK_PAGE]:
+            raise InvalidRequest(f"KV {name}: page {SINK_PAGE} must be the sink page")
+        self._evict_batch = batch
+        self._lifecycles: dict[str, PrefixLifecycle] = {}
+        self._named: dict[tuple[str, str], _Named] = {}
+        self._agreement = None
+        if joint_comm_group is not None and joint_comm_group.world_size > 1:
+            if joint_comm_group.sp_group.world_size > 1:
+                raise InvalidRequest("prefix reuse agrees over the TP group; sequence parallelism is not supported")
+            self._agreement = TPAgreement(joint_comm_group.tp_group.device_group)
+
+    @classmethod
+    def build(cls, spec: KVSpec, info):
+        return cls(cfg=spec.config, name=spec.resource_key, device=info.device,
+                   joint_comm_group=info.joint_comm_group, transfer_engine_info=info.transfer_engine_info,
+                   dtype=info.kv_dtype, reuse=getattr(spec, "reuse", None))
+
+    # ----------------------------------------------------------------- the seam (mmcache.mstar.switch)
+    def reuses(self, label: str) -> bool:
+        return self.reuse is not None and label in self.reuse.labels
+
+    def lifecycle(self, label: str) -> PrefixLifecycle:
+        """The prefix lifecycle of ``label`` (made on first use)."""
+        life = self._lifecycles.get(label)
+        if life is None:
+            r = self.reuse
+            fp = Fingerprint(model=r.model, tp_rank=self._rank, tp_size=self._world_size,
+                             kv_dtype=str(self.kv_cache.dtype), attention_backend=r.attention_backend,
+                             page_size=self.config.page_size, extra=f"{self.name}/{label}")
+            tiers = r.tiers(fp, self.pool) if r.tiers is not None else None
+            life = self._lifecycles[label] = PrefixLifecycle(self.pool, fp, evict_batch_pages=self._evict_batch,
+                                                             tiers=tiers, agreement=self._agreement)
+        return life
+
+    def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"") -> int:
+        """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream
+        already holds, which the caller cuts off. The first feed of a stream is matched (its verified prefix becomes
+        the stream's first pages); the same prompt fed again (a retry after ``AllocationFailed``) is cut at what the
+        stream holds; any later feed names the positions it writes. ``None`` ids (an embeddings walk) name nothing."""
+        if not self.reuses(label):
+            return 0
+        key = (rid, label)
+        with self._lock:
+            stream = self._ensure_label(rid, label)
+            named = self._named.get(key)
+            held = stream.stored_len
+        if token_ids is None:
+            if named is not None:
+                named.pending = None
+            return 0
+        ids = as_tokens(token_ids)
+        if named is None:
+            if held or stream.page_indices or not ids.size:
+                return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
+            return self._match(rid, label, ids, media, salt)
+        prompt = named.claim.prompt.tokens
+        if held < prompt.size and ids.size == prompt.size and np.array_equal(ids, prompt):
+            with self._lock:
+                named.pending = (held, ids[held:])
+            return held  # the prefill again: only what is not held is fed
+        with self._lock:
+            named.pending = (held, ids)
+        return 0
+
+    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes) -> int:
+        life = self.lifecycle(label)
+        prompt = life.name(ids, media, salt, what=f"request {rid!r} label {label!r}")
+        claim, match = life.match(prompt)  # outside the lock: a group agreement may wait for other ranks
+        if match.fetch is not None:
+            match.fetch.wait()  # pages copied up from a tier: read none before they arrived
+        k = len(match.pages) * self.config.page_size
+        with self._lock:
+            stream = self._ensure_label(rid, label)
+            stream.page_indices = list(match.pages)
+            stream.stored_len = k
+            stream.generation += 1
+            self._named[(rid, label)] = _Named(claim, [], k, (k, ids[k:]))
+        return k
+
+    def position_after(self, rid: str, label: str, tokens: int) -> int:
+        fn = self.reuse.position_after if self.reuse is not None else None
+        return tokens if fn is None else fn(rid, label, tokens)
+
+    # ----------------------------------------------------------------- M*'s lifecycle, owner-counted
+    def commit(self, step, ctx):
+        with self._lock:
+            before = {}
+            for seg in step.segments:
+                key = (seg.request_id, seg.label)
+                if key in self._named and key not in before:
+                    before[key] = self._streams[seg.request_id][seg.label].stored_len
+            super().commit(step, ctx)
+            for key, old in before.items():
+                self._written(key, old)
+
+    def _written(self, key: tuple[str, str], old: int) -> None:
+        """After a commit moved ``key``'s stream from ``old`` tokens: extend what its names cover by the feed that
+        wrote them (or stop covering), then index the full pages that are written and named."""
+        named, stream = self._named[key], self._streams[key[0]][key[1]]
+        span, pending, named.pending = stream.stored_len - old, named.pending, None
+        if span <= 0:
+            return
+        prompt = named.claim.prompt.tokens
+        if named.covered and pending is not None and pending[0] == old == named.named and pending[1].size == span:
+            start, ids = pending
+            if start + span > prompt.size:
+                named.generated += ids[max(0, prompt.size - start):].tolist()
+            named.named = start + span
+        else:
+            named.covered = False
+        P = self.config.page_size
+        if min(stream.stored_len, named.named) // P > named.claim.indexed:
+            self.lifecycle(key[1]).commit(named.claim, stream.page_indices, stream.stored_len,
+                                          np.asarray(named.generated, dtype=np.int32), tokens_named=named.named)
+
+    def reset_request(self, rid: str, free: bool = False):
+        if not free:
+            with self._lock:
+                for stream in self._streams.get(rid, {}).values():
+                    if stream.page_indices and (self.pool.counts[stream.page_indices] > 1).any():
+                        # M* would rewind onto these pages and overwrite KV that another owner still reads
+                        self._arena.release(stream.page_indices)
+                        stream.page_indices = []
+        super().reset_request(rid, free)
+        with self._lock:
+            for key in [k for k in self._named if k[0] == rid]:
+                del self._named[key]
+
+    def remove_request(self, rid: str):
+        super().remove_request(rid)
+        with self._lock:
+            for key in [k for k in self._named if k[0] == rid]:
+                del self._named[key]
+
+    def reclaimable(self, rid: str) -> int:
+        """Device pages only this request holds: what offloading it frees (shared pages stay for their owners)."""
+        with self._lock:
+            streams = self._streams.get(rid)
+            if streams is None:
+                return 0
+            counts = self.pool.counts
+            return sum(int((counts[s.page_indices] == 1).sum()) for s in streams.values() if s.page_indices)
+
+    def _commit_offload(self, rid, moved):
+        with self._lock:
+            counts = self.pool.counts
+            alone = sum(int((counts[c.pages] == 1).sum()) for c in moved if c.pages)
+            freed, labels = super()._commit_offload(rid, moved)
+            return (alone if labels else freed), labels
+
+    # ----------------------------------------------------------------- stats
+    def stats(self, label: str) -> PrefixCacheStats:
+        """``label``'s lifecycle counters and the node's pool; ``pages_live``: distinct pages its live streams hold."""
+        with self._lock:
+            held = [s.page_indices for streams in self._streams.values() for lab, s in streams.items()
+                    if lab == label and s.page_indices]
+            live = int(np.unique(np.concatenate(held)).size) if held else 0
+            n = sum(1 for streams in self._streams.values() if label in streams)
+            return self.lifecycle(label).stats(live, n)

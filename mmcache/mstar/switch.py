@@ -1,0 +1,98 @@
+"""The one call that turns prefix reuse on for an M* model: ``enable_reuse(model, PrefixReuse(...), nodes=...)``.
+
+From outside M*, on the model object the engine loads (no M* file changes):
+
+- ``get_node_resources``: every ``KVSpec`` (or those named in ``kv_keys``) becomes a ``ReuseKVSpec``, so the engine
+  builds a ``ReuseKVManager`` for it through its own ``build_resource``;
+- ``get_submodule``: each node in ``nodes`` (node name -> the label its step writes its prompt into) gets the seam
+  on its ``prepare_inputs`` and ``declare_step``. ``prepare_inputs`` is where M* hands a node its ids and its
+  resources before a step is declared: the seam asks the KV resource what the stream holds (``ReuseKVManager.feed``,
+  which matches the first feed), moves the node's position counter past a hit as a cold prefill would (through the
+  position resource's own ``admit_retrieve``, the way M* takes on published positions), and cuts ``input_ids`` to the
+  suffix. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt, hit or not, so sampling is
+  what it was.
+
+The tenant salt comes from the request: ``step_metadata["mmcache_salt"]`` (``mmcache.mstar.decode_skip.SALT_KEY``),
+the same key the cached encoder nodes read. With reuse off (no ``enable_reuse``) M* runs as it ships.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping
+
+import torch
+
+from mmcache.mstar.decode_skip import request_salt
+from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVManager, ReuseKVSpec
+from mmcache.mstar.requirement import require_mstar
+
+require_mstar()
+from mstar.engine.resources.kv.config import KVSpec  # noqa: E402
+from mstar.engine.resources.position.manager import PositionManager, PublishedPositionInfo  # noqa: E402
+from mstar.engine.resources.sampler.config import SamplerStep  # noqa: E402
+
+
+def enable_reuse(model, reuse: PrefixReuse, nodes: Mapping[str, str], kv_keys: set[str] | None = None):
+    """Turn reuse on for ``model`` (an M* ``Model``, before the engine loads it); returns it. ``nodes``: node name
+    -> the KV label that node's prefill writes (e.g. ``{"LLM": "main"}``)."""
+    specs_of, submodule_of = model.get_node_resources, model.get_submodule
+    labels = tuple(sorted(set(nodes.values()) | set(reuse.labels)))
+    reuse = reuse if labels == reuse.labels else type(reuse)(**{**reuse.__dict__, "labels": labels})
+
+    def get_node_resources():
+        return [ReuseKVSpec.of(s, reuse) if type(s) is KVSpec and (kv_keys is None or s.resource_key in kv_keys)
+                else s for s in specs_of()]
+
+    def get_submodule(node_name, *args, **kwargs):
+        submodule = submodule_of(node_name, *args, **kwargs)
+        if submodule is not None and node_name in nodes:
+            name_what_is_fed(submodule, node_name, nodes[node_name])
+        return submodule
+
+    model.get_node_resources, model.get_submodule = get_node_resources, get_submodule
+    return model
+
+
+def name_what_is_fed(submodule, node_name: str, label: str) -> None:
+    """Put the seam on one node's submodule (see the module docstring)."""
+    prepare, declare = submodule.prepare_inputs, submodule.declare_step
+    full_prompts: dict[str, torch.Tensor] = {}  # rid -> the ids before the cut, for the repetition penalty
+
+    @functools.wraps(prepare)
+    def prepare_inputs(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        resources, fwd_info = kwargs.get("resources"), kwargs.get("fwd_info")
+        if out is None or not resources or fwd_info is None or not hasattr(out, "input_ids"):
+            return out
+        for key, kv in resources.items():
+            if not (isinstance(kv, ReuseKVManager) and kv.reuses(label)):
+                continue
+            rid, ids = fwd_info.request_id, out.input_ids
+            salt = request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
+            held = kv.feed(rid, label, ids, salt=salt)
+            if held:
+                position = kv.position_after(rid, label, held)
+                for res in resources.values():
+                    if isinstance(res, PositionManager) and key in res.depends_on():
+                        res.admit_retrieve(rid, node_name, kwargs.get("graph_walk"),
+                                           PublishedPositionInfo(counters={label: position}))
+                full_prompts[rid] = ids
+                out.input_ids = ids[held:]
+                out.input_seq_len = int(out.input_ids.shape[0])
+            else:
+                full_prompts.pop(rid, None)
+        return out
+
+    @functools.wraps(declare)
+    def declare_step(graph_walk, request_ids, inputs, *args, **kwargs):
+        step = declare(graph_walk, request_ids, inputs, *args, **kwargs)
+        if step is not None and full_prompts:
+            for sub in step.steps.values():
+                if isinstance(sub, SamplerStep):
+                    for rid in list(sub.prefill_tracked_tokens):
+                        if rid in full_prompts:
+                            sub.prefill_tracked_tokens[rid] = full_prompts.pop(rid)
+        return step
+
+    submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step

@@ -1,0 +1,152 @@
+"""mmcache's KV resource inside M* 0.2.1 (``ReuseKVManager`` from a ``ReuseKVSpec``), built by M*'s
+``build_resource`` and driven by M*'s ``StepRunner`` with M*'s ``RopeManager``, a tiny AR node whose only stand-in is
+attention (``tests/mstar_toy_ar.py``, checked against a dense reference here). Reuse on vs off on the same schedule:
+logits torch.equal. The two ways the old seam served wrong KV are regression tests: a prompt fed in several walks,
+and the retry after an allocation failure."""
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_helpers import require_mstar
+
+require_mstar()
+from mstar_toy_ar import (  # noqa: E402
+    LABEL, P, PrefixReuse, dense_logits, ids_feed, node, serve, step, weights,
+)
+
+from mmcache import EncoderKey, EncoderStore  # noqa: E402
+from mmcache.errors import InvalidRequest  # noqa: E402
+
+W = weights()
+REUSE = PrefixReuse(model="toy@0")
+
+
+def equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_attention_stand_in_is_dense_attention():
+    prompt = list(range(3, 16))
+    out, logits = serve(node(W), "a", prompt, 4)
+    ref = dense_logits(W, prompt + out)
+    assert all(torch.allclose(lg, ref[len(prompt) - 1 + i], rtol=0, atol=1e-12) for i, lg in enumerate(logits))
+
+
+def test_reuse_on_equals_reuse_off_across_turns_and_generated_pages_are_reused():
+    on, off = node(W, reuse=REUSE), node(W)
+    turn1 = list(range(1, 14))
+    a_on, a_off = serve(on, "a", turn1, 5), serve(off, "a", turn1, 5)
+    assert a_on[0] == a_off[0] and equal(a_on[1], a_off[1])
+    turn2 = turn1 + a_on[0] + [7, 8, 9]                        # the history with the reply, then a new question
+    b_on, b_off = serve(on, "b", turn2, 4), serve(off, "b", turn2, 4)
+    assert b_on[0] == b_off[0] and equal(b_on[1], b_off[1])
+    s = on.kv.stats(LABEL)
+    assert s.hit_tokens == 16 and s.hits == 1                   # 13 prompt + 3 generated tokens: 4 whole pages
+    assert on.kv.pool.num_free + s.pages_cached + 1 == on.kv.pool.num_pages  # + M*'s sink page
+
+
+def test_a_second_request_shares_pages_the_first_committed_while_it_still_runs():
+    on = node(W, reuse=REUSE)
+    system = list(range(20, 33))
+    on.runner.ingest_request("a")
+    step(on, "prefill", {"a": ids_feed(system + [1])})         # a is prefilled, not finished
+    out, logits = serve(on, "b", system + [2], 3)
+    assert on.kv.stats(LABEL).hit_tokens == 12                  # a's three full pages, while a is live
+    want = serve(node(W), "b", system + [2], 3)
+    assert out == want[0] and equal(logits, want[1])
+    on.runner.remove_request("a")
+
+
+def test_a_walk_the_names_do_not_cover_is_never_indexed():
+    """Text, then an embeddings walk (media), then text: the pages the embeddings walk wrote hold KV no ids describe.
+    A later request whose ids equal the first walk's plus what the seam was told must not match past the first walk
+    (the old seam matched 12 tokens here and served logits 0.61 off)."""
+    on = node(W, reuse=REUSE)
+    text = list(range(40, 48))                                  # two full pages of text
+    on.runner.ingest_request("mm")
+    step(on, "prefill", {"mm": ids_feed(text)})
+    embeds = torch.randn(6, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    step(on, "embed", {"mm": {"embeds": embeds}})
+    step(on, "prefill", {"mm": ids_feed([5, 6, 7, 8, 9, 10])})
+    on.runner.remove_request("mm")
+    assert on.kv.stats(LABEL).pages_cached == 2                 # the text pages; none from the embeddings walk on
+    probe = text + [5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 11]
+    out, logits = serve(on, "probe", probe, 2)
+    assert on.kv.stats(LABEL).hit_tokens == 8
+    want = serve(node(W), "probe", probe, 2)
+    assert out == want[0] and equal(logits, want[1])
+
+
+def test_the_retry_after_an_allocation_failure_feeds_only_what_is_not_held():
+    on = node(W, pages=8, reuse=REUSE)
+    prompt = list(range(1, 14))
+    serve(on, "a", prompt, 0)                                   # 3 pages cached
+    on.runner.ingest_request("hog")
+    step(on, "prefill", {"hog": ids_feed(list(range(100, 112)))})  # 3 pages live: 1 free, 3 cached, 1 sink
+    on.runner.ingest_request("b")
+    outcome, _ = step(on, "prefill", {"b": ids_feed(prompt + [50] * 8)})   # needs 3 more pages than it matched
+    assert not outcome.ok and type(outcome.reason).__name__ == "AllocationFailed"
+    stream = on.kv._streams["b"][LABEL]
+    assert stream.stored_len == 12                              # the match stays; nothing was written
+    on.runner.remove_request("hog")
+    outcome, got = step(on, "prefill", {"b": ids_feed(prompt + [50] * 8)})  # M*'s worker retries the step
+    assert outcome.ok and stream.stored_len == 21               # not 12 + 21: the held prefix was not fed again
+    want = serve(node(W), "b", prompt + [50] * 8, 0)
+    assert torch.equal(got["b"], want[1][0])
+
+
+def test_cached_pages_are_evicted_before_allocation_fails_and_encoder_outputs_share_the_pool():
+    on = node(W, pages=8, reuse=REUSE)
+    store = EncoderStore(pool=on.kv.pool, page_data=on.kv.kv_cache.tensor, page_dim=1)
+    key = EncoderKey(b"\x01" * 16, "vit", "image")
+    assert store.put(key, torch.arange(64, dtype=torch.float64))   # 512 bytes = 1 KV page of this node
+    serve(on, "a", list(range(1, 14)), 0)                       # 3 KV pages cached, 1 encoder page, 1 sink
+    out, logits = serve(on, "big", list(range(60, 84)), 1)      # needs 7 pages: evicts every cached page
+    s = on.kv.stats(LABEL)
+    assert s.evicted_pages == 3 and key not in store
+    want = serve(node(W), "big", list(range(60, 84)), 1)
+    assert out == want[0] and equal(logits, want[1])
+
+
+def test_reset_without_free_never_rewrites_a_shared_page():
+    on = node(W, reuse=REUSE)
+    prompt = list(range(1, 14))
+    serve(on, "a", prompt, 0)
+    on.runner.ingest_request("b")
+    step(on, "prefill", {"b": ids_feed(prompt + [9])})
+    shared = list(on.kv._streams["b"][LABEL].page_indices[:3])
+    before = on.kv.kv_cache.tensor[:, shared].clone()
+    on.kv.reset_request("b", free=False)                        # M*'s cuda-graph state swap rewinds the stream
+    assert on.kv._streams["b"][LABEL].page_indices == []        # its shared pages were given up, not kept
+    step(on, "prefill", {"b": ids_feed([30] * 13)})
+    assert torch.equal(on.kv.kv_cache.tensor[:, shared], before)
+    on.runner.remove_request("b")
+    out, logits = serve(on, "c", prompt + [9], 1)
+    want = serve(node(W), "c", prompt + [9], 1)
+    assert out == want[0] and equal(logits, want[1])
+
+
+def test_salts_share_nothing_and_forced_collisions_cost_a_miss():
+    on = node(W, reuse=REUSE)
+    prompt = list(range(1, 14))
+    serve(on, "a", prompt, 0, salt=b"tenant-a")
+    serve(on, "b", prompt, 0, salt=b"tenant-b")
+    assert on.kv.stats(LABEL).hit_tokens == 0
+    serve(on, "c", prompt, 0, salt=b"tenant-a")
+    assert on.kv.stats(LABEL).hit_tokens == 12
+    life = on.kv.lifecycle(LABEL)
+    other = list(range(70, 83))
+    claim = life.match(life.name(other, names=life.name(prompt, salt=b"").names))  # other ids, the same names
+    assert claim[1].pages == []                                 # nothing verified: a wasted comparison, a miss
+    life.release(claim[1].pages)
+
+
+def test_bad_ids_are_refused_before_any_state_changes():
+    on = node(W, reuse=REUSE)
+    on.runner.ingest_request("a")
+    free = on.kv.pool.num_free
+    with pytest.raises(InvalidRequest):
+        on.kv.feed("a", LABEL, np.array([1, -2, 3]))
+    assert on.kv.pool.num_free == free and not on.kv._named
+    assert on.kv.feed("a", "another-label", [1, 2, 3]) == 0     # a label reuse is off for: M* as it ships
