@@ -189,7 +189,7 @@ class VlmChat:
         self.outputs[req.rid] = out
         self._history[req.session] = _Done(req.payload.turn, prompt, out)
         return RequestResult(prompt_tokens=n, hit_tokens=matched, prompt_pages=n // P, hit_pages=matched // P,
-                             output_tokens=len(out), encoder_items={"image": len(prompt.images)},
+                             output_tokens=len(out), encoder_items={"image": len(prompt.items)},
                              encoder_hits={"image": served.encoder_hits})
 
     def cache_stats(self) -> dict:
@@ -219,7 +219,7 @@ class VlmChat:
             for d in digests:
                 repeats += d in seen
                 seen.add(d)
-            shadow.admit(req.rid, prompt.token_ids, media=[(off, d) for (off, _), d in zip(prompt.images, digests)])
+            shadow.admit(req.rid, prompt.token_ids, media=[(off, d) for (off, _), d in zip(prompt.items, digests)])
             shadow.finish(req.rid)  # prompt pages only, as served
             history[req.session] = _Done(req.payload.turn, prompt, [0] * self.max_new_tokens)
         tokens = sum(r.prompt_tokens for r in shadow.records)
