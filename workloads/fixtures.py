@@ -195,7 +195,8 @@ def load_llava_next_video(options):
     from transformers import AutoVideoProcessor, LlavaNextVideoForConditionalGeneration
 
     model, folder = load_model(LlavaNextVideoForConditionalGeneration, options, "tiny-llava-next-video",
-                               tiny_llava_next_video_config(), extra=tiny_video_processor().save_pretrained,
+                               tiny_llava_next_video_config(), build=LlavaNextVideoForConditionalGeneration,
+                               extra=tiny_video_processor().save_pretrained,
                                model_types=("llava_next_video",))
     return model, AutoVideoProcessor.from_pretrained(folder), folder
 
