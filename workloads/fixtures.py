@@ -306,7 +306,7 @@ def load_wan_ti2v(options, dtype: torch.dtype = torch.float32):
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
     folder = options.model if options.model is not None else tiny_wan_ti2v(options.model_dir)
-    i2v = WanImageToVideoPipeline.from_pretrained(folder, torch_dtype=dtype)
+    i2v = WanImageToVideoPipeline.from_pretrained(folder, dtype=dtype)
     if not i2v.config.expand_timesteps or i2v.image_encoder is not None:
         raise ValueError(f"{folder} is not a Wan 2.2 TI2V pipeline (expand_timesteps, no image encoder)")
     i2v.to("cuda" if torch.cuda.is_available() else "cpu")
