@@ -129,7 +129,7 @@ class VideoGen(ImageGen):
         self.outputs[req.rid] = xxhash.xxh3_128(frames.detach().cpu().contiguous().view(torch.uint8).numpy()
                                                 ).hexdigest()
         return RequestResult(output_tokens=frames.shape[1], encoder_items={m: 2 if m == "text" else 1 for m in hits},
-                             encoder_hits=hits)
+                             encoder_hits=hits, videos=1)
 
     def ceilings(self) -> dict[str, float]:
         """``text``: 1 - distinct prompt keys / prompt encodes (as ``image-gen``); ``image``: 1 - distinct image
