@@ -2,7 +2,8 @@
 per (image bytes, size and frame layout, VAE weights).
 
 Wan 2.2 conditions on the VAE latents of the image (Wan 2.1 on CLIP image features, which this does not wrap).
-Level wrapped: what ``WanImageToVideoPipeline`` does to its ``image`` before denoising: decode, ``video_processor.
+Level wrapped: what ``WanImageToVideoPipeline`` does to its ``image`` before denoising: decode to RGB (``decode``, as
+diffusers' ``load_image`` gives the pipeline its images), ``video_processor.
 preprocess`` to ``height`` x ``width`` (float32 on the execution device), the condition clip (the image alone with
 ``expand_timesteps``, as TI2V-5B; else the image then ``num_frames - 1`` zero frames) in the VAE's dtype, and
 ``retrieve_latents(vae.encode(clip), sample_mode="argmax")``: the raw latents, before the pipeline normalizes them.
@@ -30,6 +31,11 @@ import digests
 from encoders.base import CachedEncoder, module_fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
+
+
+def decode(data):
+    """Image bytes as the RGB PIL image a Wan pipeline takes (alpha and palettes dropped); InvalidMedia if corrupt."""
+    return digests.open_image(data).convert("RGB")
 
 
 @contextlib.contextmanager
@@ -62,7 +68,7 @@ class CachedImageLatents(CachedEncoder):
         self.pipe, self.height, self.width = pipe, int(height), int(width)
         self.frames = 1 if pipe.config.expand_timesteps else int(num_frames)
         self.params = digests.canonical({"height": self.height, "width": self.width, "frames": self.frames,
-                                         "processor": dict(pipe.video_processor.config)})
+                                         "mode": "RGB", "processor": dict(pipe.video_processor.config)})
         vae = pipe.vae
         super().__init__(store, module_fingerprint(vae) if fingerprint is None else fingerprint, salt=salt,
                          device=pipe._execution_device, dtype=vae.dtype)
@@ -73,7 +79,7 @@ class CachedImageLatents(CachedEncoder):
     def compute(self, data: bytes) -> torch.Tensor:
         """The pipeline's conditioning steps on image bytes: decode, preprocess, condition clip, VAE encode."""
         with torch.no_grad():
-            return self._encode(self._clip(digests.open_image(data)))
+            return self._encode(self._clip(decode(data)))
 
     def placeholder(self):
         """A blank image of the call's size: what a cached call hands the pipeline as its ``image``."""

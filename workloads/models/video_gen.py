@@ -64,8 +64,8 @@ class Clip:
 
 @contextlib.contextmanager
 def stage_times(pipe, clock: Clock):
-    """Time one pipeline call on ``clock``: ``vae.encode`` as ``"image"``, ``vae.decode`` as ``"decode"``, the rest
-    of the call as ``"denoise"``."""
+    """Time one pipeline call on ``clock``: the conditioning image's preprocessing (``video_processor.preprocess``)
+    and ``vae.encode`` as ``"image"``, ``vae.decode`` as ``"decode"``, the rest of the call as ``"denoise"``."""
     from encoders.image_latents import patched
 
     inner = {"image": 0.0, "decode": 0.0}
@@ -79,8 +79,9 @@ def stage_times(pipe, clock: Clock):
                 inner[name] += time.perf_counter() - t
         return call
 
-    vae, t = pipe.vae, time.perf_counter()
-    with patched(vae, "encode", timed("image", vae.encode)), patched(vae, "decode", timed("decode", vae.decode)):
+    vae, video, t = pipe.vae, pipe.video_processor, time.perf_counter()
+    with patched(vae, "encode", timed("image", vae.encode)), patched(vae, "decode", timed("decode", vae.decode)), \
+            patched(video, "preprocess", timed("image", video.preprocess)):
         yield
     total = time.perf_counter() - t
     for name, seconds in {**inner, "denoise": total - sum(inner.values())}.items():
@@ -115,8 +116,8 @@ class VideoGen(ImageGen):
                     image, supply, hits["image"] = self.latents.placeholder(), self.latents.supplied(found.value), \
                         int(found.hit)
                 else:
-                    from digests import open_image
-                    image, hits["image"] = open_image(data), 0
+                    from encoders.image_latents import decode
+                    image, hits["image"] = decode(data), 0
             image = {"image": image}
         with supply, stage_times(pipe, clock):
             frames = pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1], **image,
