@@ -1,8 +1,8 @@
 """Media digests: 128-bit names for images, audio, video and prompts, from raw bytes plus canonical parameters.
 
-``image``, ``audio``, ``video`` and ``prompt`` return a ``Digest``; ``open_image``, ``load_wav`` and ``load_video`` (frames by a
-``FrameSampling``) decode for the encoders. Decoded inputs (a PIL image, an array, a waveform) are digested from their pixels or samples with a
-``decoded`` marker, so they never equal the digest of a file.
+``image``, ``audio``, ``video`` and ``prompt`` return a ``Digest``; ``open_image``, ``load_wav`` and ``load_video``
+(frames by a ``FrameSampling``) decode for the encoders. Decoded inputs (a PIL image, an array, a waveform) are
+digested from their pixels or samples with a ``decoded`` marker, so they never equal the digest of a file.
 """
 
 from digests.canonical import Canonical, canonical

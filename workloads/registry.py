@@ -85,7 +85,8 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
     ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",
                   "Mooncake conversation trace, scaled to 4 blocks per request (tiny Llama)"),
     ModelWorkload("mixed", "workloads.models.mixed:factory", "",
-                  "vlm-chat, agent-model, image-gen, voice-clone, video-gen and video-chat interleaved by arrival time"),
+                  "vlm-chat, agent-model, image-gen, voice-clone, video-gen and video-chat interleaved by arrival "
+                  "time"),
 )}
 BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}
 TRACE_WORKLOADS = {n: w for n, w in WORKLOADS.items() if isinstance(w, TraceWorkload)}

@@ -111,10 +111,10 @@ class VideoGen(ImageGen):
             pipe = self.i2v
             with clock.stage("image"):
                 data = media_bytes(clip.image, "image")
-                if cached:
+                if cached:  # the pipeline gets a blank image of the right size and the stored latents
                     found = self.latents.lookup(data)
-                    image, supply, hits["image"] = self.latents.placeholder(), self.latents.supplied(found.value), \
-                        int(found.hit)
+                    image, supply = self.latents.placeholder(), self.latents.supplied(found.value)
+                    hits["image"] = int(found.hit)
                 else:
                     from encoders.image_latents import decode
                     image, hits["image"] = decode(data), 0
