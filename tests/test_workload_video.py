@@ -92,3 +92,25 @@ def test_video_chat_bad_clips_fail_their_sessions_and_the_replay_goes_on(options
         assert s["failed"] == bad and s["completed"] == 2 * 3 and run.records[-1].ok
     assert wl_off.outputs == wl_on.outputs
     assert on.cache_stats["encoder"]["entries"] == 1 and on.cache_stats["prefix"]["requests_live"] == 0
+
+
+def test_video_chat_same_clip_behind_the_same_text_hits_a_different_clip_never(options):
+    from workloads import fixtures
+
+    tok = fixtures.text_tokenizer(None)
+    model, processor, _ = fixtures.load_llava_next_video(options)
+    a, b = video_chat.clips(ModelWorkloadOptions())[:2]
+    hits = {}
+    for second in (a, b):
+        make = chats(model, processor, [[[a, "\nWhat moves?"]], [[second, "\nWhat moves?"]]], tok,
+                     ModelWorkloadOptions(max_new_tokens=2, model_dir=options.model_dir), cls=video_chat.VideoChat,
+                     sampling=video_chat.SAMPLING, system=video_chat.SYSTEM, follow_ups=())
+        off, on, wl_off, wl_on = replay(make)
+        assert wl_off.outputs == wl_on.outputs
+        [first] = [r for r in on.records if r.rid == "i1u0t0"]
+        hits[second is a] = first.result.hit_tokens, first.result.encoder_hits["video"]
+        offset = wl_on.prompt(wl_on.requests()[1], {}).items[0][0]
+    P = options.page_size
+    assert hits[False][0] <= offset // P * P and hits[False][1] == 0  # the pages from the clip's on are new
+    assert hits[True][0] > offset  # the same clip: its pages match too
+    assert hits[True][1] == 1
