@@ -1,10 +1,11 @@
-"""Decoders for the encoder wrappers: they turn user media into pixels or samples, or raise InvalidMedia.
+"""Decoders for the encoder wrappers: they turn user media into pixels, samples or frames, or raise InvalidMedia.
 
 Digesting never calls these; a corrupt file still has a digest, and fails here, at the encoder, with a clear message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import struct
@@ -108,6 +109,81 @@ def _check_format(f, data) -> None:
             return
     finally:
         f.seek(start)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameSampling:
+    """Which frames of a clip an encoder sees: ``num_frames`` of them, evenly spaced over the whole clip, or with
+    ``fps`` the first ``num_frames`` at that rate from the start (frame k at the first frame shown at or after k/fps
+    seconds). Part of a video's digest params, so two samplings of one file never share an entry."""
+
+    num_frames: int
+    fps: float | None = None
+
+    def __post_init__(self):
+        if isinstance(self.num_frames, bool) or not isinstance(self.num_frames, int) or self.num_frames < 1:
+            raise InvalidMedia(f"num_frames must be a positive integer, got {self.num_frames!r}")
+        if self.fps is not None and not self.fps > 0:
+            raise InvalidMedia(f"fps must be positive, got {self.fps!r}")
+
+    def indices(self, times: list[float]) -> list[int]:
+        """Indices into a clip whose frames are shown at ``times`` (seconds, increasing); InvalidMedia when the clip
+        has fewer frames, or is shorter, than the sampling asks for."""
+        n = len(times)
+        if self.fps is None:
+            if self.num_frames > n:
+                raise InvalidMedia(f"{self.num_frames} frames asked for, the clip has {n}")
+            return [round(k * (n - 1) / max(self.num_frames - 1, 1)) for k in range(self.num_frames)]
+        start, picked, j = times[0] if times else 0.0, [], 0
+        for k in range(self.num_frames):
+            while j < n and times[j] - start < k / self.fps - 1e-9:
+                j += 1
+            if j == n:
+                raise InvalidMedia(f"{self.num_frames} frames at {self.fps} fps asked for, the clip has {n} frames "
+                                   f"over {times[-1] - start if times else 0:.3f} s")
+            picked.append(j)
+        return picked
+
+
+def load_video(data, sampling: FrameSampling):
+    """The sampled frames of a video file (bytes, path or binary file) as uint8 RGB [num_frames, H, W, 3], decoded
+    with PyAV. InvalidMedia for a missing file, data no demuxer reads, a file without a video stream, a stream its
+    container's codec cannot decode (container and codec disagree), a clip that ends before the frames its container
+    declares (truncated), or a sampling beyond the clip. Every frame is decoded: truncation shows only at the end."""
+    import av
+
+    src = _source(data, "video")
+    try:
+        with av.open(src, "r") as container:
+            if not container.streams.video:
+                raise InvalidMedia(f"no video stream in{_name(data) or ' the'} file")
+            stream = container.streams.video[0]
+            codec, declared = stream.codec_context.name, _declared_frames(container, stream)
+            try:
+                frames = [(float(f.time or 0.0), f) for f in container.decode(stream)]
+            except av.error.FFmpegError as e:
+                raise InvalidMedia(f"the {codec} stream of video{_name(data)} does not decode ({e}): truncated, or "
+                                   f"its container and codec disagree") from e
+            if not frames:
+                raise InvalidMedia(f"video{_name(data)} has no decodable frame of its {codec} stream")
+            if declared is not None and len(frames) < declared:
+                raise InvalidMedia(f"truncated video{_name(data)}: {len(frames)} of the {declared} frames its "
+                                   f"container declares")
+            picked = sampling.indices([t for t, _ in frames])
+            return np.stack([frames[i][1].to_ndarray(format="rgb24") for i in picked])
+    except av.error.FFmpegError as e:
+        raise InvalidMedia(f"cannot read video{_name(data)}: {e}") from e
+    except IndexError as e:  # PyAV's open() of a container with no readable stream info
+        raise InvalidMedia(f"cannot read video{_name(data)}: no stream information (truncated?)") from e
+
+
+def _declared_frames(container, stream) -> int | None:
+    """Frames the container says the stream has: its frame count, else its duration times its frame rate."""
+    if stream.frames:
+        return int(stream.frames)
+    if container.duration and stream.average_rate:
+        return round(container.duration / 1e6 * float(stream.average_rate))
+    return None
 
 
 def _name(data) -> str:

@@ -55,7 +55,7 @@ def test_prometheus_scraped_the_final_state(scraped):
     final = lambda selector: prom.query(f"last_over_time({selector}[{math.ceil(end - start)}s])")  # noqa: E731
     runs = report["summary"]
     ok = sum(runs[k]["completed"] for k in ("off", "on"))
-    assert ok == 16 and {"audio", "image", "text"} <= set(runs["on"]["hit_rate"])  # every modality ran
+    assert ok == 24 and {"audio", "image", "text", "video"} <= set(runs["on"]["hit_rate"])  # every modality ran
     [sample] = final('mmcache_requests_total{outcome="ok"}')  # the target is down (stale) now
     assert float(sample["value"][1]) == ok
     [ttfa] = final('mmcache_time_to_first_audio_seconds_count{cached="on", cache_outcome="hit"}')

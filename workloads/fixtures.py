@@ -156,6 +156,23 @@ def tiny_clip_processor(px: int = IMAGE_PX):
     return CLIPImageProcessorPil(size={"shortest_edge": px}, crop_size={"height": px, "width": px})
 
 
+def tiny_llava_next_video_config(vocab_size: int = TEXT_VOCAB):
+    """LLaVA-NeXT-Video over the tiny LLaVA's CLIP tower and Llama: each 64 px frame's 8 x 8 patches pooled 2 x 2
+    into 16 rows; the image and video tokens are the two ids past the text vocabulary."""
+    from transformers import LlavaNextVideoConfig
+
+    tower = tiny_llava_config(vocab_size).vision_config
+    return LlavaNextVideoConfig(vision_config=tower, text_config=tiny_llama_config(vocab_size + 2),
+                                image_token_id=vocab_size, video_token_id=vocab_size + 1,
+                                image_grid_pinpoints=[[IMAGE_PX, IMAGE_PX]], spatial_pool_stride=2)
+
+
+def tiny_video_processor(px: int = IMAGE_PX):
+    from transformers import LlavaNextVideoVideoProcessor
+
+    return LlavaNextVideoVideoProcessor(size={"shortest_edge": px}, crop_size={"height": px, "width": px})
+
+
 def load_llama(options):
     """``(causal LM, folder)``: ``options.model``, else the tiny Llama."""
     from transformers import AutoModelForCausalLM
@@ -170,6 +187,18 @@ def load_llava(options):
     model, folder = load_model(AutoModelForImageTextToText, options, "tiny-llava", tiny_llava_config(),
                                extra=tiny_clip_processor().save_pretrained, model_types=("llava",))
     return model, AutoImageProcessor.from_pretrained(folder), folder
+
+
+def load_llava_next_video(options):
+    """``(LLaVA-NeXT-Video model, video processor, folder)``: ``options.model``, else the tiny one with its video
+    processor."""
+    from transformers import AutoVideoProcessor, LlavaNextVideoForConditionalGeneration
+
+    model, folder = load_model(LlavaNextVideoForConditionalGeneration, options, "tiny-llava-next-video",
+                               tiny_llava_next_video_config(), build=LlavaNextVideoForConditionalGeneration,
+                               extra=tiny_video_processor().save_pretrained,
+                               model_types=("llava_next_video",))
+    return model, AutoVideoProcessor.from_pretrained(folder), folder
 
 
 # ------------------------------------------------------------------------------------------------------- tiny CSM
@@ -253,6 +282,39 @@ def load_wan(options):
     pipe = WanPipeline.from_pretrained(folder).to("cuda" if torch.cuda.is_available() else "cpu")
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _save_wan_ti2v(folder: Path) -> None:
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    t2v = WanPipeline.from_pretrained(tiny_wan(folder.parent))
+    WanImageToVideoPipeline(**t2v.components, expand_timesteps=True).save_pretrained(folder)
+
+
+def tiny_wan_ti2v(model_dir: str | Path) -> Path:
+    """The folder of a tiny Wan 2.2 TI2V-style ``WanImageToVideoPipeline``: the weights of ``tiny_wan`` with
+    ``expand_timesteps`` (the first latent frame is the image's VAE latents; no CLIP image encoder)."""
+    return saved(model_dir, "tiny-wan-ti2v", json.dumps({**_WAN, "expand_timesteps": True}, sort_keys=True),
+                 _save_wan_ti2v)
+
+
+def load_wan_ti2v(options, dtype: torch.dtype = torch.float32):
+    """``(text-to-video, image-to-video)`` pipelines over one set of weights, as Wan 2.2 TI2V serves both:
+    ``WanImageToVideoPipeline.from_pretrained`` of ``options.model`` (a TI2V folder: ``expand_timesteps`` and no
+    image encoder, else ``ValueError``) or of the tiny one, and a ``WanPipeline`` over its components; in ``dtype``,
+    on CUDA when available, progress bars off."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    folder = options.model if options.model is not None else tiny_wan_ti2v(options.model_dir)
+    i2v = WanImageToVideoPipeline.from_pretrained(folder, dtype=dtype)
+    if not i2v.config.expand_timesteps or i2v.image_encoder is not None:
+        raise ValueError(f"{folder} is not a Wan 2.2 TI2V pipeline (expand_timesteps, no image encoder)")
+    i2v.to("cuda" if torch.cuda.is_available() else "cpu")
+    t2v = WanPipeline(**{k: v for k, v in i2v.components.items() if k in
+                         ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")})
+    for pipe in (t2v, i2v):
+        pipe.set_progress_bar_config(disable=True)
+    return t2v, i2v
 
 
 # ------------------------------------------------------------------------------------------------ speaker encoder

@@ -76,6 +76,11 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
                   "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)"),
     ModelWorkload("image-gen", "workloads.models.image_gen:factory", "diffusiondb/diffusiondb_5k.jsonl",
                   "text-to-image requests with a shared negative prompt (DiffusionDB prompts)"),
+    ModelWorkload("video-gen", "workloads.models.video_gen:factory", "diffusiondb/diffusiondb_5k.jsonl",
+                  "text- and image-to-video (Wan 2.2 TI2V), shared negative prompt, several prompts per image "
+                  "(DiffusionDB prompts, MMMU images)"),
+    ModelWorkload("video-chat", "workloads.models.video_chat:factory", "mmmu/images",
+                  "multi-turn questions about short clips made from MMMU images (tiny LLaVA-NeXT-Video)"),
     ModelWorkload("voice-clone", "workloads.models.voice_clone:factory", "seedtts/meta.lst",
                   "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)"),
     ModelWorkload("agent-model", "workloads.models.agent:factory", "mini-swe-agent/trajs",
@@ -83,7 +88,8 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
     ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",
                   "Mooncake conversation trace, scaled to 4 blocks per request (tiny Llama)"),
     ModelWorkload("mixed", "workloads.models.mixed:factory", "",
-                  "vlm-chat, agent-model, image-gen and voice-clone interleaved by arrival time"),
+                  "vlm-chat, agent-model, image-gen, voice-clone, video-gen and video-chat interleaved by arrival "
+                  "time"),
 )}
 BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}
 TRACE_WORKLOADS = {n: w for n, w in WORKLOADS.items() if isinstance(w, TraceWorkload)}

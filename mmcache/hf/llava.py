@@ -1,7 +1,7 @@
-"""LLaVA-style prefill with image digests in the page chain: the same image behind the same prefix is served from the
-prefix cache like text, and then skips the vision pipeline entirely.
+"""LLaVA-style prefill with image (or video) digests in the page chain: the same image behind the same prefix is
+served from the prefix cache like text, and then skips the vision pipeline entirely.
 
-An image enters a prompt as ``tokens_per_image`` placeholder ids. Its digest (raw file bytes plus the canonical
+An image enters a prompt as ``tokens_per_item`` placeholder ids. Its digest (raw file bytes plus the canonical
 image-processor params: ``CachedVisionEncoder.key``, which decodes nothing) is folded into the name of the page that
 holds its first placeholder (``media=[(offset, digest)]``), and every later page chains from that name. So a page
 matches only behind the same tokens and the same images, and a different image behind the same text misses from the
@@ -13,6 +13,10 @@ placeholder rows by position, which is what ``LlavaModel`` does with ``masked_sc
 given, under the request's salt, so tenants never share an image's features) only for images with a row past the
 matched prefix, so an image whose placeholders all lie in the matched prefix is never decoded, preprocessed or
 encoded. Each image is hashed once per request: the digest that names its page is the one its encoder key uses.
+
+A video prefill (``sampling`` given: a LLaVA-NeXT-Video model) is the same with clips for images: each clip is
+``tokens_per_item`` ``<video>`` placeholders, named by ``digests.video`` of its container bytes and frame sampling
+(``encoders.video.CachedVideoEncoder``), its features from ``get_video_features``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 import digests
 from encoders.base import media_bytes
+from encoders.video import CachedVideoEncoder, tokens_per_video
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
@@ -36,11 +41,11 @@ _SAME = object()  # serve(kv=...) default: the prefill's own cache
 
 @dataclasses.dataclass(frozen=True)
 class VlmPrompt:
-    """Token ids with one run of placeholders per image, and the images as ``(offset of the first placeholder, raw
-    file bytes)`` in prompt order."""
+    """Token ids with one run of placeholders per media item, and the items (images, or clips for a video prefill)
+    as ``(offset of the first placeholder, raw file bytes)`` in prompt order."""
 
     token_ids: tuple[int, ...]
-    images: tuple[tuple[int, bytes], ...] = ()
+    items: tuple[tuple[int, bytes], ...] = ()
 
 
 def num_image_tokens(config) -> int:
@@ -55,36 +60,42 @@ class LlavaPrefill:
     ``kv=None`` and ``store=None`` give the uncached pipeline (tower on every image, no KV reuse) with the same
     prompts and embeddings, for baselines and the bit-exact gate. One image per tower forward, so features never
     depend on which other images share a call. ``fingerprint``: the vision encoder's, when already taken.
+    ``sampling``: the media are video clips sampled so (a ``LlavaNextVideoForConditionalGeneration`` and its video
+    processor), one clip per forward.
     """
 
     def __init__(self, model, processor, kv: PagedKVCache | None = None, store: EncoderStore | None = None, *,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, sampling: digests.FrameSampling | None = None):
         self.model = model.eval()
         self.kv = kv
-        self.encoder = CachedVisionEncoder(model, processor, store, fingerprint=fingerprint)
-        self.image_token_id = model.config.image_token_id
-        self.tokens_per_image = num_image_tokens(model.config)
+        if sampling is None:
+            self.encoder = CachedVisionEncoder(model, processor, store, fingerprint=fingerprint)
+            self.placeholder_id, self.tokens_per_item = model.config.image_token_id, num_image_tokens(model.config)
+        else:
+            self.encoder = CachedVideoEncoder(model, processor, store, sampling, fingerprint=fingerprint)
+            self.placeholder_id = model.config.video_token_id
+            self.tokens_per_item = tokens_per_video(model.config, sampling)
 
     def prompt(self, *parts) -> VlmPrompt:
-        """Concatenate ``parts``: token id sequences, images (bytes, or a path read once here), and earlier prompts,
+        """Concatenate ``parts``: token id sequences, media (bytes, or a path read once here), and earlier prompts,
         so turn n+1 of a chat is ``prompt(turn_n_prompt, turn_n_output_ids, next_question_ids)``."""
         tokens: list[int] = []
-        images: list[tuple[int, bytes]] = []
+        items: list[tuple[int, bytes]] = []
         for part in parts:
             if isinstance(part, VlmPrompt):
-                images += [(len(tokens) + off, data) for off, data in part.images]
+                items += [(len(tokens) + off, data) for off, data in part.items]
                 tokens += part.token_ids
-            elif (data := media_bytes(part, "image")) is not None:
-                images.append((len(tokens), data))
-                tokens += [self.image_token_id] * self.tokens_per_image
+            elif (data := media_bytes(part, self.encoder.media_kind)) is not None:
+                items.append((len(tokens), data))
+                tokens += [self.placeholder_id] * self.tokens_per_item
             else:
                 tokens += [int(t) for t in part]
-        return VlmPrompt(tuple(tokens), tuple(images))
+        return VlmPrompt(tuple(tokens), tuple(items))
 
     def media(self, prompt: VlmPrompt) -> list[tuple[int, digests.Digest]]:
-        """The ``(offset, digest)`` marks ``PrefixCache.admit`` folds into the page names (one hash per image, the
+        """The ``(offset, digest)`` marks ``PrefixCache.admit`` folds into the page names (one hash per item, the
         one its encoder key uses too)."""
-        return [(off, self.encoder.digest(data)) for off, data in prompt.images]
+        return [(off, self.encoder.digest(data)) for off, data in prompt.items]
 
     def features(self, prompt: VlmPrompt, matched: int = 0, *, media: Sequence | None = None,
                  salt: bytes = b"") -> tuple[dict[int, torch.Tensor], int]:
@@ -92,15 +103,15 @@ class LlavaPrefill:
         ``salt`` (``media``: their digests from ``self.media``, so nothing is hashed twice); ``hits`` counts the
         prompt's images the tower did not run for (stored, joined, or entirely inside the matched prefix)."""
         digest = dict(media or ())
-        T, features, computed = self.tokens_per_image, {}, 0
-        for off, data in prompt.images:
+        T, features, computed = self.tokens_per_item, {}, 0
+        for off, data in prompt.items:
             if off + T > matched:
                 found = self.encoder.lookup(data, digest=digest.get(off), salt=salt)
                 if found.value.shape[0] != T:
-                    raise EncoderOutputError(f"the vision encoder gave {found.value.shape[0]} rows for an image of "
-                                             f"{T} placeholders")
+                    raise EncoderOutputError(f"the {self.encoder.modality} encoder gave {found.value.shape[0]} rows "
+                                             f"for an item of {T} placeholders")
                 features[off], computed = found.value, computed + (not found.hit)
-        return features, len(prompt.images) - computed
+        return features, len(prompt.items) - computed
 
     def embedder(self, prompt: VlmPrompt, matched: int = 0, *, media: Sequence | None = None,
                  salt: bytes = b"") -> runner.Embed:
@@ -113,7 +124,7 @@ class LlavaPrefill:
         placeholder rows (what ``LlavaModel`` scatters); only rows of images in ``features`` may be asked for."""
         table = self.model.get_input_embeddings()
         ids = torch.tensor(prompt.token_ids, device=table.weight.device)[None]
-        T = self.tokens_per_image
+        T = self.tokens_per_item
 
         @torch.inference_mode()
         def embed(start: int, end: int) -> torch.Tensor:
@@ -131,17 +142,17 @@ class LlavaPrefill:
               on_token: Callable[[int, list], None] | None = None,
               stage: runner.Stage = runner.no_stage) -> runner.Served:
         """``runner.serve`` on ``kv`` (default ``self.kv``; None: the uncached run) with the image digests in the
-        chain and the features under ``salt``; TTFT includes digesting, ``stage("image")`` times digests and
-        encoder, ``Served.encoder_hits`` counts the images the tower did not run for."""
+        chain and the features under ``salt``; TTFT includes digesting, ``stage(modality)`` (``"image"``, or
+        ``"video"``) times digests and encoder, ``Served.encoder_hits`` counts the items the tower did not run for."""
         arrival = time.perf_counter()
         kv = self.kv if kv is _SAME else kv
-        with stage("image"):
+        with stage(self.encoder.modality):
             media = self.media(prompt) if kv is not None else ()
         hits = 0
 
         def prepare(matched: int) -> runner.Embed:
             nonlocal hits
-            with stage("image"):
+            with stage(self.encoder.modality):
                 features, hits = self.features(prompt, matched, media=media, salt=salt)
             return self.rows(prompt, features)
 

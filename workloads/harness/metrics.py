@@ -37,7 +37,8 @@ class RequestResult:
 
     ``hit_tokens`` of the ``prompt_tokens`` came from the prefix cache, ``hit_pages`` of its ``prompt_pages`` full
     pages; ``encoder_hits[m]`` of its ``encoder_items[m]`` media items of modality ``m`` came from the encoder store.
-    With the cache off every hit count is 0. ``"prefix"`` is not a modality name.
+    With the cache off every hit count is 0. ``"prefix"`` is not a modality name. ``videos``: whole videos the
+    request generated (its output tokens are their frames, its E2E latency the per-video latency).
     """
 
     prompt_tokens: int = 0
@@ -47,6 +48,7 @@ class RequestResult:
     output_tokens: int = 0
     encoder_items: Mapping[str, int] = dataclasses.field(default_factory=dict)
     encoder_hits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    videos: int = 0
 
     def uses(self):
         """``(cache, hits, total)`` per cache: ``prefix`` in tokens, then each modality in items."""
@@ -269,8 +271,18 @@ def summarize(run: RunResult, slo: SLO = SLO()) -> dict:
         "hit_vs_miss": {c: {"hit": _split(done, c, True), "miss": _split(done, c, False)} for c in caches},
         "stalls": run.cache_stats.get("prefix", {}).get("stalls", 0),
         "stages_s": stage_seconds(run),
+        "video": _video(done, per_s),
         "cache_stats": run.cache_stats,
     }
+
+
+def _video(done: list[RequestRecord], per_s) -> dict | None:
+    """Per-video E2E latency percentiles and frames per second of makespan, over requests that generated videos."""
+    made = [r for r in done if r.result.videos]
+    if not made:
+        return None
+    return {"videos": sum(r.result.videos for r in made), "latency_s": percentiles([r.e2e_s for r in made]),
+            "frames_per_s": per_s(sum(r.result.output_tokens for r in made))}
 
 
 def _row(label: str, off: float | None, on: float | None, fmt) -> tuple[str, str, str, str]:
@@ -309,6 +321,12 @@ def summary_rows(off: RunResult, on: RunResult, slo: SLO = SLO()) -> list[tuple[
     if a["matched_page_share"] is not None or b["matched_page_share"] is not None:
         rows.append(("matched-page share", _pct(a["matched_page_share"]), _pct(b["matched_page_share"]), ""))
     rows.append(("live-request stalls", f"{a['stalls']:,}", f"{b['stalls']:,}", ""))
+    if a["video"] or b["video"]:
+        x, y = a["video"] or {}, b["video"] or {}
+        lx, ly = x.get("latency_s") or {}, y.get("latency_s") or {}
+        rows += [_row(f"per-video latency {q} (ms)", lx.get(q), ly.get(q), lambda s: f"{1000 * s:,.1f}")
+                 for q in ("p50", "p99")]
+        rows.append(_row("video frames/s", x.get("frames_per_s"), y.get("frames_per_s"), "{:,.1f}".format))
     for stage in sorted(set(a["stages_s"]) | set(b["stages_s"])):
         rows.append(_row(f"{stage} time (s, total)", a["stages_s"].get(stage), b["stages_s"].get(stage),
                         "{:.3f}".format))

@@ -17,6 +17,9 @@ in seconds, sizes in bytes, and what varies is a label (``cached``, ``cache_outc
   milliseconds to minutes, so first-token and first-audio SLOs fall on bucket bounds. Only completed requests are
   observed in them; every request in ``mmcache_requests_total{outcome="ok"|"error"}``, and those that meet the
   ``SLO`` in ``mmcache_requests_slo_met_total{cached}`` (its rate is the goodput).
+- Videos (requests whose ``RequestResult.videos`` is set): their E2E latency in ``mmcache_video_latency_seconds``
+  (``cached``, ``cache_outcome``) and their frames in ``mmcache_video_frames_total{cached}``. Stage times of every
+  completed request add to ``mmcache_stage_seconds_total{cached, stage}``: off minus on is the time the cache saved.
 - Every series a dashboard panel reads exists from the first scrape (at 0), before the first request: a rate needs
   a sample before the first increase, and a replay is often shorter than a few scrape intervals.
 """
@@ -63,6 +66,7 @@ LATENCIES = {  # metrics.LATENCIES key -> (name, help, buckets)
     "service": ("mmcache_request_inference_time_seconds", "Measured model time of a request (no queueing).",
                 LATENCY_BUCKETS),
 }
+STAGES = ("text", "image", "video", "audio", "speaker", "prefill", "denoise", "decode")  # Clock.stage names
 POOL_STATES = ("free", "live", "cached")
 OUTCOMES = ("ok", "error")
 CACHED = ("off", "on")
@@ -101,6 +105,12 @@ class Exporter:
                                 ["state"], registry=reg)
         self.latency = {k: Histogram(name, doc, ["cached", "cache_outcome"], buckets=buckets, registry=reg)
                         for k, (name, doc, buckets) in LATENCIES.items()}
+        self.video_latency = Histogram("mmcache_video_latency_seconds", "Arrival to the finished video (per-video "
+                                       "latency).", ["cached", "cache_outcome"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.video_frames = Counter("mmcache_video_frames_total", "Frames of the videos generated.", ["cached"],
+                                    registry=reg)
+        self.stage_seconds = Counter("mmcache_stage_seconds_total", "Measured seconds per serving stage (encoder "
+                                     "modalities, prefill, denoise, decode).", ["cached", "stage"], registry=reg)
         self.requests = Counter("mmcache_requests_total", "Requests served, by outcome.", ["outcome"], registry=reg)
         self.slo_met = Counter("mmcache_requests_slo_met_total", f"Completed requests that met the SLO ({slo}).",
                                ["cached"], registry=reg)
@@ -108,7 +118,10 @@ class Exporter:
             self.requests.labels(outcome=outcome)
         for cached in CACHED:
             self.slo_met.labels(cached=cached)
-            for hist in self.latency.values():
+            self.video_frames.labels(cached=cached)
+            for stage in STAGES:
+                self.stage_seconds.labels(cached=cached, stage=stage)
+            for hist in (*self.latency.values(), self.video_latency):
                 for hit in CACHE_OUTCOMES:
                     hist.labels(cached=cached, cache_outcome=hit)
         for state in POOL_STATES:
@@ -144,6 +157,11 @@ class Exporter:
                 child = hist.labels(cached=run.label, cache_outcome=hit)
                 for value in record.latency(k):
                     child.observe(value)
+            if record.result.videos:
+                self.video_latency.labels(cached=run.label, cache_outcome=hit).observe(record.e2e_s)
+                self.video_frames.labels(cached=run.label).inc(record.result.output_tokens)
+            for stage, seconds in record.stages.items():
+                self.stage_seconds.labels(cached=run.label, stage=stage).inc(seconds)
             if self.slo.met(record):
                 self.slo_met.labels(cached=run.label).inc()
             if run.cached:

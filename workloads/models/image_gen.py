@@ -139,18 +139,22 @@ class ImageGen:
     def requests(self) -> list[Request]:
         return self._requests
 
+    def embeds(self, prompt: str, cached: bool, clock: Clock) -> tuple[list[torch.Tensor], int]:
+        """``([prompt_embeds, negative_prompt_embeds], text hits)`` of ``prompt`` and ``NEGATIVE_PROMPT`` inside
+        ``stage("text")``: through the store when ``cached`` (hits: how many of the two it served), else the
+        pipeline's own ``encode_prompt``."""
+        with clock.stage("text"):
+            if cached:
+                found = [self.encoder.lookup(p) for p in (prompt, NEGATIVE_PROMPT)]
+                return [self.encoder.pad(f.value) for f in found], sum(f.hit for f in found)
+            with torch.no_grad():  # as WanPipeline.__call__ runs it
+                return list(self.pipe.encode_prompt(prompt, NEGATIVE_PROMPT,
+                                                    max_sequence_length=MAX_SEQUENCE_LENGTH)), 0
+
     def generate(self, gen: Generation, cached: bool, clock: Clock) -> tuple[torch.Tensor, int]:
         """``(frames, text hits)``: the output [1, frames, 3, H, W] of ``gen``, and how many of its two prompt
         encodes the store served (0 with the cache off)."""
-        with clock.stage("text"):
-            if cached:
-                found = [self.encoder.lookup(p) for p in (gen.prompt, NEGATIVE_PROMPT)]
-                embeds, hits = [self.encoder.pad(f.value) for f in found], sum(f.hit for f in found)
-            else:
-                with torch.no_grad():  # as WanPipeline.__call__ runs it
-                    embeds = self.pipe.encode_prompt(gen.prompt, NEGATIVE_PROMPT,
-                                                     max_sequence_length=MAX_SEQUENCE_LENGTH)
-                hits = 0
+        embeds, hits = self.embeds(gen.prompt, cached, clock)
         with clock.stage("denoise"):
             frames = self.pipe(prompt_embeds=embeds[0], negative_prompt_embeds=embeds[1],
                                generator=torch.Generator("cpu").manual_seed(gen.seed), **CALL).frames
@@ -176,14 +180,18 @@ class ImageGen:
         return {"text": 2 * len(self._requests)}
 
 
-def _requests(options: ModelWorkloadOptions) -> list[Request]:
-    """DiffusionDB prompts from ``options.data`` (the data folder, or the JSONL file itself), else generated ones."""
+def prompt_rows(options: ModelWorkloadOptions, default: int = DEFAULT_REQUESTS) -> list[tuple[str | None, str]]:
+    """``(user or None, prompt)`` rows: DiffusionDB prompts in order from ``options.data`` (the data folder, or the
+    JSONL file itself), else ``default`` generated ones; at most ``options.limit``."""
     if options.data is None:
-        rows = generate_prompts(DEFAULT_REQUESTS if options.limit is None else options.limit, options.seed)
-    else:
-        path = Path(options.data)
-        path = path if path.is_file() else path / DIFFUSIONDB
-        rows = [(None, p) for p in load_prompts(path, options.limit)]
+        return generate_prompts(default if options.limit is None else options.limit, options.seed)
+    path = Path(options.data)
+    path = path if path.is_file() else path / DIFFUSIONDB
+    return [(None, p) for p in load_prompts(path, options.limit)]
+
+
+def _requests(options: ModelWorkloadOptions) -> list[Request]:
+    rows = prompt_rows(options)
     return [Request(f"r{k}", user or f"r{k}", 0.0, Generation(prompt, options.seed + k))
             for k, (user, prompt) in enumerate(rows)]
 

@@ -20,7 +20,7 @@ from workloads.harness.metrics import RequestResult
 from workloads.harness.serving import Clock, Request, Workload
 from workloads.options import ModelWorkloadOptions
 
-COMPONENTS = ("vlm-chat", "agent-model", "image-gen", "voice-clone")
+COMPONENTS = ("vlm-chat", "agent-model", "image-gen", "voice-clone", "video-gen", "video-chat")
 
 
 def available() -> tuple[list[str], dict[str, str]]:

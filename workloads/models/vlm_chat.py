@@ -131,11 +131,12 @@ def embedded_items(seed: int) -> list[list[list[Part]]]:
     return items
 
 
-def sessions(items: list[list[list[Part]]], tokenize: Callable[[str], list[int]], bos: int) -> list[Request]:
+def sessions(items: list[list[list[Part]]], tokenize: Callable[[str], list[int]], bos: int, *, system: str = SYSTEM,
+             follow_ups: tuple[str, ...] = FOLLOW_UPS) -> list[Request]:
     """Requests of every session, listed session by session: item ``i``'s user ``u`` asks ``items[i][u]``."""
     reqs, k = [], 0
-    head = [bos, *tokenize(f"[system]\n{SYSTEM}\n")]
-    follow_ups = [tuple(tokenize(f"\n[user]\n{q}\n[assistant]\n")) for q in FOLLOW_UPS]
+    head = [bos, *tokenize(f"[system]\n{system}\n")]
+    follow_ups = [tuple(tokenize(f"\n[user]\n{q}\n[assistant]\n")) for q in follow_ups]
     for i, questions in enumerate(items):
         for u, question in enumerate(questions):
             text = [tokenize(p) if isinstance(p, str) else p for p in
@@ -150,17 +151,20 @@ def sessions(items: list[list[list[Part]]], tokenize: Callable[[str], list[int]]
 
 # ------------------------------------------------------------------------------------------------------ the workload
 class VlmChat:
-    """One run of vlm-chat (see the module docstring); ``outputs`` maps each completed request to its tokens."""
+    """One run of vlm-chat (see the module docstring); ``outputs`` maps each completed request to its tokens. The
+    media are those of ``plain`` (images, or clips for a video prefill: ``video-chat``), counted under its encoder's
+    modality."""
 
     name = "vlm-chat"
 
     def __init__(self, plain: LlavaPrefill, processor, requests: list[Request], options: ModelWorkloadOptions):
         model, fingerprint = plain.model, plain.encoder.fingerprint
-        self.plain, self._requests = plain, requests
+        self.plain, self._requests, self.modality = plain, requests, plain.encoder.modality
         self.page_size, self.max_new_tokens = options.page_size, options.max_new_tokens
         self.kv = PagedKVCache.for_model(model, options.pool_pages, options.page_size, fingerprint=fingerprint)
         self.store = EncoderStore(options.encoder_bytes, ENCODER_PAGE_BYTES)
-        self.llava = LlavaPrefill(model, processor, self.kv, self.store, fingerprint=fingerprint)
+        self.llava = LlavaPrefill(model, processor, self.kv, self.store, fingerprint=fingerprint,
+                                  sampling=getattr(plain.encoder, "sampling", None))
         self.outputs: dict[str, list[int]] = {}
         self._history: dict[str, _Done] = {}
         self._ceilings: tuple[dict, dict] | None = None
@@ -189,8 +193,8 @@ class VlmChat:
         self.outputs[req.rid] = out
         self._history[req.session] = _Done(req.payload.turn, prompt, out)
         return RequestResult(prompt_tokens=n, hit_tokens=matched, prompt_pages=n // P, hit_pages=matched // P,
-                             output_tokens=len(out), encoder_items={"image": len(prompt.images)},
-                             encoder_hits={"image": served.encoder_hits})
+                             output_tokens=len(out), encoder_items={self.modality: len(prompt.items)},
+                             encoder_hits={self.modality: served.encoder_hits})
 
     def cache_stats(self) -> dict:
         return {"prefix": self.kv.prefix.stats().to_dict(), "encoder": self.store.stats().to_dict()}
@@ -219,12 +223,12 @@ class VlmChat:
             for d in digests:
                 repeats += d in seen
                 seen.add(d)
-            shadow.admit(req.rid, prompt.token_ids, media=[(off, d) for (off, _), d in zip(prompt.images, digests)])
+            shadow.admit(req.rid, prompt.token_ids, media=[(off, d) for (off, _), d in zip(prompt.items, digests)])
             shadow.finish(req.rid)  # prompt pages only, as served
             history[req.session] = _Done(req.payload.turn, prompt, [0] * self.max_new_tokens)
         tokens = sum(r.prompt_tokens for r in shadow.records)
-        self._ceilings = ({"prefix": prefix_ceiling(shadow), **({"image": repeats / images} if images else {})},
-                          {"prefix": tokens, "image": images})
+        self._ceilings = ({"prefix": prefix_ceiling(shadow), **({self.modality: repeats / images} if images else {})},
+                          {"prefix": tokens, self.modality: images})
         return self._ceilings
 
 
@@ -239,9 +243,17 @@ def factory(options: ModelWorkloadOptions) -> Callable[[], VlmChat]:
     else:
         path = Path(options.data) / registry.MODEL_WORKLOADS["vlm-chat"].data_path
         items = [[q] * REAL_USERS for q in load_mmmu(path)]
-    reqs = sessions(items, lambda text: tok.encode([text])[0], tok.bos_id())[:options.limit]
+    return chats(model, processor, items, tok, options)
+
+
+def chats(model, processor, items: list[list[list[Part]]], tok, options: ModelWorkloadOptions, *, cls=None,
+          sampling=None, **texts) -> Callable[[], VlmChat]:
+    """What builds a fresh ``cls`` (default ``VlmChat``) per run over the ``sessions`` of ``items`` (``texts``:
+    their ``system`` and ``follow_ups``), tokenized by ``tok`` and checked against the model's vocabulary;
+    ``sampling``: the media are clips sampled so."""
+    reqs = sessions(items, lambda text: tok.encode([text])[0], tok.bos_id(), **texts)[:options.limit]
     vocab = model.config.get_text_config(decoder=True).vocab_size
     check_vocab(reqs, lambda r: [t for p in (*r.payload.parts, r.payload.follow_up) if not isinstance(p, (Path, bytes))
                                  for t in p], vocab)
-    plain = LlavaPrefill(model, processor)
-    return lambda: VlmChat(plain, processor, reqs, options)
+    plain = LlavaPrefill(model, processor, sampling=sampling)
+    return lambda: (cls or VlmChat)(plain, processor, reqs, options)
