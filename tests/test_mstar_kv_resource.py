@@ -12,7 +12,7 @@ from mstar_helpers import require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
-    LABEL, P, PrefixReuse, dense_logits, ids_feed, node, serve, step, weights,
+    LABEL, PrefixReuse, dense_logits, ids_feed, node, serve, step, weights,
 )
 
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
