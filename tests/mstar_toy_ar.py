@@ -136,7 +136,9 @@ def node(w, pages: int = 32, reuse: PrefixReuse | None = None, seam: bool = True
          dtype=torch.float64) -> Node:
     """A node built as M*'s engine builds one: specs -> ``build_resource`` -> ``StepRunner``; with ``reuse`` the KV
     spec is a ``ReuseKVSpec`` and the submodule carries the seam (``name_what_is_fed``)."""
-    cfg = KVConfig(num_layers=1, num_kv_heads=H, head_dim=HD, max_seq_len=pages * P, max_num_pages=pages, page_size=P)
+    ranks = joint.world_size if joint is not None else 1  # M* shards KV heads over TP: each rank keeps H of them
+    cfg = KVConfig(num_layers=1, num_kv_heads=H * ranks, head_dim=HD, max_seq_len=pages * P, max_num_pages=pages,
+                   page_size=P)
     kv_spec = KVSpec(resource_key=KV, nodes={"toy"}, config=cfg)
     if reuse is not None:
         kv_spec = ReuseKVSpec.of(kv_spec, reuse)
@@ -194,3 +196,25 @@ def serve(n: Node, rid: str, prompt: list[int], new: int, salt: bytes = b"", rem
     if remove:
         n.runner.remove_request(rid)
     return out, logits
+
+
+def host_pool(n: Node, pages: int):
+    """M*'s ``CPUPagePool`` for ``n``'s KV resource in plain host memory: M* pins it and copies on a CUDA stream, which
+    a CPU cannot; the copies themselves are M*'s (its ``offload_stream`` / ``reload_stream``)."""
+    from mstar.engine.resources.kv.cache import PageAllocator
+    from mstar.engine.resources.kv.cpu_page_pool import CPUPagePool
+
+    class HostPagePoolOnCPU(CPUPagePool):
+        def __init__(self, config, kv_cache, max_cpu_pages):
+            self.config, self.page_allocator = config, PageAllocator(max_cpu_pages)
+            self.cpu_kv_cache = torch.zeros(config.num_layers, max_cpu_pages, 2, config.page_size,
+                                            config.num_kv_heads, config.head_dim, dtype=kv_cache.dtype)
+            self.offloaded, self._stream = {}, None
+
+        def _get_stream(self):
+            return None  # torch.cuda.stream(None) is a no-op: the copies run synchronously
+
+        def sync(self):
+            pass
+
+    return HostPagePoolOnCPU(n.kv.config, n.kv.kv_cache, pages)

@@ -150,3 +150,27 @@ def test_bad_ids_are_refused_before_any_state_changes():
         on.kv.feed("a", LABEL, np.array([1, -2, 3]))
     assert on.kv.pool.num_free == free and not on.kv._named
     assert on.kv.feed("a", "another-label", [1, 2, 3]) == 0     # a label reuse is off for: M* as it ships
+
+
+def test_offload_and_reload_with_shared_pages():
+    from mstar_toy_ar import host_pool
+
+    on, off = node(W, reuse=REUSE), node(W)
+    on.kv._cpu_pool = host_pool(on, 16)          # the CPU stand-in for M*'s pinned host pool
+    prompt = list(range(1, 14))
+    serve(on, "a", prompt, 0)
+    on.runner.ingest_request("b")
+    off.runner.ingest_request("b")
+    second = prompt + [9, 9, 9, 9, 9]
+    logits = [step(n, "prefill", {"b": ids_feed(second)})[1]["b"] for n in (on, off)]
+    assert on.kv.reclaimable("b") == 1      # 5 pages: 3 matched, 1 committed into the index, 1 its own alone
+    free = on.kv.pool.num_free
+    assert on.kv.offload("b") == 1 and on.kv.pool.num_free == free + 1
+    assert on.kv.stats(LABEL).pages_cached == 4                 # the shared pages stayed for the index
+    assert on.kv.reload("b")
+    out = []
+    for _ in range(3):
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        logits = [step(n, "decode", {"b": ids_feed([tok])})[1]["b"] for n in (on, off)]
+        assert torch.equal(*logits)
