@@ -81,7 +81,7 @@ def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_i
 
     first = preprocess(worker, "r1", "image", images[0])
     assert (len(decodes), image_proc.calls) == (1, 1)
-    wrapped.execute_batch(batch("vision_encoder", "prefill_vision", {"r1": node_inputs(first)}))
+    wrapped.run("vision_encoder", "prefill_vision", {"r1": node_inputs(first)})
     node.cleanup_request("r1")
 
     second = preprocess(worker, "r2", "image", images[0])
@@ -93,10 +93,10 @@ def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_i
         assert all(torch.equal(a, b) for a, b in zip(second[name], want[name])), name
     assert second["pixel_values"][0].numel() == 0  # a stand-in the node never reads
 
-    got = wrapped.execute_batch(batch("vision_encoder", "prefill_vision", {"r2": node_inputs(second)}))
+    got = wrapped.run("vision_encoder", "prefill_vision", {"r2": node_inputs(second)})
     assert count.calls == 1 and node.counters.hits == 1  # served from the store
-    ref = bare.execute_batch(batch("vision_encoder", "prefill_vision", {"ref": node_inputs(want)}))
-    assert_equal_outputs({"x": got.per_request_output_tensors["r2"]}, {"x": ref.per_request_output_tensors["ref"]})
+    ref = bare.run("vision_encoder", "prefill_vision", {"ref": node_inputs(want)})
+    assert_equal_outputs({"x": got["r2"]}, {"x": ref["ref"]})
     node.cleanup_request("r2")
     assert node.pinned("r2") == 0
 
@@ -117,16 +117,16 @@ def test_a_known_audio_skips_the_feature_extractor_and_the_node_inputs_match(set
     wrapped, bare = engine({"audio_encoder": node}), engine({"audio_encoder": plain["audio_encoder"]})
     node_inputs = lambda t: {n: t[n] for n in ("audio_features", "audio_seqlens", "audio_digest")}  # noqa: E731
     first = preprocess(worker, "a1", "audio", wavs[0], text=None)
-    wrapped.execute_batch(batch("audio_encoder", "prefill_audio", {"a1": node_inputs(first)}))
+    wrapped.run("audio_encoder", "prefill_audio", {"a1": node_inputs(first)})
     calls = feature_extractor.calls
     second = preprocess(worker, "a2", "audio", wavs[0], text=None)
     assert feature_extractor.calls == calls
     want = preprocess(reference, "ref", "audio", wavs[0], text=None)
     for name in ("text_inputs", "audio_seqlens", "audio_digest"):
         assert all(torch.equal(a, b) for a, b in zip(second[name], want[name])), name
-    got = wrapped.execute_batch(batch("audio_encoder", "prefill_audio", {"a2": node_inputs(second)}))
-    ref = bare.execute_batch(batch("audio_encoder", "prefill_audio", {"ref": node_inputs(want)}))
-    assert_equal_outputs({"x": got.per_request_output_tensors["a2"]}, {"x": ref.per_request_output_tensors["ref"]})
+    got = wrapped.run("audio_encoder", "prefill_audio", {"a2": node_inputs(second)})
+    ref = bare.run("audio_encoder", "prefill_audio", {"ref": node_inputs(want)})
+    assert_equal_outputs({"x": got["a2"]}, {"x": ref["ref"]})
     assert node.counters.hits == 1
 
 
