@@ -45,7 +45,7 @@ def replica_units(wg) -> list[list[int]]:
 
 def assign_worker_graphs(worker_graphs: Mapping, pick: Callable[[object], int]) -> dict[str, list[str]]:
     """M*'s assignment with the replica choice made by ``pick(wg) -> replica index``, called once per node group
-    (``_group_id``) so every worker graph of a group lands on the same replica, as in the vendored method."""
+    (``_group_id``) so every worker graph of a group lands on the same replica, as M*'s own method does."""
     chosen: dict[int, int] = {}
     result = {}
     for wg_id, wg in worker_graphs.items():
