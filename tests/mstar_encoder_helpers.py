@@ -224,12 +224,12 @@ def data_worker(model):
                                   tensor_manager=RecordingTensorManager(), model=model)
 
 
-def preprocess(worker, rid, modality, path, text="Describe it."):
+def preprocess(worker, rid, modality, path, text="Describe it.", model_kwargs=None):
     """The request's tensors as M*'s data worker stores them (decode, process_prompt, the digest hook)."""
     from mstar.api_server.request_types import PreprocessInput
     worker._process_input(PreprocessInput(request_id=rid, text=text, file_paths={modality: [str(path)]},
                                           input_modalities=["text", modality], output_modalities=["text"],
-                                          model_kwargs={}))
+                                          model_kwargs=dict(model_kwargs or {})))
     return worker.tensor_manager.stored[rid]
 
 

@@ -113,3 +113,22 @@ def test_without_a_carried_digest_the_node_inputs_are_the_key(vision, mmmu_image
     for rid in ("n0", "n1"):
         wrapped.run("vision_encoder", WALK, {rid: bare})
     assert (cached.counters.hits, cached.counters.misses) == (1, 1)
+
+
+def test_tenant_salt_from_model_kwargs_is_folded_into_the_carried_digest(vision, mmmu_images):
+    """The request's ``model_kwargs["mmcache_salt"]`` reaches the node's key through the digest the data worker
+    sends: tenants never share an output, a tenant hits its own, no salt is the plain digest."""
+    (_, node), worker = vision
+    salts = [None, b"tenant-a", "tenant-b", "tenant-a"]
+    sent = [preprocess(worker, f"t{i}", "image", mmmu_images[2], model_kwargs=None if s is None else
+                       {"mmcache_salt": s}) for i, s in enumerate(salts)]
+    d = [bytes(t["image_digest"][0].numpy()) for t in sent]
+    assert len({d[0], d[1], d[2]}) == 3 and d[1] == d[3]
+    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
+    wrapped = engine({"vision_encoder": cached})
+    for i, t in enumerate(sent):
+        wrapped.run("vision_encoder", WALK, {f"t{i}": node_inputs(t)})
+    assert (cached.counters.misses, cached.counters.hits) == (3, 1)
+    from mmcache.errors import InvalidRequest
+    with pytest.raises(InvalidRequest):
+        preprocess(worker, "bad", "image", mmmu_images[2], model_kwargs={"mmcache_salt": 7})

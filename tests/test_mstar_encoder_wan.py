@@ -124,3 +124,45 @@ def test_salt_keeps_tenants_apart(wan_nodes, prompts):
         wrapped.run("text_encoder", WALK, requests(ids, [7], neg),
                                     {"guidance_scale": 5.0, "mmcache_salt": salt})
     assert cached.counters.misses == 4 and cached.counters.hits == 2
+
+
+def test_salt_routed_from_model_kwargs_by_the_conductor_side_model(wan_nodes, prompts):
+    """``route_salt`` on M*'s own ``Wan22Model`` (the conductor's instance): the request's
+    ``model_kwargs["mmcache_salt"]`` lands in the step_metadata of the first pass and of the passes after it; the
+    text node keys by it."""
+    from types import SimpleNamespace
+
+    from mstar.model.wan22.config import Wan22Config
+    from mstar.model.wan22.wan22_model import Wan22Model
+
+    from mmcache.mstar.salts import route_salt
+    model = object.__new__(Wan22Model)  # the conductor side needs only its config, not the checkpoint
+    model.config = Wan22Config()
+    route_salt(model)
+    route_salt(model)  # idempotent
+    signals = {"text_inputs": [SimpleNamespace(uuid="t")]}
+
+    def first_pass(salt):
+        kwargs = {"guidance_scale": 5.0, "height": 64, "width": 64, "num_frames": 5}
+        if salt is not None:
+            kwargs["mmcache_salt"] = salt
+        return model.get_initial_forward_pass_args(partition_name="default", input_modalities=["text"],
+                                                   output_modalities=["video"], input_signals=signals,
+                                                   model_kwargs=kwargs)
+
+    args = first_pass("tenant-a")
+    assert args.step_metadata["mmcache_salt"] == b"tenant-a"
+    meta = args.full_metadata
+    meta.kwargs.update(args.step_metadata)  # what the conductor does after each pass
+    later = model.get_partition_forward_pass_args("default", meta, {"text_embeds_pos": [SimpleNamespace(uuid="p")],
+                                                                    "text_embeds_neg": [SimpleNamespace(uuid="n")]})
+    assert later.step_metadata["mmcache_salt"] == b"tenant-a"
+    assert "mmcache_salt" not in first_pass(None).step_metadata
+
+    _, node = wan_nodes
+    *ids, neg = prompts
+    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 20, page_bytes=4096)
+    wrapped = engine({"text_encoder": cached})
+    for n, salt in enumerate(("tenant-a", "tenant-b", "tenant-a")):
+        wrapped.run("text_encoder", WALK, {f"q{n}": requests(ids, [8], neg)["r8"]}, first_pass(salt).step_metadata)
+    assert cached.counters.misses == 4 and cached.counters.hits == 2

@@ -63,8 +63,8 @@ class WholeRequest:
     def items(self, fwd_info, raw_inputs: dict, node_inputs) -> list[Item]:
         digest = carried_digest(raw_inputs, self.modality)
         if digest is None:
-            digest = bytes(inputs_digest(node_inputs, self.modality))
-        return [Item(digest, node_inputs)]
+            return [Item(bytes(inputs_digest(node_inputs, self.modality)), node_inputs)]
+        return [Item(digest, node_inputs, salted=True)]
 
     def assemble(self, node_inputs, values: list) -> dict:
         return values[0]

@@ -17,7 +17,7 @@ and ``cleanup_request`` when it removes a request. Per batch:
 
 Invariants: a request's outputs are bit-identical to the node's own (a hit is a copy of the bytes a miss computed for
 the same key, and a miss runs the node's forward on the same per-item inputs); no two requests share a tensor; keys
-carry the node's fingerprint, the request's salt and (unless ``NodeItems.walk_sensitive`` is False) the graph walk.
+carry the node's fingerprint, the request's tenant salt (``mmcache.mstar.salts``) and (unless ``NodeItems.walk_sensitive`` is False) the graph walk.
 
 Counting: each distinct key of a batch is one store query (a hit or a miss); a key that another caller is computing
 is a join (this node's ``joins``); items repeating a key inside one batch are joins too.
@@ -37,7 +37,7 @@ import torch
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
-from mmcache.mstar.decode_skip import request_salt
+from mmcache.mstar.salts import request_salt
 from mmcache.mstar.requirement import require_mstar
 
 require_mstar()
@@ -52,12 +52,14 @@ DEFAULT_CAPACITY = 1 << 30
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One cacheable piece of a request: its digest (and verifying ids), the node inputs that compute it alone, and
-    how its value is taken out of the outputs of a forward on those inputs."""
+    how its value is taken out of the outputs of a forward on those inputs. Its key takes the request's salt from
+    ``step_metadata`` unless ``salted`` (``mmcache.mstar.salts``)."""
 
     digest: bytes
     inputs: NodeInputs
     select: Callable[[dict], Any] = lambda outputs: outputs
     verify_ids: Any = None
+    salted: bool = False  # the digest already carries the request's tenant salt (folded in by the data worker)
 
 
 class NodeItems(Protocol):
@@ -145,7 +147,8 @@ class CachedEncoderNode(NodeSubmodule):
         items = self.spec.items(fwd_info, inputs, inner)
         fp = (self.fingerprint, graph_walk) if self.spec.walk_sensitive else self.fingerprint
         salt = _salt(fwd_info)
-        keys = [EncoderKey(it.digest, fp, self.spec.modality, salt, it.verify_ids) for it in items]
+        keys = [EncoderKey(it.digest, fp, self.spec.modality, b"" if it.salted else salt, it.verify_ids)
+                for it in items]
         return NodeInputs(kwargs={"prepared": _Prepared(fwd_info.request_id, fwd_info, inner, items, keys)},
                           input_seq_len=inner.input_seq_len)
 
@@ -196,12 +199,13 @@ class CachedEncoderNode(NodeSubmodule):
 
     # get_cuda_graph_configs stays the base's []: a whole-node graph replay would bypass the lookup.
 
-    def hold(self, request_id: str, digest: bytes, salt: bytes, graph_walk: str) -> bool:
-        """Whether the store holds the output of a one-item request carrying ``digest`` (``WholeRequest`` keys) on
+    def hold(self, request_id: str, digest: bytes, graph_walk: str) -> bool:
+        """Whether the store holds the output of a one-item request carrying ``digest`` (``WholeRequest`` keys, the
+        salt folded in) on
         ``graph_walk``; if so it is pinned for ``request_id`` until ``cleanup_request`` (the presence oracle of
         ``mmcache.mstar.decode_skip``: what it reports cannot be evicted before the node looks it up)."""
         fp = (self.fingerprint, graph_walk) if self.spec.walk_sensitive else self.fingerprint
-        pin = self.store.pin(EncoderKey(digest, fp, self.spec.modality, salt))
+        pin = self.store.pin(EncoderKey(digest, fp, self.spec.modality))
         if pin is None:
             return False
         with self._lock:
