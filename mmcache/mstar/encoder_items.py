@@ -103,14 +103,21 @@ class Wan22TextItems:
         return {"text_embeds_pos": [pos], "text_embeds_neg": [neg]}
 
 
+# M* 0.2.1's encoder nodes whose output is a function of the request's node inputs alone -> the modality they encode
+_WHOLE_REQUEST = {"VisionEncoderSubmodule": "image", "AudioEncoderSubmodule": "audio",  # Qwen3-Omni
+                  "WhisperEncoderSubmodule": "audio", "HiggsAudioEncoderSubmodule": "audio",
+                  "Pi05ViTEncoderSubmodule": "image", "VJepa2EncoderSubmodule": "video",
+                  "Wan22VaeEncoderSubmodule": "image",  # Wan 2.2 i2v: the first frame's latent
+                  "Cosmos3VAEEncoderSubmodule": "video"}  # Cosmos3: the conditioning image or clip
+
+
 def items_for(node) -> WholeRequest | Wan22TextItems:
-    """The ``NodeItems`` of an M* encoder submodule: Wan 2.2's text encoder, Qwen3-Omni's vision ("image") and audio
-    encoders, Whisper's and Higgs Audio's audio encoders; InvalidRequest for other nodes (give items yourself)."""
+    """The ``NodeItems`` of an M* 0.2.1 encoder submodule: Wan 2.2's text encoder (prompt and negative), the nodes of
+    ``_WHOLE_REQUEST`` (one item each); InvalidRequest for other nodes (give items yourself)."""
     name = type(node).__name__
     if name == "Wan22TextEncoderSubmodule":
         return Wan22TextItems(int(node.config.text_max_seq_len))
-    modality = {"VisionEncoderSubmodule": "image", "AudioEncoderSubmodule": "audio", "Pi05ViTEncoderSubmodule": "image",
-                "WhisperEncoderSubmodule": "audio", "HiggsAudioEncoderSubmodule": "audio"}.get(name)
+    modality = _WHOLE_REQUEST.get(name)
     if modality is None:
         raise InvalidRequest(f"no item split known for {name}: pass WholeRequest(modality) or your own NodeItems")
     return WholeRequest(modality)
