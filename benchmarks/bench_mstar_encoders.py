@@ -1,5 +1,6 @@
-"""Cached M* encoder nodes (``CachedEncoderNode``) against the same nodes unwrapped, under M*'s StatelessEngine on the
-CPU, random weights saved and loaded back, both measured in the same run.
+"""Cached M* encoder nodes (``CachedEncoderNode``) against the same nodes unwrapped, under M*'s real ``Engine``
+(mstar-ai 0.2.1: ``prepare_inputs``, ``exec_and_postprocess``, ``finalize_batch``) on the CPU, random weights saved
+and loaded back, both measured in the same run.
 
     python benchmarks/bench_mstar_encoders.py [--size tiny|base|both] [--prompts 300] [--base-prompts 40]
         [--repeats 7] [--threads N] [--cases wan-text,vision,audio]
@@ -8,8 +9,8 @@ Per case (Wan 2.2 text encoder over umT5 with the CFG negative; Qwen3-Omni visio
 Qwen3-Omni audio encoder over the Seed-TTS reference WAVs), at a tiny config and at a base-sized one (umT5-base at
 Wan's 512 tokens; a ViT-B-sized tower at <= 224x224 px; a Whisper-base-sized audio tower):
 
-1. hit cost: one request whose items all hit, wrapped ``execute_batch`` then ``remove_request`` (which releases its
-   pins), as a share of the plain node's ``execute_batch`` on the same request (target < 1%), with the wrapper's own
+1. hit cost: one request whose items all hit, one wrapped engine step then ``remove_request`` (which releases its
+   pins), as a share of the plain node's engine step on the same request (target < 1%), with the wrapper's own
    steps (key building; the one store lookup that reads and pins) in microseconds;
 2. all-miss overhead: wrapped (store cleared before each call) over plain, measured in alternating pairs: the median
    ratio - 1 and the spread (quartiles) over pairs (target < 1%);
@@ -146,7 +147,7 @@ def hit_phases(cached, name, walk, req, meta, repeats) -> dict:
 def measure(node, name, walk, stream, meta, repeats):
     cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 31)
     plain, wrapped = h.engine({name: node}), h.engine({name: cached})
-    run = lambda eng, req: eng.execute_batch(h.batch(name, walk, {"r": req}, meta))  # noqa: E731
+    run = lambda eng, req: eng.run(name, walk, {"r": req}, meta)  # noqa: E731
 
     def timed(fn):
         t = time.perf_counter()
@@ -174,11 +175,12 @@ def measure(node, name, walk, stream, meta, repeats):
     for i, r in enumerate(stream):
         t_plain += timed(lambda: run(plain, r))
         t = time.perf_counter()
-        got = wrapped.execute_batch(h.batch(name, walk, {f"s{i}": r}, meta)).per_request_output_tensors[f"s{i}"]
+        got = wrapped.run(name, walk, {f"s{i}": r}, meta)[f"s{i}"]
         t_cached += time.perf_counter() - t
-        want = plain.execute_batch(h.batch(name, walk, {f"s{i}": r}, meta)).per_request_output_tensors[f"s{i}"]
+        want = plain.run(name, walk, {f"s{i}": r}, meta)[f"s{i}"]
         h.assert_equal_outputs({0: got}, {0: want})
         wrapped.remove_request(f"s{i}")
+        plain.remove_request(f"s{i}")
     c = cached.counters
     return dict(fwd_ms=fwd * 1e3, hit_share=hit / fwd, hit_us=hit * 1e6, phases=phases,
                 miss_overhead=statistics.median(ratios) - 1,

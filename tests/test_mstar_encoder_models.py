@@ -169,3 +169,41 @@ def test_the_node_and_a_direct_store_caller_share_one_flight(tmp_path_factory):
     store_thread.join(10)
     assert count.calls == 1 and out["direct"].source == "joined"
     assert torch.equal(out["direct"].value["encoder_states"][0], out["a"]["encoder_states"][0])
+
+
+def test_one_call_on_m_star_s_whisper_model_wraps_its_encoder_node(tmp_path):
+    """``enable_encoder_reuse`` on M*'s own ``WhisperModel`` (over a tiny checkpoint saved with ``save_pretrained``):
+    ``get_submodule`` hands M*'s engine manager the wrapped encoder (made once), the
+    manager's ``to(device, dtype)`` reaches the node, and under the Engine the wrapped node equals a plain one."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    from mstar.model.whisper.config import WhisperModelConfig
+    from mstar.model.whisper.whisper_model import WhisperModel
+
+    from mmcache.mstar import enable_encoder_reuse
+    cfg = WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                        max_source_positions=30, vocab_size=128, max_target_positions=32, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    WhisperForConditionalGeneration(cfg).save_pretrained(tmp_path)
+
+    def m_star_model():
+        model = object.__new__(WhisperModel)  # its constructor resolves a hub snapshot; the rest is M*'s own
+        model.local_dir, model.config, model._submodule_cache = str(tmp_path), \
+            WhisperModelConfig.from_pretrained(str(tmp_path)), {}
+        return model
+
+    on, off = m_star_model(), m_star_model()
+    enable_encoder_reuse(on, capacity_bytes=1 << 22, page_bytes=4096)
+    enable_encoder_reuse(on)  # idempotent
+    node = on.get_submodule("audio_encoder", "cpu")
+    assert isinstance(node, CachedEncoderNode) and on.get_submodule("audio_encoder", "cpu") is node
+    assert node.to(device="cpu", dtype=torch.float32) is node  # what M*'s engine manager does next
+    plain = off.get_submodule("audio_encoder", "cpu")
+    wrapped, bare = engine({"audio_encoder": node}), engine({"audio_encoder": plain})
+    x = {"audio_features": [_randn(3, 16, 60)]}
+    for rid in ("a", "b"):
+        assert_equal_outputs(wrapped.run("audio_encoder", "encode", {rid: x}),
+                             bare.run("audio_encoder", "encode", {rid: x}))
+    assert (node.counters.misses, node.counters.hits) == (1, 1)

@@ -13,7 +13,7 @@ from mmcache.mstar.requirement import require_mstar
 _EXPORTS = {"AffinityConductor": "conductor", "CachedEncoderNode": "encoder_node",
             "cache_encoder_nodes": "encoder_node", "install_digests": "media_digests",
             "route_digests": "media_digests", "store_oracle": "decode_skip", "EncoderNodeCollector": "encoder_metrics",
-            "route_salt": "salts", "items_for": "encoder_items"}
+            "route_salt": "salts", "items_for": "encoder_items", "enable_encoder_reuse": "encoder_reuse"}
 
 __all__ = sorted(_EXPORTS)
 

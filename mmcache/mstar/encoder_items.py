@@ -110,6 +110,12 @@ _WHOLE_REQUEST = {"VisionEncoderSubmodule": "image", "AudioEncoderSubmodule": "a
                   "Wan22VaeEncoderSubmodule": "image",  # Wan 2.2 i2v: the first frame's latent
                   "Cosmos3VAEEncoderSubmodule": "video"}  # Cosmos3: the conditioning image or clip
 
+# M* 0.2.1's encoder nodes whose outputs must not be reused, and why
+_NOT_REUSED = {"VAEEncoderSubmodule": "BAGEL's VAE encode samples its latent (DiagonalGaussian(sample=True) draws "
+                                      "randn each call), so its output is not a function of its input",
+               "ViTEncoderSubmodule": "BAGEL's ViT plans its piecewise graph on the node's ragged-attention resource "
+                                      "(a skipped forward would leave a leased slot unreplayed); not proven"}
+
 
 def items_for(node) -> WholeRequest | Wan22TextItems:
     """The ``NodeItems`` of an M* 0.2.1 encoder submodule: Wan 2.2's text encoder (prompt and negative), the nodes of
@@ -118,6 +124,8 @@ def items_for(node) -> WholeRequest | Wan22TextItems:
     if name == "Wan22TextEncoderSubmodule":
         return Wan22TextItems(int(node.config.text_max_seq_len))
     modality = _WHOLE_REQUEST.get(name)
+    if name in _NOT_REUSED:
+        raise InvalidRequest(f"{name} is not reused: {_NOT_REUSED[name]}")
     if modality is None:
         raise InvalidRequest(f"no item split known for {name}: pass WholeRequest(modality) or your own NodeItems")
     return WholeRequest(modality)

@@ -124,16 +124,48 @@ class CachedEncoderNode(NodeSubmodule):
         self.node, self.spec = node, items
         self.request_states = node.request_states  # one state table: the engine's view and the node's agree
         self.disable_autocast = node.disable_autocast  # the engine reads it off the submodule it holds
-        if store is None:
-            store = EncoderStore(capacity_bytes, page_bytes, device=node.get_device())
-        self.store = store
-        if fingerprint is None:
-            from encoders.base import module_fingerprint
-            fingerprint = module_fingerprint(node)
-        self.fingerprint = (fingerprint, type(items).__name__)
+        self._store, self._own_store, self._store_size = store, store is None, (capacity_bytes, page_bytes)
+        self._given_fingerprint, self._fingerprint = fingerprint, None
         self.counters = NodeCounters()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._pins: dict[str, list[EncoderPin]] = {}
+
+    @property
+    def store(self) -> EncoderStore:
+        """The store: the one given, else one of this node's own, made on first use on the node's device then."""
+        with self._lock:
+            if self._store is None:
+                self._store = EncoderStore(*self._store_size, device=self.node.get_device())
+            return self._store
+
+    @property
+    def fingerprint(self) -> tuple:
+        """What names the node's weights (the one given, else a hash of every weight, taken on first use: after M*
+        moved and cast the node) and the item split."""
+        with self._lock:
+            if self._fingerprint is None:
+                given = self._given_fingerprint
+                if given is None:
+                    from encoders.base import module_fingerprint
+                    given = module_fingerprint(self.node)
+                self._fingerprint = (given, type(self.spec).__name__)
+            return self._fingerprint
+
+    def to(self, *args, **kwargs):
+        """Move/cast the node through its own ``to`` (Pi0.5's and Wan 2.2's keep their fp32 islands there), as M*'s
+        engine manager does right after ``get_submodule``. The fingerprint is taken anew (entries named by the old
+        one can no longer match); an own store that already holds outputs cannot follow: InvalidRequest."""
+        with self._lock:
+            if self._own_store and self._store is not None:
+                if len(self._store):
+                    raise InvalidRequest("a CachedEncoderNode whose own store holds outputs cannot be moved: wrap the "
+                                         "moved node anew")
+                self._store = None
+            moved = self.node.to(*args, **kwargs)
+            if moved is not self.node:
+                raise InvalidRequest(f"{type(self.node).__name__}.to returned another module")
+            self._fingerprint = None
+        return self
 
     # -- what the engine calls ----------------------------------------------------------------------------------------
     def bind_node_resources(self, resources: dict) -> None:
