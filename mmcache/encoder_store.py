@@ -110,9 +110,9 @@ class _Flight:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lookup:
-    """One ``get_or_compute`` (or one key of ``get_or_compute_many``): a private copy of the value, and where it came from: ``"store"`` (a hit),
-    ``"joined"`` (another caller's concurrent miss on the same key computed it) or ``"computed"`` (``fn`` ran for
-    this caller)."""
+    """One ``get_or_compute`` (or one key of ``get_or_compute_many``): a private copy of the value, and where it came
+    from: ``"store"`` (a hit), ``"joined"`` (another caller's concurrent miss on the same key computed it) or
+    ``"computed"`` (``fn`` ran for this caller)."""
 
     value: Any
     source: str

@@ -31,7 +31,7 @@ def counting(calls):
 
 
 def test_mixed_batch_computes_its_misses_in_one_call_with_private_copies():
-    store, calls = EncoderStore(1 << 16, page_bytes=PB), []
+    store = EncoderStore(1 << 16, page_bytes=PB)
     store.put(key(1), value(1))
     keys = [key(1), key(2), key(3), key(2), key(1)]
     batches = []

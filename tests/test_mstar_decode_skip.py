@@ -6,7 +6,7 @@ to the decoded path."""
 import pytest
 import torch
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
                                    install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
                                    qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
 
@@ -137,3 +137,19 @@ def test_nothing_is_skipped_when_the_store_dropped_the_output(setup, media):
     preprocess(worker, "c2", "image", images[0])
     assert (len(decodes), image_proc.calls) == (2, 2)
     assert cached["vision_encoder"].pinned("c2") == 0
+
+
+def test_salted_requests_skip_only_for_their_own_tenant(setup, media):
+    """The salt is folded into the carried digest, so the oracle asks about exactly the key the node will look up: a
+    tenant's second request skips (and hits), another tenant's same image is decoded and misses."""
+    plain, cached, worker, _, (image_proc, _), decodes = setup
+    images, _ = media
+    node = cached["vision_encoder"]
+    wrapped = engine({"vision_encoder": node})
+    node_inputs = lambda t: {n: t[n] for n in ("pixel_values", "image_grid_thw", "image_digest")}  # noqa: E731
+    for n, salt in enumerate(("tenant-a", "tenant-a", "tenant-b")):
+        t = preprocess(worker, f"s{n}", "image", images[1], model_kwargs={"mmcache_salt": salt})
+        wrapped.run("vision_encoder", "prefill_vision", {f"s{n}": node_inputs(t)})
+        wrapped.remove_request(f"s{n}")
+    assert (len(decodes), image_proc.calls) == (2, 2)  # tenant-a once, tenant-b once; tenant-a's second skipped
+    assert (node.counters.misses, node.counters.hits) == (2, 1)

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
                                    install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
                                    qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mstar_encoder_helpers import batch, engine, require_mstar, saved_model
+from mstar_encoder_helpers import engine, require_mstar, saved_model
 
 require_mstar()
 prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus_client not installed")

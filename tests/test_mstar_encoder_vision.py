@@ -7,7 +7,7 @@ images behind identical placeholders never share an output."""
 import pytest
 import torch
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
                                    install_flashinfer_standin, preprocess, qwen3_omni_model, qwen3_omni_processors,
                                    require_mstar, tiny_qwen3_omni_encoders)
 

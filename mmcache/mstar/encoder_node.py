@@ -17,7 +17,8 @@ and ``cleanup_request`` when it removes a request. Per batch:
 
 Invariants: a request's outputs are bit-identical to the node's own (a hit is a copy of the bytes a miss computed for
 the same key, and a miss runs the node's forward on the same per-item inputs); no two requests share a tensor; keys
-carry the node's fingerprint, the request's tenant salt (``mmcache.mstar.salts``) and (unless ``NodeItems.walk_sensitive`` is False) the graph walk.
+carry the node's fingerprint, the request's tenant salt (``mmcache.mstar.salts``) and (unless
+``NodeItems.walk_sensitive`` is False) the graph walk.
 
 Counting: each distinct key of a batch is one store query (a hit or a miss); a key that another caller is computing
 is a join (this node's ``joins``); items repeating a key inside one batch are joins too.
@@ -31,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from typing import Any, Callable, Protocol
-
-import torch
 
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
