@@ -205,7 +205,7 @@ def main():
     root = Path(tempfile.gettempdir()) / "mmcache-bench-models"
     sizes = ("tiny", "base") if args.size == "both" else (args.size,)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats {args.repeats}")
-    print(f"{'case':<8}{'size':<6}{'forward ms':>11}{'hit/fwd':>9}{'all-miss overhead [q1, q3]':>30}"
+    print(f"{'case':<10}{'size':<6}{'forward ms':>11}{'hit/fwd':>9}{'all-miss overhead [q1, q3]':>30}"
           f"{'stream':>20}{'hits/items':>12}{'saved':>8}")
     for size in sizes:
         for label, case in (("wan-text", wan_case), ("vision", vision_case), ("audio", audio_case)):
@@ -216,10 +216,10 @@ def main():
             with torch.inference_mode():
                 r = measure(node, name, walk, stream, meta, args.repeats)
             what = {"wan-text": f"DiffusionDB {n}+neg", "vision": "MMMU 14 q", "audio": "Seed-TTS 6 rows"}[label]
-            print(f"{label:<8}{size:<6}{r['fwd_ms']:>11.2f}{r['hit_share']:>9.2%}"
+            print(f"{label:<10}{size:<6}{r['fwd_ms']:>11.2f}{r['hit_share']:>9.2%}"
                   f"{r['miss_overhead']:>+14.2%} [{r['miss_q'][0]:+.2%}, {r['miss_q'][1]:+.2%}]"
                   f"{what:>20}{r['hits']:>6}/{r['items']:<5}{r['saved']:>8.1%}", flush=True)
-            print(f"{'':<14}hit path {r['hit_us']:.0f} us: " + ", ".join(f"{k} {v:.0f} us" for k, v in
+            print(f"{'':<16}hit path {r['hit_us']:.0f} us: " + ", ".join(f"{k} {v:.0f} us" for k, v in
                                                                        r["phases"].items()), flush=True)
 
 

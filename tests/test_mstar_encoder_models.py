@@ -207,3 +207,30 @@ def test_one_call_on_m_star_s_whisper_model_wraps_its_encoder_node(tmp_path):
         assert_equal_outputs(wrapped.run("audio_encoder", "encode", {rid: x}),
                              bare.run("audio_encoder", "encode", {rid: x}))
     assert (node.counters.misses, node.counters.hits) == (1, 1)
+
+
+def test_bad_input_is_refused_before_any_state_changes(tmp_path_factory):
+    """Nodes that own engine resources, nodes whose outputs must not be reused, and a bad salt: a clear mmcache error,
+    nothing stored, the rest of the batch served."""
+    from mstar.model.bagel.submodules import VAEEncoderSubmodule
+    from mstar.model.whisper.submodules import WhisperDecoderSubmodule
+
+    from mmcache.errors import InvalidRequest
+    from mstar_encoder_helpers import batch
+    with pytest.raises(InvalidRequest, match="declares engine steps"):
+        CachedEncoderNode(object.__new__(WhisperDecoderSubmodule), None)
+    with pytest.raises(InvalidRequest, match="samples its latent"):
+        items_for(object.__new__(VAEEncoderSubmodule))
+    with pytest.raises(InvalidRequest, match="NodeSubmodule"):
+        CachedEncoderNode(torch.nn.Linear(2, 2), None)
+    case = whisper(tmp_path_factory.mktemp("whisper"))
+    cached = CachedEncoderNode(case.node, items_for(case.node), capacity_bytes=1 << 22, page_bytes=4096)
+    eng = engine({"enc": cached}).engine
+    for rid in ("good", "bad"):
+        eng.add_request(rid)
+    b = batch("enc", case.walk, {"good": case.request(1), "bad": case.request(2)})
+    b.per_request_info["bad"].step_metadata["mmcache_salt"] = 7
+    eng.prepare_inputs(b)
+    assert "InvalidRequest" in b.failed_requests["bad"] and list(b.request_ids) == ["good"]
+    out = eng.exec_and_postprocess(b)
+    assert set(out) == {"good"} and len(cached.store) == 1 and cached.counters.misses == 1
