@@ -1,6 +1,6 @@
 """Every other M* 0.2.1 encoder node that runs on the CPU, wrapped in ``CachedEncoderNode`` under M*'s real
 ``Engine``: Whisper's and Higgs Audio's audio encoders, Pi0.5's SigLIP ViT, V-JEPA 2's video encoder, Wan 2.2's and
-Cosmos3's VAE encoders (the first frame / the conditioning clip). Each at a tiny random config (the HF towers saved
+Cosmos3's VAE encoders (the first frame / the conditioning clip), BAGEL's ViT (its SDPA fallback, flash-attn absent). Each at a tiny random config (the HF towers saved
 with ``save_pretrained`` and loaded back with ``from_pretrained``; M*'s own component classes seeded), the SAME node
 instance in a plain and in a wrapped engine. A first batch misses; a second batch mixes two hits, two misses and a
 repeat of a miss: every request's outputs are ``torch.equal`` to the plain engine's on the same batches, and the
@@ -113,8 +113,23 @@ def cosmos3_vae(root) -> Case:
                 {"height": 16, "width": 16, "num_frames": 1})
 
 
+def bagel_vit(root) -> Case:
+    from mstar.model.bagel.components.modeling_utils import BagelMLPconnector, PositionEmbedding
+    from mstar.model.bagel.components.vit_encoder import BagelVisionModel
+    from mstar.model.bagel.config import BagelViTConfig
+    from mstar.model.bagel.submodules import ViTEncoderSubmodule
+    cfg = BagelViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                         patch_size=14, image_size=980)
+    torch.manual_seed(0)
+    vit = BagelVisionModel(cfg).eval()
+    vit.vision_model.embeddings.convert_conv2d_to_linear(cfg)  # as BagelModel loads it
+    node = ViTEncoderSubmodule(vit, BagelMLPconnector(32, 32, "gelu_pytorch_tanh"), PositionEmbedding(70, 32), 14, 70)
+    # the tower runs through its encode(), not forward(): count the connector, which runs once a forward
+    return Case(node, node.connector, "prefill_vit", lambda s: {"image_inputs": [_randn(s, 3, 24, 32).sigmoid()]})
+
+
 CASES = {"whisper": whisper, "higgs_audio": higgs_audio, "pi05": pi05, "vjepa2": vjepa2, "wan22_vae": wan22_vae,
-         "cosmos3_vae": cosmos3_vae}
+         "cosmos3_vae": cosmos3_vae, "bagel_vit": bagel_vit}
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -108,13 +108,12 @@ _WHOLE_REQUEST = {"VisionEncoderSubmodule": "image", "AudioEncoderSubmodule": "a
                   "WhisperEncoderSubmodule": "audio", "HiggsAudioEncoderSubmodule": "audio",
                   "Pi05ViTEncoderSubmodule": "image", "VJepa2EncoderSubmodule": "video",
                   "Wan22VaeEncoderSubmodule": "image",  # Wan 2.2 i2v: the first frame's latent
-                  "Cosmos3VAEEncoderSubmodule": "video"}  # Cosmos3: the conditioning image or clip
+                  "Cosmos3VAEEncoderSubmodule": "video",  # Cosmos3: the conditioning image or clip
+                  "ViTEncoderSubmodule": "image"}  # BAGEL's SigLIP2 ViT (understanding)
 
 # M* 0.2.1's encoder nodes whose outputs must not be reused, and why
 _NOT_REUSED = {"VAEEncoderSubmodule": "BAGEL's VAE encode samples its latent (DiagonalGaussian(sample=True) draws "
-                                      "randn each call), so its output is not a function of its input",
-               "ViTEncoderSubmodule": "BAGEL's ViT plans its piecewise graph on the node's ragged-attention resource "
-                                      "(a skipped forward would leave a leased slot unreplayed); not proven"}
+                                      "randn each call), so its output is not a function of its input"}
 
 
 def items_for(node) -> WholeRequest | Wan22TextItems:

@@ -24,7 +24,8 @@ Counting: each distinct key of a batch is one store query (a hit or a miss); a k
 is a join (this node's ``joins``); items repeating a key inside one batch are joins too.
 
 Nodes that declare a step (they own engine resources: attention, KV) are refused: their forward depends on resource
-state that a stored output would not replay.
+state that a stored output would not replay. No CUDA graph of the node is captured through the wrapper (whole-node or
+piecewise): the misses run eager.
 """
 
 from __future__ import annotations
@@ -225,10 +226,9 @@ class CachedEncoderNode(NodeSubmodule):
     def get_autocast_dtype(self):
         return self.node.get_autocast_dtype()
 
-    def get_piecewise_cuda_graph_configs(self, device, autocast_dtype, tp_world_size=1):
-        return self.node.get_piecewise_cuda_graph_configs(device, autocast_dtype, tp_world_size)
-
-    # get_cuda_graph_configs stays the base's []: a whole-node graph replay would bypass the lookup.
+    # get_cuda_graph_configs and get_piecewise_cuda_graph_configs stay the base's: a whole-node replay would bypass
+    # the lookup, and a piecewise region leases its slot (and declares its steps on the node's resources) before the
+    # forward, which a hit skips. The node's misses run eager (BAGEL's ViT region is off by default anyway).
 
     def hold(self, request_id: str, digest: bytes, graph_walk: str) -> bool:
         """Whether the store holds the output of a one-item request carrying ``digest`` (``WholeRequest`` keys, the
