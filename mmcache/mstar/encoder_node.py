@@ -37,8 +37,8 @@ from typing import Any, Callable, Protocol
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
-from mmcache.mstar.salts import request_salt
 from mmcache.mstar.requirement import require_mstar
+from mmcache.mstar.salts import request_salt
 
 require_mstar()
 
