@@ -110,12 +110,13 @@ class _Flight:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lookup:
-    """One ``get_or_compute``: a private copy of the value, and where it came from: ``"store"`` (a hit),
-    ``"joined"`` (another caller's concurrent miss on the same key computed it) or ``"computed"`` (``fn`` ran for
-    this caller)."""
+    """One ``get_or_compute`` (or one key of ``get_or_compute_many``): a private copy of the value, and where it came
+    from: ``"store"`` (a hit), ``"joined"`` (another caller's concurrent miss on the same key computed it) or
+    ``"computed"`` (``fn`` ran for this caller)."""
 
     value: Any
     source: str
+    pin: EncoderPin | None = None  # ``get_or_compute_many(..., pin=True)``: an owner on the entry, the caller's
 
     @property
     def hit(self) -> bool:
@@ -193,7 +194,8 @@ class EncoderStore:
     - a page's count is 1 + pins + hits copying out of its entry, so eviction, which takes only entries whose pages
       all have count 1, never takes a pinned entry or one being read;
     - ``bytes_stored`` is the sum of the indexed entries' bytes, in total and per modality;
-    - concurrent ``get_or_compute`` misses on one key (name and verifying ids) run ``fn`` once (``_flights``);
+    - concurrent misses on one key (name and verifying ids), through ``get_or_compute`` or ``get_or_compute_many``,
+      compute once (``_flights``, the one in-flight table);
     - values go in and come out as copies: nothing returned aliases the pool, nothing passed in is kept.
 
     ``pool``: a pool with data (any page shape and dtype) or, with ``page_data``, a metadata-only pool whose page ids
@@ -302,51 +304,133 @@ class EncoderStore:
 
     def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]) -> Lookup:
         """The stored value for ``key``, else ``fn()`` stored and returned, as a ``Lookup`` that says which; one
-        query either way.
+        query either way. ``get_or_compute_many`` with one key: the same single-flight table.
 
         Concurrent misses on one key run ``fn`` once: the first caller computes, the others wait (each counted as a
         join) and get private copies of its result, or the same exception re-raised; a failure stores nothing, so a
         later call retries. A caller never shares a tensor with the store or with another caller.
         """
-        _check_key(key)
+        return self.get_or_compute_many([key], lambda indices: [fn()])[0]
+
+    def get_or_compute_many(self, keys: list[EncoderKey], compute_missing: Callable[[list[int]], list],
+                            *, pin: bool = False) -> list[Lookup]:
+        """One ``Lookup`` per key, in order: hits from the store, the misses this call leads computed by ONE
+        ``compute_missing(indices)`` (``indices`` into ``keys``, the first use of each led key; it returns their values
+        in that order), misses another caller (of either form) is computing joined.
+
+        One query per distinct key (name and verifying ids); a later use of a key in ``keys`` is a copy of the first
+        (``"joined"`` when the first was computed, counted as a join). A name in flight with other verifying ids is
+        computed here, uncoordinated (a collision). ``pin``: each Lookup also holds an ``EncoderPin`` on its entry
+        (None when the value could not be stored), one per use, released by the caller. On any failure (of
+        ``compute_missing``, of a joined computation, of a put) the exception is raised after every owner this call
+        took is dropped; nothing of the failed keys is stored and their joiners get the same exception.
+        """
+        keys = list(keys)
+        for key in keys:
+            _check_key(key)
+        firsts, plan = {}, []  # identity -> index of first use; per distinct key: (index, entry, flight, lead)
         with self._lock:
-            entry, flight = self._lookup(key), None
-            if entry is None:
-                flight = self._flights.get(key.name)
-                lead = flight is None
-                if lead:
-                    flight = self._flights[key.name] = _Flight(key.verify_ids)
-                elif flight.verify_ids == key.verify_ids:
-                    flight.joiners += 1
-                    self._count(key.modality, joins=1)
-                else:  # another input with this name is in flight: compute on our own, uncoordinated
-                    self._count(key.modality, collisions=1)
-                    flight = None
-        if entry is not None:
-            return Lookup(self._gather(entry), "store")
-        if flight is None:
-            return Lookup(self._compute(key, fn), "computed")
-        if not lead:
-            flight.done.wait()
-            if flight.error is not None:
-                raise flight.error
-            return Lookup(_unflatten(flight.tree, (t.clone() for t in flight.leaves)), "joined")
+            for i, key in enumerate(keys):
+                ident = (key.name, key.verify_ids)
+                if ident in firsts:
+                    continue
+                firsts[ident] = i
+                entry, flight, lead = self._lookup(key), None, False
+                if entry is None:
+                    flight = self._flights.get(key.name)
+                    if flight is None:
+                        flight, lead = self._flights.setdefault(key.name, _Flight(key.verify_ids)), True
+                    elif flight.verify_ids == key.verify_ids:
+                        flight.joiners += 1
+                        self._count(key.modality, joins=1)
+                    else:  # another input with this name is in flight: compute on our own, uncoordinated
+                        self._count(key.modality, collisions=1)
+                        flight, lead = None, True
+                plan.append((i, entry, flight, lead))
+        found, pins = {}, {}  # index of first use -> (value, source); -> its pin
+        unread = {i: entry for i, entry, _, _ in plan if entry is not None}  # hits still holding their lookup's owner
         try:
-            value = self._compute(key, fn)
-            with self._lock:
-                del self._flights[key.name]  # joiners register only while it is listed: their count is final
-            if flight.joiners:  # their copy is taken before our caller can mutate value
-                flight.tree = _flatten(value, leaves := [])
-                flight.leaves = [t.detach().clone() for t in leaves]
+            self._compute_led(keys, plan, compute_missing, found)  # first: it always resolves the flights it leads
+            self._serve_hits(unread, found, pins, pin)
+            for i, entry, flight, lead in plan:
+                if flight is not None and not lead:
+                    flight.done.wait()
+                    if flight.error is not None:
+                        raise flight.error
+                    found[i] = (_unflatten(flight.tree, (t.clone() for t in flight.leaves)), "joined")
+            return self._hand_out(keys, firsts, found, pins, pin)
+        except BaseException:
+            for p in pins.values():
+                p.release()
+            self.pool.release([p for entry in unread.values() for p in entry.pages])
+            raise
+
+    def _serve_hits(self, unread: dict, found: dict, pins: dict, pin: bool) -> None:
+        """Copy out every hit in ``unread`` (no lock held), taking each out once its owner is a pin (``pin``) or
+        released."""
+        for i in list(unread):
+            found[i] = (self._read(unread[i]), "store")
+            entry = unread.pop(i)
+            if pin:
+                pins[i] = EncoderPin(self, entry)
+            else:
+                self.pool.release(entry.pages)
+
+    def _compute_led(self, keys: list, plan: list, compute_missing: Callable, found: dict) -> None:
+        """Run ``compute_missing`` once over the misses this call leads, store each value, publish it to joiners
+        (no lock held)."""
+        led = [(i, flight) for i, entry, flight, lead in plan if lead]
+        if not led:
+            return
+        try:
+            start = time.perf_counter()
+            values = list(compute_missing([i for i, _ in led]))
+            if len(values) != len(led):
+                raise EncoderOutputError(f"compute_missing returned {len(values)} values for {len(led)} keys")
+            share = (time.perf_counter() - start) / len(led)
+            for (i, _), value in zip(led, values):
+                self.put(keys[i], value, compute_s=share)
+                found[i] = (value, "computed")
         except BaseException as exc:
-            flight.error = exc
-            with self._lock:
-                if self._flights.get(key.name) is flight:
-                    del self._flights[key.name]
+            for _, flight in led:
+                if flight is not None:
+                    flight.error = exc
             raise
         finally:
-            flight.done.set()
-        return Lookup(value, "computed")
+            with self._lock:  # joiners register only while a flight is listed: after this their count is final
+                for i, flight in led:
+                    if flight is not None and self._flights.get(keys[i].name) is flight:
+                        del self._flights[keys[i].name]
+            for i, flight in led:
+                if flight is None:
+                    continue
+                if flight.joiners and i in found:  # their copy is taken before our caller can mutate the value
+                    flight.tree = _flatten(found[i][0], leaves := [])
+                    flight.leaves = [t.detach().clone() for t in leaves]
+                flight.done.set()
+
+    def _hand_out(self, keys: list, firsts: dict, found: dict, pins: dict, pin: bool) -> list[Lookup]:
+        """A Lookup per key: the first use of a key takes its value (and its hit's pin), each later use a clone
+        (and a pin of its own); repeats of a computed key count as joins."""
+        out, used = [], set()
+        for key in keys:
+            first = firsts[(key.name, key.verify_ids)]
+            value, source = found[first]
+            if first in used:
+                value = _unflatten(_flatten(value, leaves := []), (t.clone() for t in leaves))
+                if source == "computed":
+                    source = "joined"
+                    with self._lock:
+                        self._count(key.modality, joins=1)
+            held = pins.pop(first, None) if first not in used else None
+            if pin and held is None:
+                held = self.pin(key)
+            if held is not None:
+                pins[("out", len(out))] = held  # released by the caller from here on, unless we fail
+            used.add(first)
+            out.append(Lookup(value, source, held))
+        pins.clear()
+        return out
 
     def pin(self, key: EncoderKey) -> EncoderPin | None:
         """Add one owner to ``key``'s entry so it cannot be evicted while a request uses it; None when not stored.
@@ -467,13 +551,6 @@ class EncoderStore:
             self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
                         evicted_bytes=e.nbytes if evicted else 0)
         self.pool.release([p for e in entries for p in e.pages])
-
-    def _compute(self, key: EncoderKey, fn: Callable[[], Any]):
-        """``fn()`` timed and put (no lock held)."""
-        start = time.perf_counter()
-        value = fn()
-        self.put(key, value, compute_s=time.perf_counter() - start)
-        return value
 
     def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:
         """Copy ``leaves`` into ``pages`` (no lock held; the caller owns the pages alone); returns the page index."""

@@ -1,15 +1,22 @@
-"""Helpers for the tests that run M*'s own encoder submodules under its StatelessEngine on the CPU: tiny random
-models saved and loaded back through ``workloads.fixtures.saved``, batches as M*'s worker builds them, and forward
-counters (hooks on the HF encoder inside the node, so the node itself runs unchanged)."""
+"""Helpers for the tests that run M*'s own encoder submodules under its real ``Engine`` (mstar-ai 0.2.1) on the CPU:
+tiny random models saved and loaded back through ``workloads.fixtures.saved``, batches as M*'s worker builds them
+(``Worker._make_executing_batch``), driven through the engine's own ``prepare_inputs`` -> ``exec_and_postprocess``
+-> ``finalize_batch``, and forward counters (hooks on the HF encoder inside the node, so the node runs unchanged)."""
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from mstar_helpers import require_mstar
+from mmcache.mstar.requirement import why_unavailable
 
-__all__ = ["require_mstar"]
+
+def require_mstar():
+    """Skip the calling test module, with the line to run, unless mstar-ai 0.2.1 imports."""
+    why = why_unavailable()
+    if why is not None:
+        pytest.skip(why, allow_module_level=True)
 
 
 def install_flashinfer_standin(monkeypatch):
@@ -27,27 +34,52 @@ def saved_model(folder_root, kind: str, config, cls):
     return cls.from_pretrained(folder).eval()
 
 
-def engine(submodules: dict, autocast=None):
-    """M*'s StatelessEngine on the CPU with ``submodules`` loaded."""
-    from mstar.distributed.communication import WorkerParallelGroups
-    from mstar.engine.stateless_engine import StatelessEngine, StatelessEngineConfig
-    eng = StatelessEngine(StatelessEngineConfig(autocast_dtype=autocast, name="test"))
-    eng.load_model(submodules, parallel_groups=WorkerParallelGroups(num_workers=1, global_rank=0),
-                   device=torch.device("cpu"))
-    eng.warmup()
-    return eng
+class CpuEngine:
+    """M*'s ``Engine`` on the CPU with ``submodules`` loaded (no resource specs: encoder nodes own none), one worker
+    of one rank; ``run`` drives one batch the way M*'s worker does and returns rid -> outputs."""
+
+    def __init__(self, submodules: dict, autocast=None):
+        from mstar.communication.tensors import LocalTransferEngine
+        from mstar.distributed.communication import WorkerParallelGroups
+        from mstar.engine.engine import Engine
+        from mstar.engine.resources.kv.transfer import TransferEngineInfo
+        self.engine = Engine(autocast_dtype=autocast)
+        self.engine.load_model(submodules, specs=[], parallel_groups=WorkerParallelGroups(num_workers=1,
+                                                                                           global_rank=0),
+                               device=torch.device("cpu"),
+                               transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")))
+        self.engine.warmup()
+
+    def run(self, node: str, walk: str, requests: dict, step_metadata: dict | None = None) -> dict:
+        """``requests`` (rid -> {input name: [tensors]}) as one batch of ``node`` on ``walk``: rid -> outputs."""
+        for rid in requests:
+            self.engine.add_request(rid)
+        b = batch(node, walk, requests, step_metadata)
+        self.engine.prepare_inputs(b)
+        assert not b.failed_requests, b.failed_requests
+        out = self.engine.exec_and_postprocess(b)
+        self.engine.finalize_batch(b)
+        return out
+
+    def remove_request(self, rid: str):
+        self.engine.remove_request(rid)
+
+
+def engine(submodules: dict, autocast=None) -> CpuEngine:
+    return CpuEngine(submodules, autocast)
 
 
 def batch(node: str, walk: str, requests: dict, step_metadata: dict | None = None):
-    """A NodeBatch of ``requests`` (rid -> {input name: [tensors]}) as M*'s worker hands it to an engine."""
+    """An ``ExecutingBatch`` of ``requests`` (rid -> {input name: [tensors]}) as M*'s worker builds it."""
     from mstar.conductor.request_info import CurrentForwardPassInfo
-    from mstar.engine.base import NodeBatch
-    infos = {rid: CurrentForwardPassInfo(request_id=rid, graph_walk=walk, requires_cfg=False, fwd_index=0,
-                                         random_seed=0, max_tokens=1, sampling_config={},
+    from mstar.engine.engine import ExecutingBatch
+    from mstar.engine.resources import StepContext
+    infos = {rid: CurrentForwardPassInfo(request_id=rid, graph_walk=walk, fwd_index=0, random_seed=0, max_tokens=1,
                                          step_metadata=dict(step_metadata or {}))
              for rid in requests}
-    return NodeBatch(node_name=node, graph_walk=walk, request_ids=list(requests),
-                     per_request_input_tensors=dict(requests), per_request_info=infos)
+    return ExecutingBatch(node_name=node, per_request_info=infos, per_request_input_tensors=dict(requests),
+                          step_context=StepContext(request_ids=tuple(requests), graph_walk=walk, slot=0,
+                                                   capture=False))
 
 
 class ForwardCount:
@@ -105,8 +137,35 @@ def qwen3_omni_processors():
 
 
 class _Tokenizer:
+    """Bytes as ids, Qwen3-Omni's placeholder sentinels as ids 256 and up (what ``process_prompt`` scans for)."""
+
+    SPECIALS = ("<|audio_start|>", "<|audio_pad|>", "<|audio_end|>", "<|vision_start|>", "<|image_pad|>",
+                "<|video_pad|>", "<|vision_end|>")
+    unk_token_id = -1
+
+    def convert_tokens_to_ids(self, token):
+        return 256 + self.SPECIALS.index(token) if token in self.SPECIALS else self.unk_token_id
+
     def __call__(self, text, return_tensors=None):
-        return {"input_ids": torch.tensor([[b for b in text.encode()]])}
+        import re
+        ids = []
+        for piece in re.split(r"(<\|[a-z_]+\|>)", text):
+            ids += [self.convert_tokens_to_ids(piece)] if piece in self.SPECIALS else list(piece.encode())
+        return {"input_ids": torch.tensor([ids])}
+
+
+_PARTS = {"audio": "<|audio_start|><|audio_pad|><|audio_end|>", "image": "<|vision_start|><|image_pad|><|vision_end|>",
+          "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+
+
+def _chat_template(messages, **_):
+    """A one-line chat template: the text parts, each media part as its sentinels (0.2.1 passes content as a string
+    or a list of typed parts)."""
+    def render(content):
+        if isinstance(content, str):
+            return content
+        return "".join(p.get("text", "") if p["type"] == "text" else _PARTS[p["type"]] for p in content)
+    return "".join(render(m["content"]) for m in messages) + "<assistant>"
 
 
 def qwen3_omni_model(image_processor, feature_extractor):
@@ -116,9 +175,8 @@ def qwen3_omni_model(image_processor, feature_extractor):
 
     from mstar.model.qwen3_omni import qwen3_omni_model as q
     model = object.__new__(q.Qwen3OmniModel)
-    template = lambda messages, **_: "".join(m["content"] for m in messages) + "<assistant>"  # noqa: E731
     model._processor = types.SimpleNamespace(image_processor=image_processor, feature_extractor=feature_extractor,
-                                             apply_chat_template=template)
+                                             apply_chat_template=_chat_template)
     model.tokenizer = _Tokenizer()
     return model
 
@@ -160,17 +218,18 @@ def data_worker(model):
     from mstar.api_server.data_worker import PreprocessWorkerThread
     q = queue.Queue
     return PreprocessWorkerThread(in_queue=q(), result_tensor_queue=q(), out_queue=q(), profile_queue=q(),
-                                  cleanup_request_queue=q(), abort_request_queue=q(), discard_tensor_queue=q(),
+                                  cleanup_request_queue=q(), abort_request_queue=q(), reads_done_queue=q(),
+                                  discard_tensor_queue=q(),
                                   stop_event=threading.Event(), communicator=RecordingCommunicator(),
                                   tensor_manager=RecordingTensorManager(), model=model)
 
 
-def preprocess(worker, rid, modality, path, text="Describe it."):
+def preprocess(worker, rid, modality, path, text="Describe it.", model_kwargs=None):
     """The request's tensors as M*'s data worker stores them (decode, process_prompt, the digest hook)."""
     from mstar.api_server.request_types import PreprocessInput
     worker._process_input(PreprocessInput(request_id=rid, text=text, file_paths={modality: [str(path)]},
                                           input_modalities=["text", modality], output_modalities=["text"],
-                                          model_kwargs={}))
+                                          model_kwargs=dict(model_kwargs or {})))
     return worker.tensor_manager.stored[rid]
 
 

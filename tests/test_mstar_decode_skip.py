@@ -6,7 +6,7 @@ to the decoded path."""
 import pytest
 import torch
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
                                    install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
                                    qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
 
@@ -81,7 +81,7 @@ def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_i
 
     first = preprocess(worker, "r1", "image", images[0])
     assert (len(decodes), image_proc.calls) == (1, 1)
-    wrapped.execute_batch(batch("vision_encoder", "prefill_vision", {"r1": node_inputs(first)}))
+    wrapped.run("vision_encoder", "prefill_vision", {"r1": node_inputs(first)})
     node.cleanup_request("r1")
 
     second = preprocess(worker, "r2", "image", images[0])
@@ -93,10 +93,10 @@ def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_i
         assert all(torch.equal(a, b) for a, b in zip(second[name], want[name])), name
     assert second["pixel_values"][0].numel() == 0  # a stand-in the node never reads
 
-    got = wrapped.execute_batch(batch("vision_encoder", "prefill_vision", {"r2": node_inputs(second)}))
+    got = wrapped.run("vision_encoder", "prefill_vision", {"r2": node_inputs(second)})
     assert count.calls == 1 and node.counters.hits == 1  # served from the store
-    ref = bare.execute_batch(batch("vision_encoder", "prefill_vision", {"ref": node_inputs(want)}))
-    assert_equal_outputs({"x": got.per_request_output_tensors["r2"]}, {"x": ref.per_request_output_tensors["ref"]})
+    ref = bare.run("vision_encoder", "prefill_vision", {"ref": node_inputs(want)})
+    assert_equal_outputs({"x": got["r2"]}, {"x": ref["ref"]})
     node.cleanup_request("r2")
     assert node.pinned("r2") == 0
 
@@ -117,16 +117,16 @@ def test_a_known_audio_skips_the_feature_extractor_and_the_node_inputs_match(set
     wrapped, bare = engine({"audio_encoder": node}), engine({"audio_encoder": plain["audio_encoder"]})
     node_inputs = lambda t: {n: t[n] for n in ("audio_features", "audio_seqlens", "audio_digest")}  # noqa: E731
     first = preprocess(worker, "a1", "audio", wavs[0], text=None)
-    wrapped.execute_batch(batch("audio_encoder", "prefill_audio", {"a1": node_inputs(first)}))
+    wrapped.run("audio_encoder", "prefill_audio", {"a1": node_inputs(first)})
     calls = feature_extractor.calls
     second = preprocess(worker, "a2", "audio", wavs[0], text=None)
     assert feature_extractor.calls == calls
     want = preprocess(reference, "ref", "audio", wavs[0], text=None)
     for name in ("text_inputs", "audio_seqlens", "audio_digest"):
         assert all(torch.equal(a, b) for a, b in zip(second[name], want[name])), name
-    got = wrapped.execute_batch(batch("audio_encoder", "prefill_audio", {"a2": node_inputs(second)}))
-    ref = bare.execute_batch(batch("audio_encoder", "prefill_audio", {"ref": node_inputs(want)}))
-    assert_equal_outputs({"x": got.per_request_output_tensors["a2"]}, {"x": ref.per_request_output_tensors["ref"]})
+    got = wrapped.run("audio_encoder", "prefill_audio", {"a2": node_inputs(second)})
+    ref = bare.run("audio_encoder", "prefill_audio", {"ref": node_inputs(want)})
+    assert_equal_outputs({"x": got["a2"]}, {"x": ref["ref"]})
     assert node.counters.hits == 1
 
 
@@ -137,3 +137,19 @@ def test_nothing_is_skipped_when_the_store_dropped_the_output(setup, media):
     preprocess(worker, "c2", "image", images[0])
     assert (len(decodes), image_proc.calls) == (2, 2)
     assert cached["vision_encoder"].pinned("c2") == 0
+
+
+def test_salted_requests_skip_only_for_their_own_tenant(setup, media):
+    """The salt is folded into the carried digest, so the oracle asks about exactly the key the node will look up: a
+    tenant's second request skips (and hits), another tenant's same image is decoded and misses."""
+    plain, cached, worker, _, (image_proc, _), decodes = setup
+    images, _ = media
+    node = cached["vision_encoder"]
+    wrapped = engine({"vision_encoder": node})
+    node_inputs = lambda t: {n: t[n] for n in ("pixel_values", "image_grid_thw", "image_digest")}  # noqa: E731
+    for n, salt in enumerate(("tenant-a", "tenant-a", "tenant-b")):
+        t = preprocess(worker, f"s{n}", "image", images[1], model_kwargs={"mmcache_salt": salt})
+        wrapped.run("vision_encoder", "prefill_vision", {f"s{n}": node_inputs(t)})
+        wrapped.remove_request(f"s{n}")
+    assert (len(decodes), image_proc.calls) == (2, 2)  # tenant-a once, tenant-b once; tenant-a's second skipped
+    assert (node.counters.misses, node.counters.hits) == (2, 1)

@@ -1,4 +1,4 @@
-"""M*'s own Qwen3-Omni ``AudioEncoderSubmodule`` (a tiny random HF audio encoder, sdpa) under M*'s StatelessEngine,
+"""M*'s own Qwen3-Omni ``AudioEncoderSubmodule`` (a tiny random HF audio encoder, sdpa) under M*'s Engine,
 wrapped in ``CachedEncoderNode``, over the Seed-TTS reference WAVs (each serves two rows of meta.lst), run through
 Qwen3-Omni's own ``process_prompt`` (its feature extractor) by M*'s data worker with the digest hook. M*'s
 ``load_audio`` needs torchcodec; where it is missing, the WAV is decoded by mmcache's reader and resampled to 16 kHz
@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
                                    install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
                                    qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
 
@@ -60,11 +60,11 @@ def test_reference_wavs_hit_on_their_second_row_bit_identical(audio, seedtts_row
         inputs.append({name: t[name] for name in ("audio_features", "audio_seqlens", "audio_digest")})
     # rows in pairs of two batches: the first of each WAV misses, the second hits, mixed in one batch
     first = {f"r{i}": inputs[i] for i in (0, 2)}
-    wrapped.execute_batch(batch("audio_encoder", WALK, first))
+    wrapped.run("audio_encoder", WALK, first)
     assert count.calls == 2
     mixed = {f"r{i}": inputs[i] for i in (1, 3, 4, 5)}  # rows 1, 3 hit (WAVs of rows 0, 2); 4 misses; 5 joins 4
-    got = wrapped.execute_batch(batch("audio_encoder", WALK, mixed)).per_request_output_tensors
-    want = plain.execute_batch(batch("audio_encoder", WALK, mixed)).per_request_output_tensors
+    got = wrapped.run("audio_encoder", WALK, mixed)
+    want = plain.run("audio_encoder", WALK, mixed)
     assert_equal_outputs(got, want)
     assert count.calls == 3
     c = cached.counters

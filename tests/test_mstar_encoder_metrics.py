@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mstar_encoder_helpers import batch, engine, require_mstar, saved_model
+from mstar_encoder_helpers import engine, require_mstar, saved_model
 
 require_mstar()
 prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus_client not installed")
@@ -26,7 +26,7 @@ def test_counters_on_a_registry(tmp_path):
     neg = torch.tensor([5, 6, 7])
     for i in range(3):
         reqs = {f"r{i}": {"text_inputs": [torch.tensor([i + 1]), neg]}}
-        eng.execute_batch(batch("text_encoder", "encode_text", reqs, {"guidance_scale": 5.0}))
+        eng.run("text_encoder", "encode_text", reqs, {"guidance_scale": 5.0})
     registry = prometheus_client.CollectorRegistry()
     registry.register(EncoderNodeCollector([node]))
     get = lambda name: registry.get_sample_value(name, {"modality": "text"})  # noqa: E731

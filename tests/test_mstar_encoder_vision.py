@@ -1,4 +1,4 @@
-"""M*'s own Qwen3-Omni ``VisionEncoderSubmodule`` (a tiny random HF vision encoder, sdpa) under M*'s StatelessEngine,
+"""M*'s own Qwen3-Omni ``VisionEncoderSubmodule`` (a tiny random HF vision encoder, sdpa) under M*'s Engine,
 wrapped in ``CachedEncoderNode``, over MMMU images preprocessed by M*'s data worker and Qwen3-Omni's own
 ``process_prompt`` with the digest hook installed: the digest of the bytes as sent travels to the node as the
 ``image_digest`` graph input. Bit-identical to the unwrapped node in a batch mixing hits and misses; two different
@@ -7,7 +7,7 @@ images behind identical placeholders never share an output."""
 import pytest
 import torch
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, batch, data_worker, engine,
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
                                    install_flashinfer_standin, preprocess, qwen3_omni_model, qwen3_omni_processors,
                                    require_mstar, tiny_qwen3_omni_encoders)
 
@@ -55,13 +55,12 @@ def test_mixed_batch_bit_identical_and_forwards_skipped(vision, mmmu_images):
     tensors = [preprocess(worker, f"p{i}", "image", p) for i, p in enumerate(mmmu_images)]
     assert all(t["image_digest"][0].dtype == torch.uint8 and t["image_digest"][0].numel() == 16 for t in tensors)
 
-    wrapped.execute_batch(batch("vision_encoder", WALK, {"a0": node_inputs(tensors[0]),
-                                                         "a1": node_inputs(tensors[1])}))
+    wrapped.run("vision_encoder", WALK, {"a0": node_inputs(tensors[0]), "a1": node_inputs(tensors[1])})
     assert count.calls == 2
     rows = {"b0": 0, "b1": 2, "b2": 1, "b3": 3, "b4": 2}  # hits 0 and 1; misses 2 and 3, 2 twice
     reqs = {rid: node_inputs(tensors[i]) for rid, i in rows.items()}
-    got = wrapped.execute_batch(batch("vision_encoder", WALK, reqs)).per_request_output_tensors
-    want = plain.execute_batch(batch("vision_encoder", WALK, reqs)).per_request_output_tensors
+    got = wrapped.run("vision_encoder", WALK, reqs)
+    want = plain.run("vision_encoder", WALK, reqs)
     assert_equal_outputs(got, want)
     assert count.calls == 2 + 2
     assert (cached.counters.hits, cached.counters.misses, cached.counters.joins) == (2, 4, 1)
@@ -80,10 +79,10 @@ def test_different_images_behind_identical_placeholders_never_share(vision, mmmu
     cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
     wrapped, plain = engine({"vision_encoder": cached}), engine({"vision_encoder": plain_node})
     reqs = {"x": node_inputs(a), "y": node_inputs(b)}
-    wrapped.execute_batch(batch("vision_encoder", WALK, reqs))
-    got = wrapped.execute_batch(batch("vision_encoder", WALK, reqs)).per_request_output_tensors  # both hits
+    wrapped.run("vision_encoder", WALK, reqs)
+    got = wrapped.run("vision_encoder", WALK, reqs)  # both hits
     assert cached.counters.hits == 2
-    assert_equal_outputs(got, plain.execute_batch(batch("vision_encoder", WALK, reqs)).per_request_output_tensors)
+    assert_equal_outputs(got, plain.run("vision_encoder", WALK, reqs))
     assert not torch.equal(got["x"]["vision_embeds"][0], got["y"]["vision_embeds"][0])
 
 
@@ -112,5 +111,24 @@ def test_without_a_carried_digest_the_node_inputs_are_the_key(vision, mmmu_image
     cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
     wrapped = engine({"vision_encoder": cached})
     for rid in ("n0", "n1"):
-        wrapped.execute_batch(batch("vision_encoder", WALK, {rid: bare}))
+        wrapped.run("vision_encoder", WALK, {rid: bare})
     assert (cached.counters.hits, cached.counters.misses) == (1, 1)
+
+
+def test_tenant_salt_from_model_kwargs_is_folded_into_the_carried_digest(vision, mmmu_images):
+    """The request's ``model_kwargs["mmcache_salt"]`` reaches the node's key through the digest the data worker
+    sends: tenants never share an output, a tenant hits its own, no salt is the plain digest."""
+    (_, node), worker = vision
+    salts = [None, b"tenant-a", "tenant-b", "tenant-a"]
+    sent = [preprocess(worker, f"t{i}", "image", mmmu_images[2], model_kwargs=None if s is None else
+                       {"mmcache_salt": s}) for i, s in enumerate(salts)]
+    d = [bytes(t["image_digest"][0].numpy()) for t in sent]
+    assert len({d[0], d[1], d[2]}) == 3 and d[1] == d[3]
+    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
+    wrapped = engine({"vision_encoder": cached})
+    for i, t in enumerate(sent):
+        wrapped.run("vision_encoder", WALK, {f"t{i}": node_inputs(t)})
+    assert (cached.counters.misses, cached.counters.hits) == (3, 1)
+    from mmcache.errors import InvalidRequest
+    with pytest.raises(InvalidRequest):
+        preprocess(worker, "bad", "image", mmmu_images[2], model_kwargs={"mmcache_salt": 7})

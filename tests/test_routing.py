@@ -98,7 +98,7 @@ def _conductor(mstar, threshold):
 def _live(conductor, assignment):
     return conductor.RequestData(persist_signals={}, persist_signal_ref_cnt={}, worker_graph_to_workers=assignment,
                                  all_worker_graph_ids=set(assignment), max_output_tokens=1, random_seed=0,
-                                 sampling_config={})
+                                 resource_configs={})  # 0.2.1: a request's knobs are per resource
 
 
 class _Body:
@@ -133,3 +133,17 @@ def test_conductor_without_names_keeps_today_s_random_choice(mstar):
     c._mmcache_body = _Body([])
     np.random.seed(1)
     assert len({tuple(c._assign_worker_graphs_to_workers()[llm.worker_graph_id]) for _ in range(40)}) == 3
+
+
+def test_conductor_without_names_is_m_star_s_own_assignment(mstar):
+    """No names: the same seed gives exactly the assignment 0.2.1's ``Conductor`` makes itself."""
+    conductor = mstar[0]
+    c, _, _, _ = _conductor(mstar, threshold=3)
+    c._mmcache_body = _Body([])
+    plain = object.__new__(conductor.Conductor)
+    plain.worker_graphs, plain.requests = c.worker_graphs, {}
+    for seed in range(5):
+        np.random.seed(seed)
+        ours = [c._assign_worker_graphs_to_workers() for _ in range(4)]
+        np.random.seed(seed)
+        assert ours == [plain._assign_worker_graphs_to_workers() for _ in range(4)]

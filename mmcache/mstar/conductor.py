@@ -45,12 +45,15 @@ def replica_units(wg) -> list[list[int]]:
 
 def assign_worker_graphs(worker_graphs: Mapping, pick: Callable[[object], int]) -> dict[str, list[str]]:
     """M*'s assignment with the replica choice made by ``pick(wg) -> replica index``, called once per node group
-    (``_group_id``) so every worker graph of a group lands on the same replica, as in the vendored method."""
+    (``_group_id``) so every worker graph of a group lands on the same replica, as M*'s own method does. With a
+    ``pick`` that falls back to ``np.random.randint``, the assignment and the random stream are M*'s own."""
     chosen: dict[int, int] = {}
     result = {}
     for wg_id, wg in worker_graphs.items():
         if wg._group_id not in chosen:
             chosen[wg._group_id] = pick(wg)
+        else:  # M*'s ``setdefault(group, np.random.randint(n))`` draws for every worker graph: keep its stream
+            np.random.randint(len(replica_units(wg)))
         result[wg_id] = [f"worker_{r}" for r in replica_units(wg)[chosen[wg._group_id]]]
     return result
 

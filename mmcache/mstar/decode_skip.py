@@ -31,27 +31,13 @@ import torch
 
 from mmcache.errors import InvalidRequest
 
-SALT_KEY = "mmcache_salt"  # a request's tenant salt: among its model_kwargs here, in its step_metadata at the node
-
-
-def request_salt(entries, where: str) -> bytes:
-    """The tenant salt under ``SALT_KEY`` in ``entries`` (model_kwargs or step_metadata; may be None) as bytes."""
-    salt = (entries or {}).get(SALT_KEY, b"")
-    if isinstance(salt, str):
-        salt = salt.encode()
-    if not isinstance(salt, (bytes, bytearray)):
-        raise InvalidRequest(f"{where}[{SALT_KEY!r}] must be bytes or str, got {type(salt).__name__}")
-    return bytes(salt)
-
-
 @dataclasses.dataclass(frozen=True)
 class MediaKey:
     """One media item of one request, as the data worker asks the oracle about it."""
 
     request_id: str
     modality: str
-    digest: bytes  # the 16 bytes that travel as ``<modality>_digest``
-    salt: bytes = b""
+    digest: bytes  # the 16 bytes that travel as ``<modality>_digest`` (the tenant salt folded in, ``salts``)
 
 
 Known = Callable[[list[MediaKey]], set]
@@ -65,7 +51,7 @@ def store_oracle(nodes: dict[str, tuple]) -> Known:
         for k in keys:
             if k.modality in nodes:
                 node, walk = nodes[k.modality]
-                if node.hold(k.request_id, k.digest, k.salt, walk):
+                if node.hold(k.request_id, k.digest, walk):
                     out.add(k)
         return out
     return known

@@ -63,8 +63,8 @@ class WholeRequest:
     def items(self, fwd_info, raw_inputs: dict, node_inputs) -> list[Item]:
         digest = carried_digest(raw_inputs, self.modality)
         if digest is None:
-            digest = bytes(inputs_digest(node_inputs, self.modality))
-        return [Item(digest, node_inputs)]
+            return [Item(bytes(inputs_digest(node_inputs, self.modality)), node_inputs)]
+        return [Item(digest, node_inputs, salted=True)]
 
     def assemble(self, node_inputs, values: list) -> dict:
         return values[0]
@@ -103,14 +103,28 @@ class Wan22TextItems:
         return {"text_embeds_pos": [pos], "text_embeds_neg": [neg]}
 
 
+# M* 0.2.1's encoder nodes whose output is a function of the request's node inputs alone -> the modality they encode
+_WHOLE_REQUEST = {"VisionEncoderSubmodule": "image", "AudioEncoderSubmodule": "audio",  # Qwen3-Omni
+                  "WhisperEncoderSubmodule": "audio", "HiggsAudioEncoderSubmodule": "audio",
+                  "Pi05ViTEncoderSubmodule": "image", "VJepa2EncoderSubmodule": "video",
+                  "Wan22VaeEncoderSubmodule": "image",  # Wan 2.2 i2v: the first frame's latent
+                  "Cosmos3VAEEncoderSubmodule": "video",  # Cosmos3: the conditioning image or clip
+                  "ViTEncoderSubmodule": "image"}  # BAGEL's SigLIP2 ViT (understanding)
+
+# M* 0.2.1's encoder nodes whose outputs must not be reused, and why
+_NOT_REUSED = {"VAEEncoderSubmodule": "BAGEL's VAE encode samples its latent (DiagonalGaussian(sample=True) draws "
+                                      "randn each call), so its output is not a function of its input"}
+
+
 def items_for(node) -> WholeRequest | Wan22TextItems:
-    """The ``NodeItems`` of an M* encoder submodule: Wan 2.2's text encoder, Qwen3-Omni's vision ("image") and audio
-    encoders, Whisper's and Higgs Audio's audio encoders; InvalidRequest for other nodes (give items yourself)."""
+    """The ``NodeItems`` of an M* 0.2.1 encoder submodule: Wan 2.2's text encoder (prompt and negative), the nodes of
+    ``_WHOLE_REQUEST`` (one item each); InvalidRequest for other nodes (give items yourself)."""
     name = type(node).__name__
     if name == "Wan22TextEncoderSubmodule":
         return Wan22TextItems(int(node.config.text_max_seq_len))
-    modality = {"VisionEncoderSubmodule": "image", "AudioEncoderSubmodule": "audio", "Pi05ViTEncoderSubmodule": "image",
-                "WhisperEncoderSubmodule": "audio", "HiggsAudioEncoderSubmodule": "audio"}.get(name)
+    modality = _WHOLE_REQUEST.get(name)
+    if name in _NOT_REUSED:
+        raise InvalidRequest(f"{name} is not reused: {_NOT_REUSED[name]}")
     if modality is None:
         raise InvalidRequest(f"no item split known for {name}: pass WholeRequest(modality) or your own NodeItems")
     return WholeRequest(modality)

@@ -5,8 +5,9 @@ request's raw files; it decodes them (``model.load_image``/``load_audio``) and l
 (``model.process_prompt``). ``install_digests(worker, params)`` wraps that one worker instance from outside: each
 file of the request is read once, decoded from those bytes (``mmcache.mstar.media_bytes``) and digested (its
 bytes plus the canonical parameters of the processor that turns it into node inputs, ``digests.image``/
-``digests.audio``), and the digests join the request's tensors as ``<modality>_digest``
-(one uint8 [16] tensor per file, in file order), next to ``pixel_values`` and ``audio_features``.
+``digests.audio``), with the request's tenant salt folded in (``mmcache.mstar.salts``), and the digests join the
+request's tensors as ``<modality>_digest`` (one uint8 [16] tensor per file, in file order), next to ``pixel_values``
+and ``audio_features``.
 
 From there a digest reaches the node like any other tensor: as a graph input of the encoder's walk. For Qwen3-Omni
 ``route_digests(model)`` adds ``<modality>_digest`` to each encoder step of the thinker's prefill schedule, so
@@ -25,7 +26,8 @@ import torch
 
 import digests
 from mmcache.errors import InvalidRequest
-from mmcache.mstar.decode_skip import Known, MediaKey, request_salt, stand_ins_for
+from mmcache.mstar.decode_skip import Known, MediaKey, stand_ins_for
+from mmcache.mstar.salts import request_salt, salted_digest
 from mmcache.mstar.media_bytes import decode_from, read_request_files
 
 _MEDIA = {"image": digests.image, "audio": digests.audio, "video": digests.video}
@@ -41,11 +43,16 @@ def digest_files(file_paths: dict[str, list], params: dict[str, object],
             for m, paths in file_paths.items() if m in _MEDIA}
 
 
-def digest_tensors(found: dict[str, list[digests.Digest]]) -> dict[str, list[torch.Tensor]]:
-    """``{<modality>_digest: [uint8 tensor per file]}``: the form a digest travels in between M*'s workers. Only the
-    first 16 bytes travel (all of xxh3-128; a 128-bit prefix of the cryptographic options)."""
-    return {f"{m}_digest": [torch.frombuffer(bytearray(bytes(d)[:16]), dtype=torch.uint8) for d in ds]
-            for m, ds in found.items() if ds}
+def carried(found: dict[str, list[digests.Digest]], salt: bytes) -> dict[str, list[bytes]]:
+    """Per modality, the 16 bytes that travel for each file: its digest with the request's tenant salt folded in
+    (``salts.salted_digest``; all of xxh3-128, a 128-bit prefix of the cryptographic options)."""
+    return {m: [salted_digest(bytes(d), salt) for d in ds] for m, ds in found.items()}
+
+
+def digest_tensors(raw: dict[str, list[bytes]]) -> dict[str, list[torch.Tensor]]:
+    """``{<modality>_digest: [uint8 tensor per file]}``: the form a digest travels in between M*'s workers."""
+    return {f"{m}_digest": [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in ds]
+            for m, ds in raw.items() if ds}
 
 
 def install_digests(worker, params: dict[str, object], known: Known | None = None, stand_ins=None) -> None:
@@ -80,16 +87,16 @@ def install_digests(worker, params: dict[str, object], known: Known | None = Non
         stored = stand_ins.lookup(raw)
         if stored is None:
             return None
-        salt = request_salt(input.model_kwargs, "model_kwargs")
-        keys = {MediaKey(input.request_id, m, d, salt) for m, ds in raw.items() for d in ds}
+        keys = {MediaKey(input.request_id, m, d) for m, ds in raw.items() for d in ds}
         return stored if known(sorted(keys, key=repr)) >= keys else None
 
     @functools.wraps(process_input)
     def _process_input(input):
+        salt = request_salt(input.model_kwargs, "model_kwargs")  # a bad salt is refused before anything is read
         pending.blobs = read_request_files(input.file_paths)
         found = digest_files(input.file_paths or {}, params, pending.blobs)
-        pending.tensors = digest_tensors(found)
-        pending.raw = {m: [bytes(d)[:16] for d in ds] for m, ds in found.items()}
+        pending.raw = carried(found, salt)
+        pending.tensors = digest_tensors(pending.raw)
         pending.skip = stored = skippable(input, pending.raw)
         if stored is not None:
             stand_ins.begin(stored)
