@@ -1,5 +1,6 @@
 """mmcache inside M* (``mstar-ai`` 0.2.1 from the package index; ``mmcache.mstar.requirement`` says how to install
-it): cached encoder nodes (``encoder_node``, keyed by ``encoder_items``, with digests taken in the data worker by
+it): ``enable_reuse`` (``switch``) turns it on for a model; prefix KV reuse in M*'s KV resource (``kv_resource``:
+``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed by ``encoder_items``, with digests taken in the data worker by
 ``media_digests``, tenant salts routed by ``salts`` and counters exported by ``encoder_metrics``) and replica
 affinity in M*'s conductor
 (``conductor``). The names below import M* on first access, after checking its version; the core (``mmcache``)
@@ -13,7 +14,9 @@ from mmcache.mstar.requirement import require_mstar
 _EXPORTS = {"AffinityConductor": "conductor", "CachedEncoderNode": "encoder_node",
             "cache_encoder_nodes": "encoder_node", "install_digests": "media_digests",
             "route_digests": "media_digests", "store_oracle": "decode_skip", "EncoderNodeCollector": "encoder_metrics",
-            "route_salt": "salts", "items_for": "encoder_items", "enable_encoder_reuse": "encoder_reuse"}
+            "route_salt": "salts", "items_for": "encoder_items", "enable_encoder_reuse": "encoder_reuse",
+            "enable_reuse": "switch", "PrefixReuse": "kv_resource", "ReuseKVSpec": "kv_resource",
+            "ReuseKVManager": "kv_resource"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -1,8 +1,10 @@
-"""The one call that turns prefix reuse on for an M* model: ``enable_reuse(model, PrefixReuse(...), nodes=...)``.
+"""The one call that turns reuse on for an M* model: ``enable_reuse(model, PrefixReuse(...), nodes=...)``: prefix KV
+reuse for its KV specs and, unless ``encoders=False``, encoder-output reuse for its encoder nodes
+(``mmcache.mstar.encoder_reuse.enable_encoder_reuse``).
 
 From outside M*, on the model object the engine loads (no M* file changes):
 
-- ``get_node_resources``: every ``KVSpec`` (or those named in ``kv_keys``) becomes a ``ReuseKVSpec``, so the engine
+- ``get_node_resources``: each ``KVSpec`` named in ``kv_keys`` becomes a ``ReuseKVSpec``, so the engine
   builds a ``ReuseKVManager`` for it through its own ``build_resource``;
 - ``get_submodule``: each node in ``nodes`` (node name -> the label its step writes its prompt into) gets the seam
   on its ``prepare_inputs`` and ``declare_step``. ``prepare_inputs`` is where M* hands a node its ids and its
@@ -12,8 +14,9 @@ From outside M*, on the model object the engine loads (no M* file changes):
   suffix. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt, hit or not, so sampling is
   what it was.
 
-The tenant salt comes from the request: ``step_metadata["mmcache_salt"]`` (``mmcache.mstar.decode_skip.SALT_KEY``),
-the same key the cached encoder nodes read. With reuse off (no ``enable_reuse``) M* runs as it ships.
+The tenant salt comes from the request's ``model_kwargs["mmcache_salt"]``: ``route_salt`` (``mmcache.mstar.salts``, the
+one salt reader, shared with the encoder nodes) carries it into every pass's ``step_metadata``, where the seam reads
+it. With reuse off (no ``enable_reuse``) M* runs as it ships.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Mapping
 
 import torch
 
-from mmcache.mstar.decode_skip import request_salt
+from mmcache.mstar.encoder_reuse import enable_encoder_reuse
 from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVManager, ReuseKVSpec
 from mmcache.mstar.requirement import require_mstar
+from mmcache.mstar.salts import request_salt, route_salt
 
 require_mstar()
 from mstar.engine.resources.kv.config import KVSpec  # noqa: E402
@@ -33,16 +37,18 @@ from mstar.engine.resources.position.manager import PositionManager, PublishedPo
 from mstar.engine.resources.sampler.config import SamplerStep  # noqa: E402
 
 
-def enable_reuse(model, reuse: PrefixReuse, nodes: Mapping[str, str], kv_keys: set[str] | None = None):
-    """Turn reuse on for ``model`` (an M* ``Model``, before the engine loads it); returns it. ``nodes``: node name
-    -> the KV label that node's prefill writes (e.g. ``{"LLM": "main"}``)."""
+def enable_reuse(model, reuse: PrefixReuse, nodes: Mapping[str, str], kv_keys: set[str], encoders: bool = True):
+    """Turn reuse on for ``model`` (an M* ``Model`` instance, before the engine loads it); returns it. ``nodes``:
+    node name -> the KV label that node's prefill writes (e.g. ``{"LLM": "main"}``); ``kv_keys``: the KV resources
+    whose KV the fed token ids alone determine (never a cross-attention cache, nor a decoder's whose layers attend
+    to an encoder's output: Whisper's decoder KV depends on the audio); ``encoders``: also reuse encoder outputs."""
     specs_of, submodule_of = model.get_node_resources, model.get_submodule
     labels = tuple(sorted(set(nodes.values()) | set(reuse.labels)))
     reuse = reuse if labels == reuse.labels else type(reuse)(**{**reuse.__dict__, "labels": labels})
 
     def get_node_resources():
-        return [ReuseKVSpec.of(s, reuse) if type(s) is KVSpec and (kv_keys is None or s.resource_key in kv_keys)
-                else s for s in specs_of()]
+        return [ReuseKVSpec.of(s, reuse) if type(s) is KVSpec and s.resource_key in kv_keys else s
+                for s in specs_of()]
 
     def get_submodule(node_name, *args, **kwargs):
         submodule = submodule_of(node_name, *args, **kwargs)
@@ -51,6 +57,9 @@ def enable_reuse(model, reuse: PrefixReuse, nodes: Mapping[str, str], kv_keys: s
         return submodule
 
     model.get_node_resources, model.get_submodule = get_node_resources, get_submodule
+    route_salt(model)
+    if encoders:
+        enable_encoder_reuse(model)
     return model
 
 
