@@ -182,28 +182,25 @@ class ReuseKVManager(KVManager):
         stream holds; any later feed names the positions it writes. ``None`` ids (an embeddings walk) name nothing."""
         if not self.reuses(label):
             return 0
-        key = (rid, label)
-        with self._lock:
-            stream = self._ensure_label(rid, label)
-            named = self._named.get(key)
-            held = stream.stored_len
+        named = self._named.get((rid, label))
+        if named is not None:  # the stream is named already: a decode token, a later walk, or the prefill retried
+            held = self._streams[rid][label].stored_len
+            prompt = named.claim.prompt.tokens
+            if token_ids is not None and held < prompt.size and len(token_ids) == prompt.size \
+                    and np.array_equal(as_tokens(token_ids), prompt):
+                named.pending = (held, prompt[held:])
+                return held  # the prefill again: only what is not held is fed
+            named.pending = None if token_ids is None else (held, token_ids)  # checked when its page fills
+            return 0
         if token_ids is None:
-            if named is not None:
-                named.pending = None
             return 0
         ids = as_tokens(token_ids)
-        if named is None:
-            if held or stream.page_indices or not ids.size:
-                return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
-            return self._match(rid, label, ids, media, salt)
-        prompt = named.claim.prompt.tokens
-        if held < prompt.size and ids.size == prompt.size and np.array_equal(ids, prompt):
-            with self._lock:
-                named.pending = (held, ids[held:])
-            return held  # the prefill again: only what is not held is fed
         with self._lock:
-            named.pending = (held, ids)
-        return 0
+            stream = self._ensure_label(rid, label)
+            filled = stream.stored_len or stream.page_indices
+        if filled or not ids.size:
+            return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
+        return self._match(rid, label, ids, media, salt)
 
     def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes) -> int:
         life = self.lifecycle(label)
@@ -243,18 +240,24 @@ class ReuseKVManager(KVManager):
         span, pending, named.pending = stream.stored_len - old, named.pending, None
         if span <= 0:
             return
-        prompt = named.claim.prompt.tokens
-        if named.covered and pending is not None and pending[0] == old == named.named and pending[1].size == span:
+        prompt_len = named.claim.prompt.tokens.size
+        if named.covered and pending is not None and pending[0] == old == named.named and len(pending[1]) == span:
             start, ids = pending
-            if start + span > prompt.size:
-                named.generated += ids[max(0, prompt.size - start):].tolist()
+            if start + span > prompt_len:
+                tail = ids[max(0, prompt_len - start):]
+                named.generated += tail.tolist() if hasattr(tail, "tolist") else list(tail)
             named.named = start + span
         else:
             named.covered = False
         P = self.config.page_size
         if min(stream.stored_len, named.named) // P > named.claim.indexed:
-            self.lifecycle(key[1]).commit(named.claim, stream.page_indices, stream.stored_len,
-                                          np.asarray(named.generated, dtype=np.int32), tokens_named=named.named)
+            try:
+                generated = as_tokens(named.generated) if named.generated else np.zeros(0, dtype=np.int32)
+            except InvalidRequest:  # a fed id that is no token id: nothing from here on is named
+                named.covered, named.named = False, min(named.named, prompt_len)
+                return
+            self.lifecycle(key[1]).commit(named.claim, stream.page_indices, stream.stored_len, generated,
+                                          tokens_named=named.named)
 
     def reset_request(self, rid: str, free: bool = False):
         if not free:

@@ -77,7 +77,10 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         for key, kv in resources.items():
             if not (isinstance(kv, ReuseKVManager) and kv.reuses(label)):
                 continue
-            rid, ids = fwd_info.request_id, out.input_ids
+            # ids alone describe the step only when no embeddings go in with them (Qwen3-Omni's thinker feeds both:
+            # its embeddings carry the media); anything else is a walk the names do not cover
+            rid = fwd_info.request_id
+            ids = out.input_ids if getattr(out, "input_embeds", None) is None else None
             salt = request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
             held = kv.feed(rid, label, ids, salt=salt)
             if held:

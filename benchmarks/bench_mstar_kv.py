@@ -1,0 +1,103 @@
+"""Per-step cost of M*'s KV resource with mmcache under it vs M*'s own ``KVManager``, in one run.
+
+    python benchmarks/bench_mstar_kv.py [--requests 256] [--steps 32] [--repeats 7] [--page 16]
+
+Both resources are built by M*'s ``build_resource`` and driven by M*'s ``StepRunner`` (admit, plan, commit) for decode
+steps of ``--requests`` requests, one token each, after a prefill of 64 tokens per request (4 pages at page 16). Rows:
+M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the counted pool alone), and with reuse on (plus
+the seam's ``feed`` of each request's token, and commit-as-written indexing the pages that fill). The forward is not
+run: what is timed is the resource's own work. ms per step, best of repeats, spread = max/min over repeats; rows are
+interleaved repeat by repeat so load on the machine hits every row alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mmcache.mstar.requirement import why_unavailable  # noqa: E402
+
+SKIP = why_unavailable()
+if SKIP is None:
+    from mstar.communication.tensors import LocalTransferEngine
+    from mstar.engine.resources import KVConfig, KVSpec, KVStep, Segment, StepContext, StepRunner, SubmoduleStep
+    from mstar.engine.resources.base import EngineResourceInfo, build_resource
+    from mstar.engine.resources.kv.transfer import TransferEngineInfo
+
+    from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVSpec
+
+PROMPT = 64
+
+
+def build(kind: str, requests: int, page: int, steps: int):
+    pages = requests * (-(-(PROMPT + steps + 1) // page)) + 16
+    cfg = KVConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_seq_len=pages * page, max_num_pages=pages,
+                   page_size=page)
+    spec = KVSpec(resource_key="kv", nodes={"n"}, config=cfg)
+    if kind != "mstar":
+        spec = ReuseKVSpec.of(spec, PrefixReuse(model="bench") if kind == "reuse on" else None)
+    info = EngineResourceInfo(device=torch.device("cpu"), kv_dtype=torch.float16,
+                              transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")))
+    kv = build_resource(spec, info)
+    return kv, StepRunner({"kv": kv})
+
+
+def run_step(runner, rids, span: int) -> None:
+    s = SubmoduleStep(segments=[Segment(rid, "main", span) for rid in rids], steps={"kv": KVStep()})
+    s.set_ctx(StepContext(request_ids=rids, graph_walk="decode", slot=0, capture=False))
+    assert runner.admit(s).ok
+    runner.plan(s)
+    runner.commit(s)
+
+
+def once(kind: str, requests: int, page: int, steps: int) -> float:
+    kv, runner = build(kind, requests, page, steps)
+    rids = [f"r{i}" for i in range(requests)]
+    reuse = kind == "reuse on"
+    for i, rid in enumerate(rids):
+        runner.ingest_request(rid)
+        if reuse:  # distinct prompts: what is measured is the bookkeeping, not hits
+            kv.feed(rid, "main", torch.arange(PROMPT) + i * PROMPT)
+    run_step(runner, rids, PROMPT)
+    tok = torch.tensor([7])
+    t = time.perf_counter()
+    for _ in range(steps):
+        if reuse:
+            for rid in rids:
+                kv.feed(rid, "main", tok)
+        run_step(runner, rids, 1)
+    return (time.perf_counter() - t) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--page", type=int, default=16)
+    args = ap.parse_args()
+    if SKIP is not None:
+        print(f"bench_mstar_kv: skipped ({SKIP})")
+        return
+    kinds = ("mstar", "reuse off", "reuse on")
+    times = {k: [] for k in kinds}
+    for _ in range(args.repeats):
+        for k in kinds:
+            times[k].append(once(k, args.requests, args.page, args.steps))
+    base = min(times["mstar"])
+    print(f"{'KV resource (StepRunner, decode)':<36} | {'ms/step':>8} | {'vs M*':>6} | {'spread':>6}")
+    names = {"mstar": "M*'s KVManager", "reuse off": "ReuseKVManager, reuse off", "reuse on": "ReuseKVManager, reuse on"}
+    for k in kinds:
+        best = min(times[k])
+        print(f"{names[k]:<36} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
+    print(f"({args.requests} requests per step, page {args.page}, {args.steps} decode steps after a {PROMPT}-token "
+          f"prefill, best of {args.repeats}; {sys.platform}, {torch.get_num_threads()} threads)")
+
+
+if __name__ == "__main__":
+    main()
