@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import digests  # noqa: E402
 from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
+from workloads.registry import data_place  # noqa: E402
 
 
 
@@ -32,8 +32,7 @@ def synthetic(fmt: str, side: int, noise: float) -> bytes:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get(
-        "MMCACHE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")))
+    ap.add_argument("--data", type=Path, default=data_place()[0])
     args = ap.parse_args()
 
     print(f"{'input':<10}" + "".join(f"{a:>12}" for a in digests.ALGORITHMS) + "   (GB/s)")

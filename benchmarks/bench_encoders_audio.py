@@ -34,6 +34,7 @@ from encoders.audio import CachedAudioEncoder  # noqa: E402
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder, SpeakerEncoderConfig  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
 from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
+from workloads.registry import data_place  # noqa: E402
 
 RATE = 24000
 
@@ -124,8 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--distinct", type=int, default=8, help="distinct WAVs per round of the all-miss guard")
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get(
-        "MMCACHE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")))
+    ap.add_argument("--data", type=Path, default=data_place()[0])
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     args = ap.parse_args()
     if args.threads:

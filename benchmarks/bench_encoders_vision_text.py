@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from encoders.text import CachedPromptEncoder  # noqa: E402
 from encoders.vision import CachedVisionEncoder  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
 from workloads.fixtures import t5_style_tokenizer  # noqa: E402
+from workloads.registry import data_place  # noqa: E402
 
 WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
                 "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，"
@@ -201,8 +201,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch intra-op threads; 1 on a CPU shared with other jobs, where a parallel op waits out "
                          "the scheduler for a descheduled thread (about 100 ms)")
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get(
-        "MMCACHE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")))
+    ap.add_argument("--data", type=Path, default=data_place()[0])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_encoders_") as tmp:  # ~2.5 GB of saved weights

@@ -21,9 +21,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def shared_data() -> Path | None:
-    """../shared/data (or $MMCACHE_DATA) when present; a user's clone has neither."""
-    env = os.environ.get("MMCACHE_DATA")
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    """The data folder the replays read (``workloads.registry.data_place``: $MMCACHE_DATA, else ../shared/data) when
+    present; a user's clone has neither."""
+    from workloads.registry import data_place
+    path = data_place()[0]
     return path if path.is_dir() else None
 
 

@@ -5,7 +5,6 @@ import hashlib
 import io
 import os
 import wave
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +13,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import digests
+from workloads.registry import data_place
 from mmcache.errors import InvalidMedia, MmcacheError
 
-DATA = Path(os.environ.get("MMCACHE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+DATA = data_place()[0]
 SIZE = {"size": {"shortest_edge": 224}}
 
 

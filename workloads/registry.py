@@ -111,8 +111,10 @@ def embedded_slice() -> Path:
 
 
 def default_data() -> Path:
-    """``../shared/data`` from the working directory: where a checkout beside the project's shared folder has it."""
-    return Path.cwd().parent / "shared" / "data"
+    """``shared/data`` beside this checkout (where the project's shared folder is laid), else ``../shared/data`` from
+    the working directory (an installed, non-editable package has no checkout)."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return beside if beside.is_dir() else Path.cwd().parent / "shared" / "data"
 
 
 def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:
