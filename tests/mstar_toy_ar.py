@@ -218,3 +218,71 @@ def host_pool(n: Node, pages: int):
             pass
 
     return HostPagePoolOnCPU(n.kv.config, n.kv.kv_cache, pages)
+
+
+# -- the same node under M*'s real Engine ---------------------------------------------------------------------------
+def engine_node(w, pages: int = 32, reuse: PrefixReuse | None = None, dtype=torch.float64):
+    """M*'s ``Engine`` (``load_model`` with the node's specs, ``warmup``) running ``ToyNode``'s computation as a real
+    ``NodeSubmodule``; with ``reuse`` its KV spec is a ``ReuseKVSpec`` and the seam is on the node. Returns
+    ``(engine, submodule)``."""
+    from mstar.distributed.communication import WorkerParallelGroups
+    from mstar.engine.engine import Engine
+    from mstar.model.submodule_base import NodeSubmodule
+
+    class ToyARSubmodule(NodeSubmodule):
+        def __init__(self):
+            super().__init__()
+            self.toy = ToyNode(w)
+
+        def prepare_inputs(self, graph_walk, fwd_info, inputs, **kwargs):
+            return ARNodeInputs(input_ids=inputs["ids"][0], input_seq_len=int(inputs["ids"][0].shape[0]))
+
+        def declare_step(self, graph_walk, request_ids, inputs, *args, **kwargs):
+            return self.toy.declare_step(graph_walk, request_ids, inputs)
+
+        def preprocess(self, graph_walk, engine_inputs, inputs):
+            return {"rows": list(inputs)}
+
+        def can_batch(self, batch, model_inputs):
+            return True
+
+        def forward_batched(self, graph_walk, engine_inputs, rows):
+            res = engine_inputs.resources
+            logits = self.toy.forward(res[KV], res[ROPE], rows, engine_inputs.step.ctx.plan_results)
+            return {rid: {"logits": [lg]} for rid, lg in zip(engine_inputs.request_ids, logits)}
+
+        def forward(self, graph_walk, engine_inputs, rows):
+            return self.forward_batched(graph_walk, engine_inputs, rows)[engine_inputs.request_ids[0]]
+
+    cfg = KVConfig(num_layers=1, num_kv_heads=H, head_dim=HD, max_seq_len=pages * P, max_num_pages=pages, page_size=P)
+    kv_spec = KVSpec(resource_key=KV, nodes={"toy"}, config=cfg)
+    if reuse is not None:
+        kv_spec = ReuseKVSpec.of(kv_spec, reuse)
+    rope_spec = PositionSpec(resource_key=ROPE, nodes={"toy"}, config=PositionConfig(kv_cache=KV))
+    sub = ToyARSubmodule()
+    if reuse is not None:
+        name_what_is_fed(sub, "toy", LABEL)
+    engine = Engine(autocast_dtype=None)
+    engine.load_model({"toy": sub}, specs=[kv_spec, rope_spec],
+                      parallel_groups=WorkerParallelGroups(num_workers=1, global_rank=0), device=torch.device("cpu"),
+                      transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")), kv_cache_type=dtype)
+    engine.warmup()
+    return engine, sub
+
+
+def engine_step(engine, walk: str, feeds: dict[str, list[int]], salt: bytes = b"") -> dict[str, torch.Tensor]:
+    """One batch of the toy node on ``walk`` as M*'s worker runs it: prepare_inputs, exec_and_postprocess,
+    finalize_batch. Returns rid -> last-position logits."""
+    from mstar.engine.engine import ExecutingBatch
+    infos = {rid: fwd_info(rid, salt) for rid in feeds}
+    for info in infos.values():
+        info.graph_walk = walk
+    b = ExecutingBatch(node_name="toy", per_request_info=infos,
+                       per_request_input_tensors={rid: {"ids": [torch.as_tensor(ids, dtype=torch.long)]}
+                                                  for rid, ids in feeds.items()},
+                       step_context=StepContext(request_ids=tuple(feeds), graph_walk=walk, slot=0, capture=False))
+    engine.prepare_inputs(b)
+    assert not b.failed_requests, b.failed_requests
+    out = engine.exec_and_postprocess(b)
+    engine.finalize_batch(b)
+    return {rid: o["logits"][0] for rid, o in out.items()}
