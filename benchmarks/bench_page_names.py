@@ -4,8 +4,9 @@ same process on the same tokens, from a numpy int32 array and from a Python list
 vLLM names a full block ``hash_fn((parent_hash, tuple(block tokens), extra_keys))``; its options (vllm/utils/hashing.py,
 ``--prefix-caching-hash-algo``): ``sha256`` (SHA-256 over a pickle), ``sha256_cbor`` (over canonical CBOR), and in
 later releases ``xxhash`` / ``xxhash_cbor`` (xxh3-128 over pickle / CBOR). The issue also asks for xxHash over
-msgpack, which vLLM uses on its wire, and the transformers engine's blake2b-64 (its prompts are lists, so from numpy
-it pays one ``tolist()``). From numpy, each baseline pays ``tolist()`` per block, as vLLM would.
+msgpack, which vLLM uses on its wire, the transformers engine's blake2b-64 (its prompts are lists, so from numpy
+it pays one ``tolist()``), and M* main's native prefix cache: two SHA-256 per page (its page key, then the key
+fingerprinted under the root), unverified. From numpy, each baseline pays ``tolist()`` per block, as vLLM would.
 
 Figures: tokens/s, median over ``--repeat`` runs with the min-max spread, and each baseline's ratio to mmcache from
 the same input kind. Run: python benchmarks/bench_page_names.py [--tokens 1000000] [--page-size 16]
@@ -53,6 +54,17 @@ def vllm_chain(tokens, page: int, hasher) -> list[bytes]:
     return out
 
 
+def mstar_main_chain(tokens: np.ndarray, page: int, root: bytes) -> list[bytes]:
+    """M* main's native prefix cache as its issue describes it: two SHA-256 per page, the page key over the parent
+    key, the page's token bytes and its layout items (none here), then the key fingerprinted under the root. No
+    verification follows: a collision of either serves another prefix's KV."""
+    parent, out, sha = b"", [], hashlib.sha256
+    for i in range(len(tokens) // page):
+        parent = sha(parent + tokens[i * page:(i + 1) * page].tobytes()).digest()
+        out.append(sha(root + parent).digest())
+    return out
+
+
 def transformers_chain(tokens, page: int, block_hash) -> list[int]:
     """The peer engine's chain (``match_prefix_blocks``): it slices the prompt list per block."""
     parent, out = None, []
@@ -93,6 +105,9 @@ def main(argv=None) -> None:
         for kind, src in (("numpy", toks), ("list", as_list)):
             t = timed(lambda: vllm_chain(src, P, hasher), args.repeat)
             rows.append((name, kind, t, statistics.median(t) / statistics.median(ours[kind])))
+    t = timed(lambda: mstar_main_chain(toks, P, root.to_bytes(8, "little")), args.repeat)
+    rows.append(("2x SHA-256 (M* main: page key, fingerprint)", "numpy", t,
+                 statistics.median(t) / statistics.median(ours["numpy"])))
     try:  # the peer of bench_peer_transformers: blake2b-64 over parent + array('i', tokens), no verification
         from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
     except ImportError:

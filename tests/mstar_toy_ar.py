@@ -233,7 +233,7 @@ def engine_node(w, pages: int = 32, reuse: PrefixReuse | None = None, dtype=torc
         def __init__(self):
             super().__init__()
             self.toy = ToyNode(w)
-
+            self.fed = 0  # prompt tokens the prefill walks computed
         def prepare_inputs(self, graph_walk, fwd_info, inputs, **kwargs):
             return ARNodeInputs(input_ids=inputs["ids"][0], input_seq_len=int(inputs["ids"][0].shape[0]))
 
@@ -247,6 +247,8 @@ def engine_node(w, pages: int = 32, reuse: PrefixReuse | None = None, dtype=torc
             return True
 
         def forward_batched(self, graph_walk, engine_inputs, rows):
+            if graph_walk == "prefill":
+                self.fed += sum(r.input_seq_len for r in rows)
             res = engine_inputs.resources
             logits = self.toy.forward(res[KV], res[ROPE], rows, engine_inputs.step.ctx.plan_results)
             return {rid: {"logits": [lg]} for rid, lg in zip(engine_inputs.request_ids, logits)}

@@ -120,13 +120,21 @@ class ReuseKVSpec(KVSpec):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Named:
-    """What names one (request, label) stream: its claim on the index, the ids fed after the prompt, how many leading
-    positions the names cover (``named``), and the feed announced for the step in flight (start, ids)."""
+    """What names one (request, label) stream: its claim on the index and its label's lifecycle, the stream itself, the
+    ids fed after the prompt
+    (chunks as fed, flattened when a page fills), how many leading positions the names cover (``named``), the feed
+    announced for the step in flight (start, ids, length) and the next position whose page, once written and named,
+    is committed (``due``: one integer compare per decode step)."""
 
     claim: Claim
-    generated: list[int]
+    life: PrefixLifecycle
+    stream: object
+    prompt_len: int
     named: int
-    pending: tuple[int, np.ndarray] | None = None
+    due: int
+    chunks: list = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    pending: tuple | None = None
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
 
 
@@ -184,13 +192,15 @@ class ReuseKVManager(KVManager):
             return 0
         named = self._named.get((rid, label))
         if named is not None:  # the stream is named already: a decode token, a later walk, or the prefill retried
-            held = self._streams[rid][label].stored_len
-            prompt = named.claim.prompt.tokens
-            if token_ids is not None and held < prompt.size and len(token_ids) == prompt.size \
-                    and np.array_equal(as_tokens(token_ids), prompt):
-                named.pending = (held, prompt[held:])
+            held = named.stream.stored_len
+            if token_ids is None:
+                named.pending = None
+                return 0
+            n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
+            if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
+                named.pending = (held, named.claim.prompt.tokens[held:], n - held)
                 return held  # the prefill again: only what is not held is fed
-            named.pending = None if token_ids is None else (held, token_ids)  # checked when its page fills
+            named.pending = (held, token_ids, n)  # the ids are checked when their page fills
             return 0
         if token_ids is None:
             return 0
@@ -214,7 +224,9 @@ class ReuseKVManager(KVManager):
             stream.page_indices = list(match.pages)
             stream.stored_len = k
             stream.generation += 1
-            self._named[(rid, label)] = _Named(claim, [], k, (k, ids[k:]))
+            P = self.config.page_size
+            self._named[(rid, label)] = _Named(claim, life, stream, int(ids.size), k, (k // P + 1) * P,
+                                               pending=(k, ids[k:], int(ids.size) - k))
         return k
 
     def position_after(self, rid: str, label: str, tokens: int) -> int:
@@ -224,40 +236,48 @@ class ReuseKVManager(KVManager):
     # ----------------------------------------------------------------- M*'s lifecycle, owner-counted
     def commit(self, step, ctx):
         with self._lock:
-            before = {}
+            if not self._named or not step.commit:
+                return super().commit(step, ctx)
+            named_of, starts = self._named.get, []
             for seg in step.segments:
-                key = (seg.request_id, seg.label)
-                if key in self._named and key not in before:
-                    before[key] = self._streams[seg.request_id][seg.label].stored_len
+                named = named_of((seg.request_id, seg.label))
+                if named is not None:
+                    starts.append((named, named.stream.stored_len))
             super().commit(step, ctx)
-            for key, old in before.items():
-                self._written(key, old)
+            for named, old in starts:
+                self._written(named, old)
 
-    def _written(self, key: tuple[str, str], old: int) -> None:
-        """After a commit moved ``key``'s stream from ``old`` tokens: extend what its names cover by the feed that
+    def _written(self, named: _Named, old: int) -> None:
+        """After a commit moved ``named``'s stream from ``old`` tokens: extend what its names cover by the feed that
         wrote them (or stop covering), then index the full pages that are written and named."""
-        named, stream = self._named[key], self._streams[key[0]][key[1]]
-        span, pending, named.pending = stream.stored_len - old, named.pending, None
-        if span <= 0:
+        stored = named.stream.stored_len
+        pending, named.pending = named.pending, None
+        if stored <= old:
             return
-        prompt_len = named.claim.prompt.tokens.size
-        if named.covered and pending is not None and pending[0] == old == named.named and len(pending[1]) == span:
-            start, ids = pending
-            if start + span > prompt_len:
-                tail = ids[max(0, prompt_len - start):]
-                named.generated += tail.tolist() if hasattr(tail, "tolist") else list(tail)
-            named.named = start + span
+        if named.covered and pending is not None and pending[0] == old == named.named and pending[2] == stored - old:
+            if stored > named.prompt_len:
+                ids = pending[1]
+                named.chunks.append(ids if old >= named.prompt_len else ids[named.prompt_len - old:])
+            named.named = stored
         else:
             named.covered = False
+        if min(stored, named.named) >= named.due:
+            self._commit_named(named)
+
+    def _commit_named(self, named: _Named) -> None:
+        """Index ``named``'s full pages that are written and named (a page filled: once every ``page_size`` tokens)."""
+        for chunk in named.chunks:
+            named.generated += chunk.tolist() if hasattr(chunk, "tolist") else list(chunk)
+        named.chunks = []
         P = self.config.page_size
-        if min(stream.stored_len, named.named) // P > named.claim.indexed:
-            try:
-                generated = as_tokens(named.generated) if named.generated else np.zeros(0, dtype=np.int32)
-            except InvalidRequest:  # a fed id that is no token id: nothing from here on is named
-                named.covered, named.named = False, min(named.named, prompt_len)
-                return
-            self.lifecycle(key[1]).commit(named.claim, stream.page_indices, stream.stored_len, generated,
-                                          tokens_named=named.named)
+        stream = named.stream
+        try:
+            generated = as_tokens(named.generated) if named.generated else np.zeros(0, dtype=np.int32)
+        except InvalidRequest:  # a fed id that is no token id: nothing from here on is named
+            named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
+            return
+        named.life.commit(named.claim, stream.page_indices, stream.stored_len, generated, tokens_named=named.named)
+        named.due = (min(stream.stored_len, named.named) // P + 1) * P
 
     def reset_request(self, rid: str, free: bool = False):
         if not free:
