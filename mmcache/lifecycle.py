@@ -199,8 +199,9 @@ class PrefixLifecycle:
         return take(self.pool, n, self.index.evict_batch_pages, self.index.counters)
 
     def release(self, pages) -> list[int]:
-        """Drop one owner from each page (the table's); returns the pages freed."""
-        return self.pool.release(pages)
+        """Drop one owner from each of a request's pages (the table's; a request lists a page once); returns the
+        pages freed."""
+        return self.pool.release(pages, distinct=True)
 
     # ----------------------------------------------------------------- commit as pages fill
     def commit(self, claim: Claim, pages: Sequence[int], written_tokens: int, generated: np.ndarray = _NO_TOKENS,

@@ -164,9 +164,11 @@ class PagePool:
                 raise PageOwnershipError(f"retain of unowned page(s) {bad[:8]}")
             self._counts[idx] += mult
 
-    def release(self, pages) -> list[int]:
-        """Drop one owner from each page; pages whose count reaches 0 return to the free list and are returned."""
-        idx, mult = self._checked(pages)
+    def release(self, pages, distinct: bool = False) -> list[int]:
+        """Drop one owner from each page; pages whose count reaches 0 return to the free list and are returned.
+        ``distinct=True`` is the caller's promise that no page repeats (a request's own page list), which skips a
+        sort."""
+        idx, mult = self._checked(pages, distinct)
         if idx is None:
             return []
         with self.lock:

@@ -29,6 +29,7 @@ from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.stats import PrefixCacheStats
 
+_NO_TOKENS = np.zeros(0, dtype=np.int32)
 _FINISHED_MEMORY = 65536  # ended ids remembered only to say "already finished" rather than "unknown"
 
 
@@ -325,8 +326,10 @@ class PrefixCache:
 
     def _generated(self, rec: _Request, output_ids) -> np.ndarray:
         """``output_ids`` checked as token ids (before any state changes); an unnamed request's name nothing."""
-        out = as_tokens(() if output_ids is None else output_ids, self.lifecycle.vocab_size)
-        return out[:0] if rec.claim is None else out
+        if output_ids is None or (type(output_ids) in (tuple, list) and not output_ids):
+            return _NO_TOKENS
+        out = as_tokens(output_ids, self.lifecycle.vocab_size)
+        return _NO_TOKENS if rec.claim is None else out
 
     def _commit(self, rec: _Request, generated: np.ndarray) -> None:
         """Index what is written and named; a windowed request only within its protected run."""

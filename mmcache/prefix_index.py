@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
 from itertools import repeat
 from typing import Callable, Sequence
 
@@ -57,7 +56,7 @@ class PrefixIndex:
         self._tick = np.zeros(n, dtype=np.int64)
         self._serial = np.zeros(n, dtype=np.int64)
         self._indexed = np.zeros(n, dtype=bool)
-        self._serials = itertools.count(1)
+        self._next_serial = 1
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -125,7 +124,7 @@ class PrefixIndex:
         """
         new, chain_pages, first_parent, ok = [], [], parent, True
         for j, name in enumerate(names):
-            page = int(pages[j])
+            page = pages[j]
             if not self._indexed[page]:
                 other = self._pages.get(name)
                 if other is None:
@@ -139,15 +138,16 @@ class PrefixIndex:
                     break
             chain_pages.append(parent := page)
         if new:
-            adopted = [int(pages[j]) for j in new]
+            adopted = [pages[j] for j in new]
             self.pool.retain(adopted, distinct=True)
             self._name[adopted] = np.array([names[j] for j in new], dtype=np.uint64)
             self._tokens[adopted] = page_tokens[new]
             self._media_lo[adopted], self._media_hi[adopted] = mids[new, 0], mids[new, 1]
             self._parent[adopted] = [chain_pages[j - 1] if j else first_parent for j in new]
             self._salt[adopted] = salt_id
-            self._depth[adopted] = [depth + j for j in new]
-            self._serial[adopted] = [next(self._serials) for _ in adopted]
+            self._depth[adopted] = np.asarray(new, dtype=np.int32) + depth
+            self._serial[adopted] = np.arange(self._next_serial, self._next_serial + len(adopted))
+            self._next_serial += len(adopted)
             self._indexed[adopted] = True
         self.touch(chain_pages)
         return new, chain_pages, ok
