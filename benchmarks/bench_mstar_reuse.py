@@ -119,7 +119,7 @@ def main() -> None:
     torch.set_num_threads(1)
     label, convs = conversations(args.data, args.conversations)
     print(f"MT-Bench: {label}; {len(convs)} conversations in batches of {args.batch}, {args.decode} decode steps")
-    print(f"{"workload":<34} {'reuse':<5} | {'prompt tokens computed':>22} | {'vs off':>6} | "
+    print(f"{'workload':<34} {'reuse':<5} | {'prompt tokens computed':>22} | {'vs off':>6} | "
           f"{'TTFT ms (median, min-max over repeats)':>40}")
     for name, run in (("MT-Bench turn 2", lambda r: run_mt_bench(r, convs, args.batch, args.decode)),
                       (f"burst of {args.batch}, 512-token system", lambda r: run_burst(r, args.batch, args.decode))):
