@@ -50,7 +50,14 @@ def replay(model, prompts, *, mmcache=True, share=True, inflight=1, salts=None, 
     with PeerEngine(model, share=share, page_size=P, num_blocks=blocks, max_batch_tokens=128, max_new_tokens=NEW,
                     mmcache=mmcache, return_logprobs=logprobs, namer=namer) as e:
         out = e.replay(calls, inflight=inflight)
-        return out, (e.prefix_cache.stats() if e.prefix_cache is not None else None)
+        allocator = e.manager.batch_processor.cache.cache_allocators["full_attention"]
+        if e.prefix_cache is None:
+            return out, None
+        stats = e.prefix_cache.stats()
+        # every request ended: no page counted live, and the engine sees every page as free or reclaimable
+        assert stats.pages_live == 0 and not allocator.block_table
+        assert allocator.pool.count_free_blocks(allocator.index) == e.prefix_cache.pool.num_pages
+        return out, stats
 
 
 def test_the_private_engine_api_is_where_the_allocator_expects():

@@ -66,15 +66,15 @@ def _check_version() -> None:
 
 class _FreeBlocks:
     """Stands in for the engine pool's free-block tree of the mmcache allocator: its length is what ``grow`` can
-    supply without touching a live request (pages free or cached), so every engine check of free capacity, the
-    safety margin and the offload planner included, sees cached pages as free. The engine never takes blocks from
-    it (the allocator's ``allocate_cache_to_request`` asks the ``PrefixCache``)."""
+    supply without touching a live request (pages free or cached: every page no live request holds), so every engine
+    check of free capacity, the safety margin and the offload planner included, sees cached pages as free. The engine
+    never takes blocks from it (the allocator's ``allocate_cache_to_request`` asks the ``PrefixCache``)."""
 
-    def __init__(self, cache: PrefixCache):
-        self.cache = cache
+    def __init__(self, num_pages: int, live: dict[int, int]):
+        self.num_pages, self.live = num_pages, live
 
     def __len__(self) -> int:
-        return self.cache.pool.num_pages - self.cache.stats().pages_live
+        return self.num_pages - len(self.live)
 
     def delete_full_trees(self) -> list[int]:
         return []  # holds no sectors: nothing to return to the engine's pool
@@ -184,9 +184,11 @@ def allocator_class():
     Stock = full_attention.FullAttentionCacheAllocator
 
     class MmcacheFullAttentionAllocator(Stock):
-        """Full-attention blocks held through a ``PrefixCache``. Invariant: ``block_table[rid]`` is the request's
-        ``page_indices`` shifted by ``reserved``, refreshed after every admit and grow; ``_full[rid]`` counts the
-        leading pages whose KV the engine has written (matched ones included)."""
+        """Full-attention blocks held through a ``PrefixCache``. Invariants: ``block_table[rid]`` is the request's
+        ``page_indices`` shifted by ``reserved`` (pages only ever append while a request lives, so each admit and
+        grow appends the new ones); ``_live`` counts, per page, the live requests holding it (the pages the
+        ``PrefixCache`` counts as live, kept here so the engine's frequent free-capacity checks cost nothing);
+        ``_full[rid]`` counts the leading pages whose KV the engine has written (matched ones included)."""
 
         def __new__(cls, *args, **kwargs):
             handle = _BOUND.get(id(kwargs.get("config")))
@@ -200,7 +202,8 @@ def allocator_class():
             super().register_cache_tensor(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
             self.cache = self.handle.new_cache(self.num_blocks, self.tokens_per_page)
             self.reserved = pool.num_reserved_sectors * self.blocks_per_sector
-            self._free = _FreeBlocks(self.cache)
+            self._live: dict[int, int] = {}
+            self._free = _FreeBlocks(self.num_blocks, self._live)
             self._full: dict[str, int] = {}
             self._prompt_len: dict[str, int] = {}
             self._tokens: dict[str, list[int]] = {}
@@ -215,7 +218,10 @@ def allocator_class():
                 self.pool._free_blocks[self.index] = self._free
 
         def _sync(self, rid: str, state) -> None:
-            self.block_table[rid] = [p + self.reserved for p in state.page_indices]
+            table = self.block_table.setdefault(rid, [])
+            for p in state.page_indices[len(table):]:
+                self._live[p] = self._live.get(p, 0) + 1
+                table.append(p + self.reserved)
 
         # ------------------------------------------------------------------------------------ request lifecycle
         def admit(self, rid: str, prompt_ids: list[int]) -> int:
@@ -262,7 +268,12 @@ def allocator_class():
                 self._end(request_id, index=not no_cache)
 
         def _end(self, rid: str, index: bool) -> None:
-            del self.block_table[rid]
+            for b in self.block_table.pop(rid):
+                p = b - self.reserved
+                if self._live[p] == 1:
+                    del self._live[p]
+                else:
+                    self._live[p] -= 1
             self._full.pop(rid, None)
             n, tokens = self._prompt_len.pop(rid, None), self._tokens.pop(rid, [])
             if index and n is not None:
