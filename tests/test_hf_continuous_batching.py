@@ -5,6 +5,7 @@
 - cache on generates what plain ``generate`` does and what the engine with sharing off does, at one and three in
   flight, with log-probabilities equal to the sharing-off engine's within float32 noise (the batch schedules differ:
   a hit prefills fewer tokens per step, so bit equality of logits is not reachable through this engine);
+- with the engine's sharing off, mmcache under it matches and indexes nothing (requests are admitted unnamed);
 - every page name equal (a forced collision) changes no output and matches no unrelated prompt;
 - two tenants with salts share nothing, one tenant twice does;
 - a pool barely larger than one request evicts cold pages as live requests need them and still serves every request;
@@ -98,6 +99,12 @@ def test_cache_on_generates_what_cache_off_does(tiny_llama, prompts, reference, 
     if inflight == 1:  # later prompts find the written pages of earlier ones
         assert [o.matched_tokens for o in on] == [0, 3 * P, 0, 4 * P, 0]
     assert stats.hit_tokens == sum(o.matched_tokens for o in on) > 0 and stats.requests_live == 0
+
+
+def test_sharing_off_under_mmcache_matches_and_indexes_nothing(tiny_llama, prompts, reference):
+    out, stats = replay(tiny_llama, prompts, share=False, inflight=2)
+    assert [o.output_ids for o in out] == reference
+    assert stats.hit_tokens == 0 and stats.pages_cached == 0
 
 
 def test_forced_collisions_change_no_output(tiny_llama, prompts, reference):

@@ -34,6 +34,8 @@ import logging
 import threading
 from typing import Callable, Sequence
 
+import numpy as np
+
 from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
 from mmcache.names import Fingerprint
@@ -235,7 +237,7 @@ def allocator_class():
                 self._salt[rid] = self.handle.take_salt(rid)
             salt = self._salt[rid]
             names = self.handle.namer(self.cache.fingerprint, prompt_ids, salt) if self.handle.namer else None
-            state = self.cache.admit(rid, prompt_ids, salt=salt, names=names)
+            state = self.cache.admit(rid, np.asarray(prompt_ids, dtype=np.int32), salt=salt, names=names)
             self._sync(rid, state)
             self._full[rid] = len(state.page_indices)
             self._prompt_len[rid] = len(prompt_ids)
@@ -252,8 +254,12 @@ def allocator_class():
             sharing off, a copy back from CPU offload) is admitted unnamed: it shares and indexes nothing."""
             if request_id not in self.block_table:
                 self.cache.admit_unnamed(request_id)
-                self._full[request_id] = 0
-            self._sync(request_id, self.cache.grow(request_id, past_length + query_length))
+                self.block_table[request_id], self._full[request_id] = [], 0
+            total, P = past_length + query_length, self.tokens_per_page
+            # Skipping grow when no page is added and no page fills keeps the decode step cheap; the held length
+            # stays at least every full page's end, which is all mark_computed needs.
+            if -(-total // P) > len(self.block_table[request_id]) or not total % P:
+                self._sync(request_id, self.cache.grow(request_id, total))
 
         def mark_complete_blocks(self, request_id: str, token_ids: list[int], new_new_blocks: int) -> None:
             """The last forward completed ``new_new_blocks`` more leading blocks: their KV is written."""
@@ -278,7 +284,7 @@ def allocator_class():
             n, tokens = self._prompt_len.pop(rid, None), self._tokens.pop(rid, [])
             if index and n is not None:
                 self._salt.pop(rid, None)  # done; after a no_cache free the engine may send the request back
-                self.cache.finish(rid, tokens[n:])
+                self.cache.finish(rid, np.asarray(tokens[n:], dtype=np.int32))
             else:
                 self.cache.abort(rid)
 
