@@ -11,7 +11,8 @@ trace under the data folder, else the embedded 2,000-line slice, labelled). Pool
 just above the largest request to unbounded (every distinct prompt page fits). Per pool size and engine: prompt tokens
 computed, realized reuse vs the ceiling (what an unbounded exact prefix cache could match: full pages of earlier
 prompts, the last prompt token always computed), TTFT p50/p99, requests/s, and whether the outputs equal the
-peer's with sharing off. Timings: median over ``--runs`` with the min-max spread; reuse is deterministic.
+peer's with sharing off. Timings: median over ``--runs`` with the min-max spread, the engines taking turns within each
+repetition; reuse is deterministic.
 
 Run: python benchmarks/bench_peer_transformers.py [--model bigger] [--runs 3] [--inflight 1,4,16]
 """
@@ -222,18 +223,19 @@ def bench_trace(model, trace: str, calls: list[Call], inflight: int, args) -> No
             ("mmcache in peer", lambda: run_peer(model, calls, share=True, pages=pages, args=args,
                                                  inflight=inflight, mmcache=True)),
             ("mmcache runner", lambda: run_ours(model, calls, pages=pages, args=args)))
-        for name, fn in engines:
-            if name == "peer share-off" and base is not None:
-                continue  # its work does not depend on the pool: measured once, at the smallest
-            if name == "mmcache runner" and inflight > 1:
-                continue  # a batch of one: its figures at one in flight are the comparison
-            runs, got = [], pages
-            for _ in range(args.runs):
-                r, got = fn()
-                runs.append(r)
-            rows.append(summarize(name, runs, got, calls, ceil, base[0].outcomes if base else None))
+        engines = [(name, fn) for name, fn in engines
+                   if not (name == "peer share-off" and base is not None)  # pool-independent: measured once
+                   and not (name == "mmcache runner" and inflight > 1)]  # a batch of one: compared at 1 only
+        runs: dict[str, list[Run]] = {name: [] for name, _ in engines}
+        got: dict[str, int] = {}
+        for _ in range(args.runs):  # engines take turns, so a change in the shared machine's load hits them alike
+            for name, fn in engines:
+                r, got[name] = fn()
+                runs[name].append(r)
+        for name, _ in engines:
+            rows.append(summarize(name, runs[name], got[name], calls, ceil, base[0].outcomes if base else None))
             if name == "peer share-off":
-                base = (runs[0], rows[-1])
+                base = (runs[name][0], rows[-1])
         for row in rows:
             ratio = statistics.median(row["rps"]) / statistics.median(base[1]["rps"])
             same = "ref" if row["same"] is None else f"{row['same']}/{row['n']}"
