@@ -9,6 +9,7 @@
 - every page name equal (a forced collision) changes no output and matches no unrelated prompt;
 - two tenants with salts share nothing, one tenant twice does;
 - a pool barely larger than one request evicts cold pages as live requests need them and still serves every request;
+- a pool so tight that the engine preempts requests keeps every output, and counts a waiting request's lookup once;
 - bad input is refused before anything changes, and an engine of a model not enabled keeps transformers' allocator.
 """
 
@@ -126,6 +127,24 @@ def test_a_small_pool_evicts_cold_pages_and_serves_every_request(tiny_llama, pro
     out, stats = replay(tiny_llama, prompts, blocks=largest + 2)
     assert [o.output_ids for o in out] == reference
     assert stats.evicted_pages > 0 and stats.requests_live == 0
+
+
+def test_preemption_under_a_tight_pool_keeps_outputs_and_counts_each_lookup_once(tiny_llama, prompts):
+    """Four in flight decoding 40 tokens in 12 blocks: the engine starves and offloads requests (freed with
+    ``no_cache``, served again); outputs stay what ``generate`` gives, and a request waiting for room is not looked
+    up again at every scheduler step."""
+    g = torch.Generator().manual_seed(5)
+    more = prompts + [prompts[0][:3 * P] + torch.randint(3, 32000, (30,), generator=g).tolist()]
+    with torch.inference_mode():
+        ref = [tiny_llama.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in more]
+    calls = [Call(f"r{i}", f"s{i}", p) for i, p in enumerate(more)]
+    with PeerEngine(tiny_llama, share=True, page_size=P, num_blocks=12, max_batch_tokens=64, max_new_tokens=40,
+                    mmcache=True) as e:
+        out = e.replay(calls, inflight=4)
+        stats = e.prefix_cache.stats()
+    assert [o.output_ids for o in out] == ref
+    assert stats.requests_live == 0 and stats.evicted_pages > 0 and stats.queries < 3 * len(more)
 
 
 def test_bad_input_is_refused_and_other_models_keep_transformers_allocator(tiny_llama, prompts):

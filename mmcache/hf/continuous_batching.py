@@ -210,6 +210,8 @@ def allocator_class():
             self._prompt_len: dict[str, int] = {}
             self._tokens: dict[str, list[int]] = {}
             self._salt: dict[str, bytes] = {}  # kept from first admission until the engine is done with the request
+            self._written = 0  # counts the events that may index pages (blocks completed, requests finished)
+            self._looked_up: dict[str, int] = {}  # rid -> ``_written`` when it was admitted
             self._claim()
 
         def _claim(self) -> None:
@@ -228,10 +230,13 @@ def allocator_class():
         # ------------------------------------------------------------------------------------ request lifecycle
         def admit(self, rid: str, prompt_ids: list[int]) -> int:
             """A pending request's verified prefix match; returns the tokens matched (whole pages, never the last
-            prompt token). A request still pending from an earlier attempt holds only matched pages: it is looked
-            up again, since pages indexed meanwhile may now match."""
+            prompt token). A request still pending from an earlier attempt matched nothing (a match makes the
+            engine start it): it is looked up again only if pages may have been indexed since, so a request waiting
+            for room does not count as a query at every scheduler step."""
             self._claim()
             if rid in self.block_table:
+                if self._looked_up.get(rid) == self._written:
+                    return 0
                 self._end(rid, index=False)
             if rid not in self._salt:
                 self._salt[rid] = self.handle.take_salt(rid)
@@ -241,6 +246,7 @@ def allocator_class():
             self._sync(rid, state)
             self._full[rid] = len(state.page_indices)
             self._prompt_len[rid] = len(prompt_ids)
+            self._looked_up[rid] = self._written
             if state.matched_tokens:
                 _LOG.debug(f"Found a prefix match of {state.matched_tokens} tokens for request {rid}")
             return state.matched_tokens
@@ -265,6 +271,7 @@ def allocator_class():
             """The last forward completed ``new_new_blocks`` more leading blocks: their KV is written."""
             self._full[request_id] += new_new_blocks
             self._tokens[request_id] = token_ids
+            self._written += 1
             self.cache.mark_computed(request_id, self._full[request_id] * self.tokens_per_page)
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
@@ -281,8 +288,10 @@ def allocator_class():
                 else:
                     self._live[p] -= 1
             self._full.pop(rid, None)
+            self._looked_up.pop(rid, None)
             n, tokens = self._prompt_len.pop(rid, None), self._tokens.pop(rid, [])
             if index and n is not None:
+                self._written += 1
                 self._salt.pop(rid, None)  # done; after a no_cache free the engine may send the request back
                 self.cache.finish(rid, np.asarray(tokens[n:], dtype=np.int32))
             else:
