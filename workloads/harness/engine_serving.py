@@ -33,13 +33,6 @@ def engine_label(schedule: Schedule, in_flight: int) -> str:
     return f"{schedule} via {ENGINE}, {in_flight} in flight"
 
 
-def _calls_and_arrivals(workload: TextWorkload, schedule: Schedule):
-    from workloads.peers.transformers_cb import Call
-
-    order, arrivals = schedule.plan(list(workload.requests()))
-    return order, [Call(r.rid, r.session, r.payload.tolist()) for r in order], arrivals
-
-
 def serve_engine_run(workload: TextWorkload, schedule: Schedule, cached: bool, in_flight: int, *,
                      observer: Observer | None = None, progress: bool = False) -> RunResult:
     """Serve every request of ``workload`` through the engine (mmcache under it when ``cached``), at most
@@ -48,9 +41,12 @@ def serve_engine_run(workload: TextWorkload, schedule: Schedule, cached: bool, i
 
     if not isinstance(workload, TextWorkload):
         raise TypeError(f"{workload.name}: only text workloads serve through the continuous-batching engine")
+    from workloads.peers.transformers_cb import Call
+
     P = workload.page_size
-    order, calls, arrivals = _calls_and_arrivals(workload, schedule)
-    by_rid = {r.rid: r for r in order}
+    order, arrivals = schedule.plan(list(workload.requests()))
+    calls = [Call(r.rid, r.session, r.payload.tolist()) for r in order]
+    by_rid = {r.rid: (r, arrivals[k] if arrivals is not None else None) for k, r in enumerate(order)}
     limit = min(in_flight, schedule.concurrency or in_flight)
     run = RunResult(workload.name, cached, engine_label(schedule, limit), dict(workload.ceilings()))
     if observer is not None:
@@ -62,9 +58,9 @@ def serve_engine_run(workload: TextWorkload, schedule: Schedule, cached: bool, i
     started = time.perf_counter()
 
     def done(out) -> None:
-        req = by_rid[out.rid]
+        req, arrival = by_rid[out.rid]
         start = out.submitted_s - engine.replay_started_s
-        arrival = arrivals[order.index(req)] if arrivals is not None else start
+        arrival = start if arrival is None else arrival
         workload.outputs[req.rid] = out.output_ids
         result = RequestResult(prompt_tokens=req.payload.size, hit_tokens=out.matched_tokens,
                                prompt_pages=req.payload.size // P, hit_pages=out.matched_tokens // P,
