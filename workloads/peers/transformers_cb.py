@@ -130,7 +130,7 @@ class PeerEngine:
 
     @property
     def prefix_cache(self):
-        """mmcache's ``PrefixCache`` under the engine (None without ``mmcache`` or before the engine built its cache)."""
+        """mmcache's ``PrefixCache`` under the engine (None without ``mmcache`` or before the engine built one)."""
         return None if self.mm is None else self.mm.cache
 
     def replay(self, calls: Sequence[Call], inflight: int = 1, timeout_s: float = 600.0,
