@@ -1,15 +1,20 @@
 """mmcache beside a real peer measured in the same run: transformers' continuous-batching engine with its prefix
-sharing off and on, and mmcache's runner (``mmcache.hf.runner.serve`` over ``PagedKVCache``), on one random-weight
-Llama from ``workloads.fixtures``, replaying the same requests in the same arrival order.
+sharing off and on, the same engine with mmcache under it (``mmcache.hf.continuous_batching``: "mmcache in peer"),
+and at one in flight mmcache's own runner (``mmcache.hf.runner.serve`` over ``PagedKVCache``, a batch of one), on one
+random-weight Llama from ``workloads.fixtures``, replaying the same requests in the same arrival order with
+``--inflight`` requests in flight (a list: 1,4,16).
 
 Traces: MT-Bench two-turn chats, ShareGPT (the shared sample is single-turn: nothing to reuse, it shows the cost of
-the caches alone), mini-swe-agent sessions (the first calls of a few sessions, interleaved). Pools: from
+the caches alone), mini-swe-agent sessions (the first calls of a few sessions, interleaved), the Mooncake
+conversation slice (each request cut to its first 4 blocks of ``2 * page`` tokens, as ``mooncake-model``; the real
+trace under the data folder, else the embedded 2,000-line slice, labelled). Pools: from
 just above the largest request to unbounded (every distinct prompt page fits). Per pool size and engine: prompt tokens
 computed, realized reuse vs the ceiling (what an unbounded exact prefix cache could match: full pages of earlier
 prompts, the last prompt token always computed), TTFT p50/p99, requests/s, and whether the outputs equal the
-peer's with sharing off. Timings: median over ``--runs`` with the min-max spread; reuse is deterministic.
+peer's with sharing off. Timings: median over ``--runs`` with the min-max spread, the engines taking turns within each
+repetition; reuse is deterministic.
 
-Run: python benchmarks/bench_peer_transformers.py [--model bigger] [--runs 3] [--inflight 4]
+Run: python benchmarks/bench_peer_transformers.py [--model bigger] [--runs 3] [--inflight 1,4,16]
 """
 
 from __future__ import annotations
@@ -36,14 +41,16 @@ from workloads.peers.transformers_cb import Call, Outcome, PeerEngine  # noqa: E
 DATA = registry.data_place()[0]  # $MMCACHE_DATA, else ../shared/data: where the replays read
 TRACE_FILES = {"mt-bench": ("mt-bench", "mt-bench/question.jsonl"),
                "sharegpt": ("sharegpt", "sharegpt/sharegpt_sample_50_single_turn.json"),
-               "swe-agent": ("mini-swe-agent", "mini-swe-agent/trajs")}
+               "swe-agent": ("mini-swe-agent", "mini-swe-agent/trajs")}  # mooncake runs on the embedded slice without
 
 
 def missing_data(traces: list[str]) -> str | None:
     """Why a trace asked for cannot run (an unknown name, or its data not in DATA), in one line; None if all can."""
     for trace in traces:
+        if trace == "mooncake":
+            continue
         if trace not in TRACE_FILES:
-            return f"unknown trace {trace!r}; expected {', '.join(TRACE_FILES)}"
+            return f"unknown trace {trace!r}; expected {', '.join(TRACE_FILES)} or mooncake"
         source, path = TRACE_FILES[trace]
         if not (DATA / path).exists():
             return (f"no {trace} data: looked for {DATA / path} ($MMCACHE_DATA, else ../shared/data); get it with "
@@ -67,6 +74,21 @@ def load_model(which: str, model_dir: Path):
                                config)[0]
 
 
+def load_mooncake_calls(args) -> tuple[list[Call], str]:
+    """The first ``--questions`` Mooncake requests, scaled as ``mooncake-model`` does; and where they came from."""
+    from workloads.models.agent import scaled_prompt
+    from workloads.registry import embedded_slice
+    from workloads.traces.mooncake import load_mooncake
+
+    path = DATA / "mooncake" / "conversation_trace.jsonl"
+    source = str(path) if path.is_file() else f"embedded slice {embedded_slice()} (no {path})"
+    trace = load_mooncake(path if path.is_file() else embedded_slice(), limit=args.mooncake_requests)
+    vocab = 32000  # the tiny Llama's
+    calls = [Call(s.name, s.name, scaled_prompt(s.hash_ids, s.calls[0].prompt_len, 2 * args.page_size,
+                                                vocab).tolist()) for s in trace.sessions]
+    return calls, source
+
+
 def load_calls(trace: str, args) -> list[Call]:
     """The trace's calls in arrival order (ties: session order). Chat logs carry no times, so call i of every session
     arrives at i; swe-agent sessions, cut to their first ``--calls`` calls, do the same (sessions start together
@@ -75,13 +97,14 @@ def load_calls(trace: str, args) -> list[Call]:
     from workloads.traces.mt_bench import load_mt_bench
     from workloads.traces.swe_agent import load_swe_agent
 
-    path = DATA / TRACE_FILES[trace][1]
+    if trace == "mooncake":
+        return load_mooncake_calls(args)[0]
     if trace == "mt-bench":
-        t = load_mt_bench(path, limit=args.questions)
+        t = load_mt_bench(DATA / "mt-bench", limit=args.questions)
     elif trace == "sharegpt":
-        t = load_sharegpt(path, limit=args.questions)
+        t = load_sharegpt(DATA / "sharegpt" / "sharegpt_sample_50_single_turn.json", limit=args.questions)
     else:
-        t = load_swe_agent(path, limit=args.sessions)
+        t = load_swe_agent(DATA / "mini-swe-agent" / "trajs", limit=args.sessions)
     keyed = []
     for s_i, s in enumerate(t.sessions):
         for i in range(min(len(s.calls), args.calls if trace == "swe-agent" else len(s.calls))):
@@ -114,11 +137,11 @@ class Run:
     wall_s: float
 
 
-def run_peer(model, calls, *, share, pages, args) -> tuple[Run, int]:
-    with PeerEngine(model, share=share, page_size=args.page_size, num_blocks=pages,
+def run_peer(model, calls, *, share, pages, args, inflight, mmcache=False) -> tuple[Run, int]:
+    with PeerEngine(model, share=share, page_size=args.page_size, num_blocks=pages, mmcache=mmcache,
                     max_batch_tokens=args.batch_tokens, max_new_tokens=args.new_tokens) as e:
         t = time.perf_counter()
-        out = e.replay(calls, inflight=args.inflight)
+        out = e.replay(calls, inflight=inflight)
         return Run(out, time.perf_counter() - t), e.num_blocks
 
 
@@ -151,13 +174,16 @@ def spread(xs: list[float], fmt: str) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny")
-    ap.add_argument("--traces", default="mt-bench,sharegpt,swe-agent")
+    ap.add_argument("--traces", default="mt-bench,sharegpt,swe-agent", help="any of mt-bench, sharegpt, swe-agent, "
+                    "mooncake")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--batch-tokens", type=int, default=256, help="peer max_batch_tokens = mmcache prefill chunk")
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--inflight", type=int, default=1, help="peer requests in flight (mmcache's runner: always 1)")
+    ap.add_argument("--inflight", default="1", help="requests in flight, a list (1,4,16); mmcache's runner serves "
+                    "one at a time and runs at 1 only")
+    ap.add_argument("--mooncake-requests", type=int, default=200, help="first requests of the Mooncake trace")
     ap.add_argument("--questions", type=int, default=40, help="MT-Bench questions / ShareGPT conversations")
     ap.add_argument("--sessions", type=int, default=3, help="mini-swe-agent sessions")
     ap.add_argument("--calls", type=int, default=4, help="first calls of each mini-swe-agent session")
@@ -179,47 +205,63 @@ def main(argv=None) -> None:
     cfg = model.config
     print(f"# model: random-weight Llama ({args.model}) hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
           f"{cfg.num_key_value_heads} KV heads; page {P}, prefill chunk {args.batch_tokens}, {args.new_tokens} new "
-          f"tokens, peer in flight {args.inflight}, {args.runs} runs (median, min-max)")
-    if args.inflight > 1:
-        print("# mmcache serves one request at a time and its TTFT starts when its serve starts (no queueing): "
-              "compare req/s, not TTFT, against the peer's in-flight requests")
+          f"tokens, in flight {args.inflight}, {args.runs} runs (median, min-max)")
+    print(f"# data: {DATA if DATA.is_dir() else 'missing: ' + str(DATA)}")
     warm = [Call("warm", "warm", list(range(3, 3 + 4 * P)))]
-    run_peer(model, warm, share=True, pages=64, args=args), run_ours(model, warm, pages=64, args=args)
+    run_peer(model, warm, share=True, pages=64, args=args, inflight=1), run_ours(model, warm, pages=64, args=args)
     for trace in args.traces.split(","):
         calls = load_calls(trace, args)
-        ceil = ceiling(calls, P)
-        prompt = sum(len(c.token_ids) for c in calls)
-        largest = max(-(-(len(c.token_ids) + args.new_tokens) // P) for c in calls) * args.inflight
-        distinct = len({hash(tuple(c.token_ids[:(i + 1) * P])) for c in calls for i in range(len(c.token_ids) // P)})
-        floor = int(largest * 1.25) + 2  # the peer keeps a 15% margin free before admitting a prefill
-        unbounded = int((distinct + largest) / 0.85) + 2  # every prompt page stays, margin included: no eviction
-        pools = sorted({max(floor, int(float(f) * unbounded)) for f in args.pools.split(",")})
-        print(f"\n## {trace} ({DATA / TRACE_FILES[trace][1]}): {len(calls)} requests, {prompt:,} prompt tokens, "
-              f"ceiling {sum(ceil) / prompt:.1%} "
-              f"reusable, {distinct:,} distinct prompt pages, largest request {largest} pages")
-        print(f"{'pool':>6} {'engine':<14} {'computed':>9} {'reuse':>6} {'of ceil':>7} {'TTFT p50 ms':>20} "
-              f"{'TTFT p99 ms':>20} {'req/s':>18} {'x peer-off':>10} {'same out':>8}")
-        base = None
-        for pages in pools:
-            rows = []
-            for name, fn in (("peer share-off", lambda: run_peer(model, calls, share=False, pages=pages, args=args)),
-                             ("peer share-on", lambda: run_peer(model, calls, share=True, pages=pages, args=args)),
-                             ("mmcache", lambda: run_ours(model, calls, pages=pages, args=args))):
-                if name == "peer share-off" and base is not None:
-                    continue  # its work does not depend on the pool: measured once, at the smallest
-                runs, got = [], pages
-                for _ in range(args.runs):
-                    r, got = fn()
-                    runs.append(r)
-                rows.append(summarize(name, runs, got, calls, ceil, base[0].outcomes if base else None))
-                if name == "peer share-off":
-                    base = (runs[0], rows[-1])
-            for row in rows:
-                ratio = statistics.median(row["rps"]) / statistics.median(base[1]["rps"])
-                same = "ref" if row["same"] is None else f"{row['same']}/{row['n']}"
-                print(f"{row['pages']:>6} {row['engine']:<14} {row['computed']:>9,} {row['reuse']:>6.1%} "
-                      f"{row['of_ceiling']:>7.1%} {spread(row['p50'], '%.1f'):>20} {spread(row['p99'], '%.1f'):>20} "
-                      f"{spread(row['rps'], '%.1f'):>18} {ratio:>9.2f}x {same:>8}")
+        if trace == "mooncake":
+            print(f"\n# mooncake source: {load_mooncake_calls(args)[1]}")
+        for inflight in map(int, args.inflight.split(",")):
+            bench_trace(model, trace, calls, inflight, args)
+
+
+def bench_trace(model, trace: str, calls: list[Call], inflight: int, args) -> None:
+    """One table: every engine on ``calls`` at ``inflight`` in flight, at each pool size."""
+    P = args.page_size
+    ceil = ceiling(calls, P)
+    prompt = sum(len(c.token_ids) for c in calls)
+    largest = max(-(-(len(c.token_ids) + args.new_tokens) // P) for c in calls) * inflight
+    distinct = len({hash(tuple(c.token_ids[:(i + 1) * P])) for c in calls for i in range(len(c.token_ids) // P)})
+    floor = int(largest * 1.25) + 2  # the peer keeps a 15% margin free before admitting a prefill
+    unbounded = int((distinct + largest) / 0.85) + 2  # every prompt page stays, margin included: no eviction
+    pools = sorted({max(floor, int(float(f) * unbounded)) for f in args.pools.split(",")})
+    print(f"\n## {trace}, {inflight} in flight: {len(calls)} requests, {prompt:,} prompt tokens, ceiling "
+          f"{sum(ceil) / prompt:.1%} reusable, {distinct:,} distinct prompt pages, largest request x in flight "
+          f"{largest} pages")
+    print(f"{'pool':>6} {'engine':<15} {'computed':>9} {'reuse':>6} {'of ceil':>7} {'TTFT p50 ms':>20} "
+          f"{'TTFT p99 ms':>20} {'req/s':>18} {'x peer-off':>10} {'same out':>8}")
+    base = None
+    for pages in pools:
+        rows = []
+        engines = (
+            ("peer share-off", lambda: run_peer(model, calls, share=False, pages=pages, args=args,
+                                                inflight=inflight)),
+            ("peer share-on", lambda: run_peer(model, calls, share=True, pages=pages, args=args,
+                                               inflight=inflight)),
+            ("mmcache in peer", lambda: run_peer(model, calls, share=True, pages=pages, args=args,
+                                                 inflight=inflight, mmcache=True)),
+            ("mmcache runner", lambda: run_ours(model, calls, pages=pages, args=args)))
+        engines = [(name, fn) for name, fn in engines
+                   if not (name == "peer share-off" and base is not None)  # pool-independent: measured once
+                   and not (name == "mmcache runner" and inflight > 1)]  # a batch of one: compared at 1 only
+        runs: dict[str, list[Run]] = {name: [] for name, _ in engines}
+        got: dict[str, int] = {}
+        for _ in range(args.runs):  # engines take turns, so a change in the shared machine's load hits them alike
+            for name, fn in engines:
+                r, got[name] = fn()
+                runs[name].append(r)
+        for name, _ in engines:
+            rows.append(summarize(name, runs[name], got[name], calls, ceil, base[0].outcomes if base else None))
+            if name == "peer share-off":
+                base = (runs[name][0], rows[-1])
+        for row in rows:
+            ratio = statistics.median(row["rps"]) / statistics.median(base[1]["rps"])
+            same = "ref" if row["same"] is None else f"{row['same']}/{row['n']}"
+            print(f"{row['pages']:>6} {row['engine']:<15} {row['computed']:>9,} {row['reuse']:>6.1%} "
+                  f"{row['of_ceiling']:>7.1%} {spread(row['p50'], '%.1f'):>20} {spread(row['p99'], '%.1f'):>20} "
+                  f"{spread(row['rps'], '%.1f'):>18} {ratio:>9.2f}x {same:>8}")
 
 
 if __name__ == "__main__":

@@ -36,12 +36,31 @@ def test_vlm_chat_writes_json_and_html(tmp_path, capsys):
     assert html.startswith("<!DOCTYPE html>") and "vlm-chat" in html and "data:image/png;base64," in html
 
 
+def test_agent_model_in_flight_serves_through_the_engine(tmp_path, capsys):
+    """``--in-flight``: both runs through transformers' continuous batching, cache on with mmcache under it; the
+    report names the engine and the requests in flight, and cache on and off generate the same tokens."""
+    out = tmp_path / "agent.json"
+    assert main(["replay", "agent-model", "--limit", "6", "--in-flight", "3", "--schedule", "closed:3",
+                 "--max-new-tokens", "3", "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "via transformers continuous batching (ContinuousBatchingManager), 3 in flight" in printed
+    assert "outputs equal cache off / on: 6 of 6 requests" in printed
+    doc = json.loads(out.read_text())
+    assert "3 in flight" in doc["schedule"]
+    on, off = doc["summary"]["on"], doc["summary"]["off"]
+    assert on["completed"] == off["completed"] == 6 and on["hit_rate"]["prefix"] > 0 == off["hit_rate"]["prefix"]
+    assert all(r["tokens"] == 3 and r["ttft_s"] > 0 for r in doc["requests"]["on"])
+    assert on["cache_stats"]["prefix"]["requests_live"] == 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["replay", "vlm-caht"], "unknown workload 'vlm-caht'"),
     (["replay", "vlm-chat", "--schedule", "burst:3"], "not a schedule: 'burst:3'"),
     (["replay", "vlm-chat", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
     (["replay", "vlm-chat", "--order", "round-robin"], "--order: only for trace replays"),
     (["replay", "--schedule", "closed:2"], "--schedule: only for model workloads"),
+    (["replay", "vlm-chat", "--in-flight", "4"], "cannot be served through transformers' continuous-batching"),
+    (["replay", "agent-model", "--in-flight", "0"], "--in-flight must be >= 1"),
 ])
 def test_clear_errors(argv, message, capsys):
     assert main(argv + ["--no-progress"]) == 2

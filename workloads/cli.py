@@ -9,7 +9,7 @@
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
                    [--metrics-port PORT] [--metrics-linger S] [--page-size P] [--max-new-tokens N] [--pool-pages N]
-                   [--encoder-bytes SIZE]
+                   [--encoder-bytes SIZE] [--in-flight N]
 
 Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.registry``), a Mooncake
 JSONL file, an OpenAI-style chat JSONL or ShareGPT JSON file (tokenized with ``--tokenizer``), or a folder of
@@ -22,7 +22,10 @@ Data: ``mmcache data list`` names each public data set the replays read (source,
 Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
 ``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
 both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per stage). Without
-``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or ../shared/data.
+``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or ../shared/data. With
+``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers' continuous-batching engine
+with N requests in flight, cache off (its sharing off) then on (mmcache under it), every latency measured
+(``workloads.harness.engine_serving``); without it one request is served at a time and queueing is simulated.
 
 ``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
 ``mmcache: error: ...``). Output paths are checked before anything runs. Only argparse, the registry and a few
@@ -53,11 +56,13 @@ _SHOWN_ERRORS = 5
 TRACE_KINDS = {"openai-requests": "OpenAI request log (a line a request)",
                "openai-conversations": "OpenAI conversation log (a line a conversation)"}
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
-TEXT_ONLY = ("pool_tokens", "order", "in_flight", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
+TEXT_ONLY = ("pool_tokens", "order", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
              "kv_bytes_per_token")
 MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "metrics_linger",
               "max_new_tokens", "pool_pages", "encoder_bytes")
+ENGINE_WORKLOADS = ("agent-model", "mooncake-model")  # token-id prompts: what the continuous-batching engine takes
+DEFAULT_IN_FLIGHT = 8  # trace replays, round-robin order
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
 
 
@@ -166,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                     f"(default: {DEFAULT_POOLS})")
     rp.add_argument("--order", choices=ORDERS, default="timestamp",
                     help="timestamp: the trace's own arrival times; round-robin: K sessions interleaved")
-    rp.add_argument("--in-flight", type=int, default=8, metavar="K",
-                    help="live sessions/requests in round-robin order (default 8)")
+    rp.add_argument("--in-flight", type=int, metavar="K",
+                    help=f"trace replays: live sessions/requests in round-robin order (default {DEFAULT_IN_FLIGHT}); "
+                    f"model workloads {' and '.join(ENGINE_WORKLOADS)}: serve through transformers' "
+                    "continuous-batching engine with K requests in flight (cache on: mmcache under it)")
     rp.add_argument("--limit", type=_positive, metavar="N",
                     help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
                     "workloads: requests, each with a default cap)")
@@ -365,6 +372,8 @@ def replay_command(args, defaults: dict) -> int:
         return model_replay_command(args)
     if misused := _given(args, defaults, MODEL_ONLY):
         return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
+    if args.in_flight is None:
+        args.in_flight = DEFAULT_IN_FLIGHT
     if args.in_flight < 1:
         return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
     if args.prefill_rate <= 0 or args.tpot < 0:
@@ -503,6 +512,12 @@ def model_replay_command(args) -> int:
                         ("--slo-ttft", args.slo_ttft), ("--slo-ttfa", args.slo_ttfa)):
         if value is not None and not value > 0:
             return _fail(f"{flag} must be > 0, got {value}")
+    if args.in_flight is not None and args.in_flight < 1:
+        return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
+    if args.in_flight is not None and args.target not in ENGINE_WORKLOADS:
+        return _fail(f"--in-flight: {args.target!r} cannot be served through transformers' continuous-batching "
+                     f"engine, which takes token ids only (image features, reference audio and diffusion do not go "
+                     f"through it); it serves {', '.join(ENGINE_WORKLOADS)}")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         return _fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
     if args.metrics_linger is not None and args.metrics_port is None:
@@ -559,6 +574,7 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     from mmcache.errors import MmcacheError
     from workloads.harness.metrics import failure_lines, summary_table
     from workloads.harness.report import report_html, report_json
+    from workloads.harness.engine_serving import compare_engine, engine_label
     from workloads.harness.serving import compare
     name = args.target
     try:
@@ -575,21 +591,31 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
         where = f" with --model {args.model}" if args.model is not None else ""
         return _fail(f"cannot build workload {name!r}{where}: {str(e).strip().splitlines()[0]}")
     source = "embedded default" if options.data is None else options.data / registry.MODEL_WORKLOADS[name].data_path
+    served = (f"served by {engine_label(schedule, min(args.in_flight, schedule.concurrency or args.in_flight))}"
+              if args.in_flight
+              else f"schedule {schedule}, one request at a time")
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
-          f"{options.max_new_tokens} new tokens per request, schedule {schedule} (loaded in "
+          f"{options.max_new_tokens} new tokens per request, {served} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
-    off, on = compare(make, schedule, observer=exporter, progress=progress)
-    if off.interrupted:
+    if args.in_flight:
+        off, on, equal = compare_engine(make, schedule, args.in_flight, observer=exporter, progress=progress)
+    else:
+        off, on = compare(make, schedule, observer=exporter, progress=progress)
+    if getattr(off, "interrupted", False):
         print(f"interrupted (Ctrl-C) in the cache-off run after {len(off.records)} of {off.planned} requests; the "
               "cache-on run did not start, so there is nothing to compare", file=sys.stderr)
         return INTERRUPTED
-    if on.interrupted:  # compare the requests both runs served: the first ones of the same order
+    if getattr(on, "interrupted", False):  # compare the requests both runs served: the first ones of the same order
         off = off.first(len(on.records))
         print(f"partial: interrupted (Ctrl-C) in the cache-on run; the table compares the first {len(on.records)} of "
               f"{on.planned} requests")
     print(summary_table(off, on, slo))
-    print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
-          f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
+    if args.in_flight:
+        print(f"outputs equal cache off / on: {equal:,} of {len(off.records):,} requests; both runs hold "
+              f"--pool-pages ({options.pool_pages:,}) KV blocks in the engine, cache off keeps nothing in them")
+    else:
+        print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
+              f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")
     for line in failure_lines(off, on):
         print(f"failed: {line}")
     print(f"total {time.perf_counter() - started:.1f} s")

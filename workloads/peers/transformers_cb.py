@@ -1,5 +1,6 @@
 """A real peer to measure mmcache against: transformers' continuous-batching engine (``generation/continuous_batching``)
-with its own paged KV and prefix sharing, driven request by request in a trace's order.
+with its own paged KV and prefix sharing, driven request by request in a trace's order; and the same engine with
+mmcache under it (``mmcache=True``: ``mmcache.hf.continuous_batching``), so the two differ only in the allocator.
 
 What the driver relies on (transformers 5.24, read in its source):
 - the engine is configured by ``ContinuousBatchingConfig`` only (``page_size``, ``num_blocks``, ``max_batch_tokens``,
@@ -8,8 +9,10 @@ What the driver relies on (transformers 5.24, read in its source):
 - it keeps no counters: the tokens a request took from the cache come from its DEBUG line
   ``Found a prefix match of N tokens for request R`` (``PagedAttentionCache.search_prefix_match``), and the tokens
   every forward was fed from a forward pre-hook on the model (a cross-check: prefill + decode tokens);
-- ``record_timestamps=True`` stamps each generated token; TTFT is the first stamp minus the request's creation time
-  (``add_request``), the same origin as mmcache's runner (arrival at submission).
+- ``record_timestamps=True`` stamps each generated token (``time.perf_counter``, the clock of the request's
+  ``created_time`` at ``add_request``); TTFT is the first stamp minus the creation time, the same origin as mmcache's
+  runner (arrival at submission). ``replay`` also returns the submission and token times, so a serving harness can
+  put queueing in front of them.
 """
 
 from __future__ import annotations
@@ -35,16 +38,21 @@ class Call:
     rid: str
     session: str
     token_ids: list[int]
+    salt: bytes = b""  # tenant salt; only mmcache under the engine uses it (the engine's own hash has none)
 
 
 @dataclasses.dataclass
 class Outcome:
-    """What one engine did with one call: generated ids, prompt tokens taken from its cache, time to first token."""
+    """What one engine did with one call: generated ids, prompt tokens taken from its cache, time to first token;
+    ``submitted_s`` (perf_counter at ``add_request``) and each token's time after it; log-probabilities when asked."""
 
     rid: str
     output_ids: list[int]
     matched_tokens: int
     ttft_s: float
+    submitted_s: float = 0.0
+    token_s: tuple[float, ...] = ()
+    logprobs: tuple[float, ...] = ()
 
 
 class _MatchLog(logging.Filter):
@@ -65,18 +73,21 @@ class _MatchLog(logging.Filter):
 
 class PeerEngine:
     """transformers' ``ContinuousBatchingManager`` over ``model``, started on ``__enter__`` and stopped on
-    ``__exit__`` (the model's attention implementation is restored then), with sharing on or off.
+    ``__exit__`` (the model's attention implementation is restored then), with sharing on or off, and with mmcache's
+    allocator under it when ``mmcache`` (turned off again on ``__exit__``; ``prefix_cache`` is its ``PrefixCache``).
 
     ``fed_tokens`` counts every input id the model was fed while the engine ran (prefill and decode)."""
 
     def __init__(self, model, *, share: bool, page_size: int, num_blocks: int, max_batch_tokens: int = 256,
-                 max_new_tokens: int = 8):
+                 max_new_tokens: int = 8, mmcache: bool = False, return_logprobs: bool = False, namer=None):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         self.model, self.max_new_tokens = model, max_new_tokens
         self.cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
-                                                  max_batch_tokens=max_batch_tokens, allow_block_sharing=share)
+                                                  max_batch_tokens=max_batch_tokens, allow_block_sharing=share,
+                                                  return_logprobs=return_logprobs)
+        self.use_mmcache, self.namer, self.mm = mmcache, namer, None
         # greedy, no EOS: every request generates exactly max_new_tokens, like mmcache's runner
         self.gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
         self.fed_tokens = 0
@@ -88,6 +99,9 @@ class PeerEngine:
         logger.setLevel(logging.DEBUG)
         logger.addFilter(self._log)
         self._hook = self.model.register_forward_pre_hook(self._count, with_kwargs=True)
+        if self.use_mmcache:
+            from mmcache.hf.continuous_batching import enable_prefix_cache
+            self.mm = enable_prefix_cache(self.model, namer=self.namer)
         self.manager = self.model.init_continuous_batching(generation_config=self.gen_config,
                                                            continuous_batching_config=self.cb_config)
         self.manager.start()
@@ -97,6 +111,8 @@ class PeerEngine:
         try:
             self.manager.stop(block=True)
         finally:
+            if self.mm is not None:
+                self.mm.disable()
             self._hook.remove()
             logger = logging.getLogger(CB_LOGGER)
             logger.removeFilter(self._log)
@@ -112,26 +128,45 @@ class PeerEngine:
         """The blocks the engine actually holds (it rounds ``num_blocks`` up to whole sectors)."""
         return self.manager.batch_processor.cache.num_blocks
 
-    def replay(self, calls: Sequence[Call], inflight: int = 1, timeout_s: float = 600.0) -> list[Outcome]:
+    @property
+    def prefix_cache(self):
+        """mmcache's ``PrefixCache`` under the engine (None without ``mmcache`` or before the engine built one)."""
+        return None if self.mm is None else self.mm.cache
+
+    def replay(self, calls: Sequence[Call], inflight: int = 1, timeout_s: float = 600.0,
+               arrivals: Sequence[float] | None = None, on_done=None) -> list[Outcome]:
         """Send ``calls`` in order, at most ``inflight`` at once, a call only after its session's previous call
-        finished; returns the outcomes in call order. Any failed request raises ``RuntimeError``."""
-        pending = collections.deque(calls)
+        finished and (with ``arrivals``: seconds after the replay starts, one per call) not before it arrived;
+        returns the outcomes in call order and passes each to ``on_done`` as it completes. Any failed request
+        raises ``RuntimeError``."""
+        pending = collections.deque(range(len(calls)))
         running: dict[str, Call] = {}
         busy: set[str] = set()  # sessions with a call running
         results: dict[str, Outcome] = {}
+        t0 = self.replay_started_s = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         while pending or running:
+            now = time.perf_counter() - t0
             while len(running) < inflight:
-                nxt = next((c for c in pending if c.session not in busy), None)
-                if nxt is None:
+                k = next((k for k in pending if calls[k].session not in busy
+                          and (arrivals is None or arrivals[k] <= now)), None)
+                if k is None:
                     break
-                pending.remove(nxt)
+                pending.remove(k)
+                nxt = calls[k]
+                if nxt.salt and self.mm is not None:
+                    self.mm.set_salt(nxt.rid, nxt.salt)
                 self.manager.add_request(list(map(int, nxt.token_ids)), request_id=nxt.rid,
                                          max_new_tokens=self.max_new_tokens, record_timestamps=True)
                 running[nxt.rid] = nxt
                 busy.add(nxt.session)
-            out = self.manager.get_result(timeout=1.0)
+            wait, now = 1.0, time.perf_counter() - t0
+            if arrivals is not None and len(running) < inflight:  # wake for the next arrival, if one is to come
+                wait = min([wait] + [max(1e-3, arrivals[k] - now) for k in pending if arrivals[k] > now])
+            out = self.manager.get_result(timeout=wait)
             if out is None:
+                if arrivals is not None and wait < 1.0:
+                    continue  # woke for the next arrival
                 if time.monotonic() > deadline or not self.manager.is_running():
                     raise RuntimeError(f"the peer engine stopped answering ({len(running)} requests running)")
                 continue
@@ -139,6 +174,9 @@ class PeerEngine:
                 raise RuntimeError(f"the peer engine failed request {out.request_id}: {out.error}")
             call = running.pop(out.request_id)
             busy.discard(call.session)
+            stamps = tuple(t - out.created_time for t in out.timestamps)
             results[call.rid] = Outcome(call.rid, list(out.generated_tokens), self._log.matched.get(call.rid, 0),
-                                        out.timestamps[0] - out.created_time)
+                                        stamps[0], out.created_time, stamps, tuple(out.logprobs or ()))
+            if on_done is not None:
+                on_done(results[call.rid])
         return [results[c.rid] for c in calls]
