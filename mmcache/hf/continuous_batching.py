@@ -11,9 +11,10 @@ What changes inside the engine (and nothing else does: the scheduler, the model 
 
 - matching: ``admit`` walks the page-name chain (fingerprint root, the request's salt) and compares the stored
   token ids before a block is used; a 64-bit collision costs a comparison, never a wrong block;
-- completed blocks: each forward's full blocks are ``mark_computed``; at teardown ``finish`` indexes the written
-  pages of prompt + output (a cancelled request too, its KV is good), ``abort`` when the engine frees with
-  ``no_cache`` (offload), so nothing is ever de-duplicated by hash alone;
+- completed blocks: each forward's full blocks are ``mark_computed`` with the ids generated so far, so they are
+  indexed as they are written (a request admitted meanwhile shares them); at teardown ``finish`` indexes what is left
+  of prompt + output (a cancelled request too, its KV is good), ``abort`` when the engine frees with ``no_cache``
+  (offload: nothing more is indexed), so nothing is ever de-duplicated by hash alone;
 - eviction: the engine's free-block count is the pages no live request holds, so its safety margin never flushes
   the cache; ``grow`` evicts cold tails only as many pages as a live request is short (``evict_batch_pages=1``).
 
@@ -272,7 +273,10 @@ def allocator_class():
             self._full[request_id] += new_new_blocks
             self._tokens[request_id] = token_ids
             self._written += 1
-            self.cache.mark_computed(request_id, self._full[request_id] * self.tokens_per_page)
+            done, n = self._full[request_id] * self.tokens_per_page, self._prompt_len.get(request_id)
+            # pages are indexed as they are written: past the prompt, the generated ids name them
+            out = token_ids[n:done] if n is not None and done > n else None
+            self.cache.mark_computed(request_id, done, output_ids=out)
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
             """Teardown: written pages of prompt + output go to the index, or nothing does with ``no_cache`` (the
