@@ -37,6 +37,8 @@ def generated(t: int) -> int:
 
 class CacheMachine(RuleBasedStateMachine):
     collide = False  # when True every page of every request has the same name: only verification keeps it exact
+    page_local = False  # when True a page's name depends on its own tokens only: equal pages under different
+    # prefixes collide, the sequence the reused-parent wrong hit needed (test_prefix_cache.py)
 
     def __init__(self):
         super().__init__()
@@ -69,7 +71,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     def start(self, prompt, salt) -> int:
         rid, self.next_id = self.next_id, self.next_id + 1
-        names = [7] * (len(prompt) // P) if self.collide else None
+        k = len(prompt) // P
+        if self.collide:
+            names = [7] * k
+        elif self.page_local:
+            names = [hash(tuple(prompt[j * P:(j + 1) * P])) & 0xFFFF for j in range(k)]
+        else:
+            names = None
         st_ = self.cache.admit(rid, prompt, salt=salt, names=names)
         r = self.live[rid] = {"prompt": prompt, "salt": salt, "suspended": False}
         assert st_.matched_tokens <= (len(prompt) - 1) // P * P
@@ -215,5 +223,12 @@ class CollidingNamesMachine(CacheMachine):
     collide = True
 
 
+class PageLocalNamesMachine(CacheMachine):
+    """Names that commit to a page's own tokens only, with windows, evictions and page reuse: equal pages under
+    different prefixes collide, and only the parent check (the index closed under parents) keeps hits exact."""
+    page_local = True
+
+
 TestPrefixCacheStateful = CacheMachine.TestCase
 TestPrefixCacheForcedCollisions = CollidingNamesMachine.TestCase
+TestPrefixCachePageLocalNames = PageLocalNamesMachine.TestCase
