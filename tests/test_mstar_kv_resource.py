@@ -174,3 +174,23 @@ def test_offload_and_reload_with_shared_pages():
         out.append(tok)
         logits = [step(n, "decode", {"b": ids_feed([tok])})[1]["b"] for n in (on, off)]
         assert torch.equal(*logits)
+
+
+def test_a_host_tier_under_m_star_s_kv_tensor():
+    """``PrefixReuse(tiers=...)``: pages evicted from M*'s KV tensor go down to a host tier with their verifying ids and
+    come back up, verified, for a later request; logits equal reuse off."""
+    from mmcache.pool import HostPagePool
+    from mmcache.tiers import HostTier, TierStack
+
+    def host(fp, pool):
+        return TierStack(fp, host=HostTier(HostPagePool.like(pool, 16), fp.page_size))
+
+    on = node(W, pages=8, reuse=PrefixReuse(model="toy@0", tiers=host, evict_batch_pages=1))
+    prompt = list(range(1, 14))
+    serve(on, "a", prompt, 0)                                   # 3 pages cached on the device
+    serve(on, "big", list(range(60, 84)), 1)                    # 7 pages: a's pages go down to the host tier
+    assert on.kv.stats(LABEL).evicted_pages == 3
+    out, logits = serve(on, "again", prompt + [9], 2)
+    assert on.kv.stats(LABEL).hit_tokens == 12                  # from the host tier
+    want = serve(node(W), "again", prompt + [9], 2)
+    assert out == want[0] and equal(logits, want[1])
