@@ -1,5 +1,6 @@
-"""A ``mooncake_master`` on 127.0.0.1 for the tests and benchmarks that use a real Mooncake Store (test
-infrastructure: the product module ``mmcache.tiers.mooncake`` holds only the client)."""
+"""Loopback test infrastructure: free TCP ports on 127.0.0.1 (the Mooncake master's, torch.distributed's rendezvous)
+and a ``mooncake_master`` for the tests and benchmarks that use a real Mooncake Store (the product module
+``mmcache.tiers.mooncake`` holds only the client)."""
 
 from __future__ import annotations
 

@@ -3,12 +3,10 @@ built with M*'s ``JointGroups`` (the TP group's process group is what the resour
 keeps the group's minimum on every rank, so both ranks run the same prefill; a rank that lost its cached pages makes
 the other keep none, and outputs stay equal to reuse off."""
 
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
+from mooncake_master import free_ports
 from mstar_helpers import require_mstar
 
 require_mstar()
@@ -16,7 +14,6 @@ require_mstar()
 
 def _rank(rank: int, world: int, port: int) -> None:
     from mstar.distributed.communication import CommGroup, JointGroups
-
     from mstar_toy_ar import LABEL, PrefixReuse, node, serve, weights
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -47,11 +44,5 @@ def _rank(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp_ranks_keep_the_group_minimum():
-    mp.spawn(_rank, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_ports(1)[0]), nprocs=2, join=True)

@@ -2,13 +2,12 @@
 admission all ranks hold the same matched length and the KV pages of the request hold the same bytes, which equal
 what a fresh prefill writes (a deterministic function of the token prefix stands in for the KV)."""
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from mooncake_master import free_ports
 
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.errors import OutOfPages, RefusedByGroup
@@ -108,15 +107,9 @@ def _scenarios(rank, world, port):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_agree_on_the_matched_length_and_hold_the_same_bytes(world):
-    mp.spawn(_scenarios, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_scenarios, args=(world, free_ports(1)[0]), nprocs=world, join=True)
 
 
 class GroupOf:
