@@ -190,6 +190,18 @@ class CacheMachine(RuleBasedStateMachine):
     def clear_index(self):
         self.cache.clear()
 
+    @rule(pages=st.integers(1, PAGES))
+    def hog(self, pages):
+        """A request no ids describe takes up to ``pages`` pages and lets them go: cached pages are evicted and their
+        ids handed out again, which is when a stale child could meet a reused parent."""
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.cache.admit_unnamed(rid)
+        try:
+            self.cache.grow(rid, pages * P)
+        except OutOfPages:
+            self.expect_refusal_is_justified(pages)
+        self.cache.abort(rid)
+
     # ---- invariants
     @invariant()
     def owner_counts_equal_holders(self):
