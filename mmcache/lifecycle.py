@@ -192,6 +192,38 @@ class PrefixLifecycle:
             self.index.touch(idx)
             return idx
 
+    def extend_match(self, claim: Claim, tokens: np.ndarray) -> list[int]:
+        """Continue ``claim``'s match into ``tokens`` (int32 ids fed right after the chain, whose names are not yet
+        computed): the verified cached pages that follow, never the page of the last token, retained, agreed over
+        the group and counted as hit tokens; ``claim``'s chain and names grow by them. Only at a page boundary with
+        every earlier position indexed (``len(claim.names) == claim.indexed``); else nothing."""
+        P = self.page_size
+        m = (tokens.size - 1) // P
+        if not claim.open or m <= 0 or len(claim.names) != claim.indexed:
+            return []
+        with self.lock:
+            if claim.indexed and self.index.serial(claim.chain[-1]) != claim.parent_serial:
+                return []
+            start = claim.indexed
+            names = chain(claim.names[-1] if start else claim.prompt.root, tokens[:m * P], P, start)
+            idx = self.index.match(names, tokens, np.zeros((m, 2), dtype=np.uint64), claim.salt_id,
+                                   claim.chain[-1] if start else -1)
+            self.pool.retain(idx, distinct=True)
+            self.index.touch(idx)
+            pages = idx.tolist()
+        if self.agreement is not None:
+            agreed, _ = self.agreement.agree(len(pages), True)
+            if agreed < len(pages):
+                self.pool.release(pages[agreed:])
+                pages = pages[:agreed]
+        with self.lock:
+            if pages:
+                claim.chain += pages
+                claim.names = claim.names + names[:len(pages)]
+                claim.parent_serial = self.index.serial(pages[-1])
+                self.index.counters["hit_tokens"] += len(pages) * P
+            return pages
+
     # ----------------------------------------------------------------- pages
     def take(self, n: int) -> list[int]:
         """``n`` fresh pages with one owner each, evicting the pool's coldest cached pages first (one batch);

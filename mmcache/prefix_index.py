@@ -79,11 +79,14 @@ class PrefixIndex:
         """The serial of ``page``'s current indexing (0 when not indexed)."""
         return int(self._serial[page]) if self._indexed[page] else 0
 
-    def match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int) -> np.ndarray:
+    def match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int,
+              parent: int = -1) -> np.ndarray:
         """Pages nominated by walking ``names`` to the first miss, cut at the first that fails verification.
 
         Verification is one vectorized comparison of every nominated page's tokens, media, parent and salt; a page
         is accepted only if its whole chain back to page 0 is the request's own, so a hash collision costs a miss.
+        ``parent``: the indexed page the first name continues (-1: the chain starts here); ``tokens`` and ``mids``
+        start at the first name's page.
         """
         # Probing past the first miss in C is cheaper than stopping there in a Python loop.
         idx = np.fromiter(map(self._pages.get, names, repeat(-1)), dtype=np.int64, count=len(names))
@@ -96,7 +99,7 @@ class PrefixIndex:
         rows = self._tokens[idx]
         expected = tokens[:k * P].reshape(k, P)
         parents = np.empty(k, dtype=np.int32)
-        parents[0], parents[1:] = -1, idx[:-1]
+        parents[0], parents[1:] = parent, idx[:-1]
         ok = (self._parent[idx] == parents) & (self._salt[idx] == salt_id)
         ok &= (self._media_lo[idx] == mids[:k, 0]) & (self._media_hi[idx] == mids[:k, 1])
         if not (ok.all() and (rows == expected).all()):  # the common all-equal case skips the per-row reduction

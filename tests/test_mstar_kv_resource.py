@@ -194,3 +194,21 @@ def test_a_host_tier_under_m_star_s_kv_tensor():
     assert on.kv.stats(LABEL).hit_tokens == 12                  # from the host tier
     want = serve(node(W), "again", prompt + [9], 2)
     assert out == want[0] and equal(logits, want[1])
+
+
+def test_a_prompt_prefilled_in_chunks_is_matched_chunk_by_chunk():
+    """The match continues at each later feed that starts at a page boundary with everything before it indexed (a
+    chunked prefill): the second chunk is matched too, and logits equal reuse off on the same chunk schedule."""
+    on, off = node(W, reuse=REUSE), node(W)
+    chunks = [list(range(1, 9)), list(range(20, 28)), [5, 6, 7]]
+
+    def run(n, rid):
+        n.runner.ingest_request(rid)
+        logits = [step(n, "prefill", {rid: ids_feed(c)})[1][rid] for c in chunks]
+        n.runner.remove_request(rid)
+        return logits
+
+    run(on, "a")
+    got, want = run(on, "b"), run(off, "b")
+    assert equal(got, want)
+    assert on.kv.stats(LABEL).hit_tokens == 4 + 4           # each 8-token chunk: its full pages but its last token's

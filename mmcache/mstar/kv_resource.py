@@ -12,7 +12,8 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
 - One ``PrefixLifecycle`` per reused label (labels never share pages). ``feed`` (called by the seam in the node's
   ``prepare_inputs``, ``mmcache.mstar.switch``) names what a step is about to write: the first feed of a stream is
   matched, its verified prefix becomes the stream's first pages and ``stored_len``, and the seam cuts the input to
-  the suffix. ``commit`` then indexes every full page whose positions were all announced through ``feed``, prompt and
+  the suffix; a later feed at a page boundary with everything before it indexed continues the match (a chunked
+  prefill). ``commit`` then indexes every full page whose positions were all announced through ``feed``, prompt and
   generated tokens alike, as it is written: a walk the seam did not name (embeddings, a remote retrieve) stops the
   stream's indexing at its first position, so a page is never indexed under ids other than those its KV was
   computed from. A retried step (after ``AllocationFailed``) feeds the prompt again and is cut at what is held.
@@ -184,10 +185,12 @@ class ReuseKVManager(KVManager):
         return life
 
     def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"") -> int:
-        """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream
-        already holds, which the caller cuts off. The first feed of a stream is matched (its verified prefix becomes
-        the stream's first pages); the same prompt fed again (a retry after ``AllocationFailed``) is cut at what the
-        stream holds; any later feed names the positions it writes. ``None`` ids (an embeddings walk) name nothing."""
+        """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream now
+        holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
+        stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
+        after ``AllocationFailed``) is cut at what the stream holds; a later feed that starts at a page boundary with
+        everything before it indexed continues the match (a prompt prefilled in chunks, a walk after a reused one);
+        any later feed names the positions it writes. ``None`` ids (an embeddings walk) name nothing."""
         if not self.reuses(label):
             return 0
         named = self._named.get((rid, label))
@@ -200,8 +203,9 @@ class ReuseKVManager(KVManager):
             if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
                 named.pending = (held, named.claim.prompt.tokens[held:], n - held)
                 return held  # the prefill again: only what is not held is fed
-            named.pending = (held, token_ids, n)  # the ids are checked when their page fills
-            return 0
+            cut = self._continue(named, held, token_ids) if held >= named.prompt_len and n > 1 else 0
+            named.pending = (held + cut, token_ids[cut:] if cut else token_ids, n - cut)  # checked when a page fills
+            return cut
         if token_ids is None:
             return 0
         ids = as_tokens(token_ids)
@@ -211,6 +215,30 @@ class ReuseKVManager(KVManager):
         if filled or not ids.size:
             return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
         return self._match(rid, label, ids, media, salt)
+
+    def _continue(self, named: _Named, held: int, token_ids) -> int:
+        """Continue ``named``'s match into a feed at ``held``: how many of its ids cached pages now hold."""
+        P, stream = self.config.page_size, named.stream
+        if not (named.covered and held == named.named == named.claim.indexed * P
+                and len(stream.page_indices) == held // P):
+            return 0
+        ids = as_tokens(token_ids)
+        pages = named.life.extend_match(named.claim, ids)
+        if not pages:
+            return 0
+        k = len(pages) * P
+        with self._lock:
+            stream.page_indices += pages
+            stream.stored_len += k
+            stream.generation += 1
+            named.named += k
+            named.chunks.append(ids[:k])
+            named.due = (named.named // P + 1) * P
+        return k
+
+    def stored(self, rid: str, label: str) -> int:
+        """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""
+        return self._streams[rid][label].stored_len
 
     def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes) -> int:
         life = self.lifecycle(label)

@@ -84,7 +84,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             salt = request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
             held = kv.feed(rid, label, ids, salt=salt)
             if held:
-                position = kv.position_after(rid, label, held)
+                position = kv.position_after(rid, label, kv.stored(rid, label))
                 for res in resources.values():
                     if isinstance(res, PositionManager) and key in res.depends_on():
                         res.admit_retrieve(rid, node_name, kwargs.get("graph_walk"),
