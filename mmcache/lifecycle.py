@@ -26,8 +26,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from mmcache.errors import RefusedByGroup
-from mmcache.names import Fingerprint, NamedPrompt, chain, media_ids
+from mmcache.errors import InvalidRequest, RefusedByGroup
+from mmcache.names import Fingerprint, NamedPrompt, chain, media_by_page, media_ids
 from mmcache.pool import PagePool
 from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import take
@@ -92,10 +92,23 @@ class Claim:
     open: bool = True
     adopted: list[int] = dataclasses.field(default_factory=list)
     names: list[int] = dataclasses.field(default_factory=list)   # prompt names, then generated pages' as they fill
+    media: dict[int, bytes] = dataclasses.field(default_factory=dict)  # page -> media blob: the prompt's, then walks'
 
     @property
     def indexed(self) -> int:
         return len(self.chain)
+
+    def add_media(self, marks: Sequence, page_size: int) -> None:
+        """Media marks ``(offset, digest)`` of positions fed after the prompt (a walk of embeddings a media item
+        describes), at or after every position already named: their digests enter the names of their pages.
+        ``InvalidRequest`` for a malformed mark, before anything changes."""
+        if not marks:
+            return
+        first = min(int(o) for o, _ in marks)
+        if first < len(self.names) * page_size:
+            raise InvalidRequest(f"media marks at {first} fall on pages already named")
+        for page, blob in media_by_page(marks, page_size, 1 << 62).items():
+            self.media[page] = self.media.get(page, b"") + blob  # later offsets: the page's blob stays sorted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,7 +182,7 @@ class PrefixLifecycle:
             c["queried_tokens"] += int(prompt.tokens.size)
             c["hit_tokens"] += len(pages) * self.page_size
             claim = Claim(prompt, salt_id, len(pages), list(pages),
-                          self.index.serial(pages[-1]) if pages else 0, names=prompt.names)
+                          self.index.serial(pages[-1]) if pages else 0, names=prompt.names, media=dict(prompt.media))
         return claim, Match(pages, fetch)
 
     def refuse(self) -> None:
@@ -194,9 +207,10 @@ class PrefixLifecycle:
 
     def extend_match(self, claim: Claim, tokens: np.ndarray) -> list[int]:
         """Continue ``claim``'s match into ``tokens`` (int32 ids fed right after the chain, whose names are not yet
-        computed): the verified cached pages that follow, never the page of the last token, retained, agreed over
-        the group and counted as hit tokens; ``claim``'s chain and names grow by them. Only at a page boundary with
-        every earlier position indexed (``len(claim.names) == claim.indexed``); else nothing."""
+        computed; media marks of theirs added to ``claim`` first): the verified cached pages that follow, never the
+        page of the last token, retained, agreed over the group and counted as hit tokens; ``claim``'s chain and
+        names grow by them. Only at a page boundary with every earlier position indexed (``len(claim.names) ==
+        claim.indexed``); else nothing."""
         P = self.page_size
         m = (tokens.size - 1) // P
         if not claim.open or m <= 0 or len(claim.names) != claim.indexed:
@@ -205,8 +219,8 @@ class PrefixLifecycle:
             if claim.indexed and self.index.serial(claim.chain[-1]) != claim.parent_serial:
                 return []
             start = claim.indexed
-            names = chain(claim.names[-1] if start else claim.prompt.root, tokens[:m * P], P, start)
-            idx = self.index.match(names, tokens, np.zeros((m, 2), dtype=np.uint64), claim.salt_id,
+            names = chain(claim.names[-1] if start else claim.prompt.root, tokens[:m * P], P, start, claim.media)
+            idx = self.index.match(names, tokens, media_ids(claim.media, range(start, start + m)), claim.salt_id,
                                    claim.chain[-1] if start else -1)
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
@@ -259,8 +273,8 @@ class PrefixLifecycle:
             if m > len(claim.names):  # generated pages: their names continue the prompt's chain (lo <= len(names))
                 start = len(claim.names)
                 claim.names = claim.names + chain(claim.names[-1] if start else prompt.root, rows[start - lo:].ravel(),
-                                                  P, start, prompt.media)
-            mids = media_ids(prompt.media, range(lo, m))
+                                                  P, start, claim.media)
+            mids = media_ids(claim.media, range(lo, m))
             new, walked, claim.open = self.index.insert(pages[lo:m], claim.names[lo:m], rows, mids, claim.salt_id,
                                                         lo, claim.chain[-1] if lo else -1)
             if walked:
@@ -272,7 +286,7 @@ class PrefixLifecycle:
             if self.tiers is not None and new:
                 seq = np.concatenate((prompt.tokens, generated))[:m * P]
                 self.tiers.publish(self.pool, list(pages[:m]), [lo + j for j in new], claim.names[:m], seq,
-                                   media_ids(prompt.media, range(m)), prompt.salt)
+                                   media_ids(claim.media, range(m)), prompt.salt)
             return len(adopted)
 
     def discard(self, claim: Claim) -> int:

@@ -87,7 +87,7 @@ class ToyNode:
     def prepare_inputs(self, graph_walk, fwd_info, inputs, resources=None, **kwargs):
         if graph_walk == "embed":
             n = int(inputs["embeds"].shape[0])
-            return ARNodeInputs(input_embeds=inputs["embeds"], input_seq_len=n)
+            return ARNodeInputs(input_embeds=inputs["embeds"], input_seq_len=n)  # its digest stays in ``inputs``
         ids = inputs["ids"]
         return ARNodeInputs(input_ids=ids, input_seq_len=int(ids.shape[0]))
 

@@ -212,3 +212,34 @@ def test_a_prompt_prefilled_in_chunks_is_matched_chunk_by_chunk():
     got, want = run(on, "b"), run(off, "b")
     assert equal(got, want)
     assert on.kv.stats(LABEL).hit_tokens == 4 + 4           # each 8-token chunk: its full pages but its last token's
+
+
+def _media_walk_reuse():
+    """A reuse whose model describes an embeddings walk by the digest its inputs carry (as a data worker's digest of
+    the bytes it read travels with the request)."""
+    return PrefixReuse(model="toy@0", walk_media=lambda walk, info, inputs, out: (
+        [(0, inputs["digest"])] if "digest" in inputs else None))
+
+
+def _media_request(n, rid, digest: bytes):
+    """Text, an embeddings walk whose rows are a function of ``digest`` (the media item), then text."""
+    seed = int.from_bytes(digest[:4], "little")
+    embeds = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    n.runner.ingest_request(rid)
+    logits = [step(n, "prefill", {rid: ids_feed(range(40, 48))})[1][rid],
+              step(n, "embed", {rid: {"embeds": embeds, "digest": digest}})[1][rid],
+              step(n, "prefill", {rid: ids_feed([5, 6, 7, 8, 9, 10])})[1][rid]]
+    n.runner.remove_request(rid)
+    return logits
+
+
+def test_an_embeddings_walk_named_by_its_media_digest_is_reused_and_another_item_never():
+    on, off = node(W, reuse=_media_walk_reuse()), node(W)
+    d1, d2 = b"\x01" * 16, b"\x02" * 16
+    _media_request(on, "a", d1)
+    hit = on.kv.stats(LABEL).hit_tokens
+    assert equal(_media_request(on, "b", d1), _media_request(off, "b", d1))
+    assert on.kv.stats(LABEL).hit_tokens - hit == 4 + 4 + 4   # text page, media page, text page after it
+    hit = on.kv.stats(LABEL).hit_tokens
+    assert equal(_media_request(on, "c", d2), _media_request(off, "c", d2))
+    assert on.kv.stats(LABEL).hit_tokens - hit == 4           # only the text before the other item

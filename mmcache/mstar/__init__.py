@@ -1,10 +1,9 @@
 """mmcache inside M* (``mstar-ai`` 0.2.1 from the package index; ``mmcache.mstar.requirement`` says how to install
 it): ``enable_reuse`` (``switch``) turns it on for a model; prefix KV reuse in M*'s KV resource (``kv_resource``:
-``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed by ``encoder_items``, with digests taken in the data worker by
-``media_digests``, tenant salts routed by ``salts`` and counters exported by ``encoder_metrics``) and replica
-affinity in M*'s conductor
-(``conductor``). The names below import M* on first access, after checking its version; the core (``mmcache``)
-never imports this package.
+``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``,
+keyed by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by
+``salts`` and counters exported by ``encoder_metrics``) and replica affinity in M*'s conductor (``conductor``). The
+names below import M* on first access, after checking its version; the core (``mmcache``) never imports this package.
 """
 
 import importlib

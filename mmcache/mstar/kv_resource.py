@@ -91,8 +91,12 @@ class PrefixReuse:
     resource and label). ``labels``: the streams the seam names (the label a node's step writes its prompt into).
     ``attention_backend``: part of the fingerprint. ``evict_batch_pages``: least pages one eviction frees (default
     1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
-    ``position_after(rid, label, tokens)``: the stream's position after ``tokens`` prompt tokens (default: the token
-    count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own)."""
+    ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default: the token
+    count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own). ``walk_media(graph_walk,
+    fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step, digest)`` marks of the
+    media items its rows hold (their digests must commit to everything the rows depend on: the media bytes as sent,
+    the preprocessing and the encoder's weights), or None when the rows are not described by media: then the seam
+    names nothing and the stream's indexing stops there."""
 
     model: str
     labels: tuple[str, ...] = ("main",)
@@ -100,6 +104,7 @@ class PrefixReuse:
     evict_batch_pages: int | None = None
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
+    walk_media: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -135,6 +140,7 @@ class _Named:
     due: int
     chunks: list = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
+    media_upto: int = 0  # positions whose media marks are registered
     pending: tuple | None = None
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
 
@@ -184,30 +190,38 @@ class ReuseKVManager(KVManager):
                                                              tiers=tiers, agreement=self._agreement)
         return life
 
-    def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"") -> int:
+    def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"",
+             length: int | None = None) -> int:
         """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream now
         holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
         stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
         after ``AllocationFailed``) is cut at what the stream holds; a later feed that starts at a page boundary with
         everything before it indexed continues the match (a prompt prefilled in chunks, a walk after a reused one);
-        any later feed names the positions it writes. ``None`` ids (an embeddings walk) name nothing."""
+        any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
+        items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks, and
+        one with no marks names nothing, which stops the stream's indexing there."""
         if not self.reuses(label):
             return 0
+        if token_ids is None:
+            if not media or not length:
+                named = self._named.get((rid, label))
+                if named is not None:
+                    named.pending = None
+                return 0
+            token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
         if named is not None:  # the stream is named already: a decode token, a later walk, or the prefill retried
             held = named.stream.stored_len
-            if token_ids is None:
-                named.pending = None
-                return 0
             n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
             if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
                 named.pending = (held, named.claim.prompt.tokens[held:], n - held)
                 return held  # the prefill again: only what is not held is fed
+            if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
+                named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
+                named.media_upto = held + n
             cut = self._continue(named, held, token_ids) if held >= named.prompt_len and n > 1 else 0
             named.pending = (held + cut, token_ids[cut:] if cut else token_ids, n - cut)  # checked when a page fills
             return cut
-        if token_ids is None:
-            return 0
         ids = as_tokens(token_ids)
         with self._lock:
             stream = self._ensure_label(rid, label)
@@ -254,7 +268,7 @@ class ReuseKVManager(KVManager):
             stream.generation += 1
             P = self.config.page_size
             self._named[(rid, label)] = _Named(claim, life, stream, int(ids.size), k, (k // P + 1) * P,
-                                               pending=(k, ids[k:], int(ids.size) - k))
+                                               pending=(k, ids[k:], int(ids.size) - k), media_upto=int(ids.size))
         return k
 
     def position_after(self, rid: str, label: str, tokens: int) -> int:

@@ -78,20 +78,30 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             if not (isinstance(kv, ReuseKVManager) and kv.reuses(label)):
                 continue
             # ids alone describe the step only when no embeddings go in with them (Qwen3-Omni's thinker feeds both:
-            # its embeddings carry the media); anything else is a walk the names do not cover
+            # its embeddings carry the media); a step of embeddings is named by its media marks, if the model says
             rid = fwd_info.request_id
-            ids = out.input_ids if getattr(out, "input_embeds", None) is None else None
+            embeds = getattr(out, "input_embeds", None)
+            ids, marks = out.input_ids, ()
+            if embeds is not None:
+                describe = kv.reuse.walk_media
+                marks = describe(kwargs.get("graph_walk"), fwd_info, kwargs.get("inputs"), out) if describe else None
+                ids = None
             salt = request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
-            held = kv.feed(rid, label, ids, salt=salt)
+            held = kv.feed(rid, label, ids, media=marks or (), salt=salt, length=int(out.input_seq_len))
             if held:
                 position = kv.position_after(rid, label, kv.stored(rid, label))
                 for res in resources.values():
                     if isinstance(res, PositionManager) and key in res.depends_on():
                         res.admit_retrieve(rid, node_name, kwargs.get("graph_walk"),
                                            PublishedPositionInfo(counters={label: position}))
-                full_prompts[rid] = ids
-                out.input_ids = ids[held:]
-                out.input_seq_len = int(out.input_ids.shape[0])
+                if ids is not None:
+                    full_prompts[rid] = ids
+                    out.input_ids = ids[held:]
+                if embeds is not None:
+                    out.input_embeds = embeds[held:]
+                    if getattr(out, "input_ids", None) is not None:
+                        out.input_ids = out.input_ids[held:]
+                out.input_seq_len = int(out.input_seq_len) - held
             else:
                 full_prompts.pop(rid, None)
         return out
