@@ -5,7 +5,8 @@
 Requests run as a continuous-batching engine runs them: at most N in flight, each admitted at the first step at or
 after its arrival with a slot free, each step advancing every in-flight request by one prefill chunk (``mark_computed``
 after it) or one decode token, then finishing. A step stands for ``--step-ms`` of the trace's clock (an assumption:
-the engine's step time), so a request arriving while another is still prefilling or decoding is admitted then. Two rows per N on the same schedule and a metadata-only pool large enough that nothing is
+the engine's step time), so a request arriving while another is still prefilling or decoding is admitted then. Two
+rows per N on the same schedule and a metadata-only pool large enough that nothing is
 evicted: ``teardown`` marks the KV written only just before ``finish`` (the indexing moment before commit-as-written),
 ``as written`` marks it after every chunk. A request admitted while another with the same prefix is still running
 hits the pages that request has written. Traces: the embedded Mooncake slice (default; any Mooncake JSONL with

@@ -91,7 +91,8 @@ def main() -> None:
             times[k].append(once(k, args.requests, args.page, args.steps))
     base = min(times["mstar"])
     print(f"{'KV resource (StepRunner, decode)':<36} | {'ms/step':>8} | {'vs M*':>6} | {'spread':>6}")
-    names = {"mstar": "M*'s KVManager", "reuse off": "ReuseKVManager, reuse off", "reuse on": "ReuseKVManager, reuse on"}
+    names = {"mstar": "M*'s KVManager", "reuse off": "ReuseKVManager, reuse off",
+             "reuse on": "ReuseKVManager, reuse on"}
     for k in kinds:
         best = min(times[k])
         print(f"{names[k]:<36} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")

@@ -2,11 +2,12 @@
 
 Public API: ``Fingerprint``, ``page_names``, ``PagePool``, ``PrefixCache`` (live requests over a ``PrefixIndex``),
 ``RequestState``, ``PrefixLifecycle`` (the one prefix lifecycle every request table drives, with the ``LowerTier`` and
-``GroupAgreement`` interfaces it declares), ``ShadowIndex``, ``EncoderStore``, ``EncoderKey``, ``HostPagePool``, the typed ``stats()`` snapshots in ``mmcache.stats``, and the errors in
-``mmcache.errors`` (``OutOfPages`` re-exported here). Beside them, imported on their own: ``mmcache.reclaim`` (what a
-pool evicts, across every cache on it), ``mmcache.tiers`` (host tier and shared store under the device pool),
-``mmcache.routing`` (replica affinity) and ``mmcache.tp`` (tensor-parallel agreement); adapters the core never
-imports: ``mmcache.hf`` (transformers) and ``mmcache.mstar`` (the M* engine).
+``GroupAgreement`` interfaces it declares), ``ShadowIndex``, ``EncoderStore``, ``EncoderKey``, ``HostPagePool``, the
+typed ``stats()`` snapshots in ``mmcache.stats``, and the errors in ``mmcache.errors`` (``OutOfPages`` re-exported
+here). Beside them, imported on their own: ``mmcache.reclaim`` (what a pool evicts, across every cache on it),
+``mmcache.tiers`` (host tier and shared store under the device pool), ``mmcache.routing`` (replica affinity) and
+``mmcache.tp`` (tensor-parallel agreement); adapters the core never imports: ``mmcache.hf`` (transformers) and
+``mmcache.mstar`` (the M* engine).
 """
 
 from mmcache.encoder_key import EncoderKey

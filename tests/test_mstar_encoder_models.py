@@ -1,7 +1,8 @@
 """Every other M* 0.2.1 encoder node that runs on the CPU, wrapped in ``CachedEncoderNode`` under M*'s real
 ``Engine``: Whisper's and Higgs Audio's audio encoders, Pi0.5's SigLIP ViT, V-JEPA 2's video encoder, Wan 2.2's and
-Cosmos3's VAE encoders (the first frame / the conditioning clip), BAGEL's ViT (its SDPA fallback, flash-attn absent). Each at a tiny random config (the HF towers saved
-with ``save_pretrained`` and loaded back with ``from_pretrained``; M*'s own component classes seeded), the SAME node
+Cosmos3's VAE encoders (the first frame / the conditioning clip), BAGEL's ViT (its SDPA fallback, flash-attn absent).
+Each at a tiny random config (the HF towers saved with ``save_pretrained`` and loaded back with ``from_pretrained``;
+M*'s own component classes seeded), the SAME node
 instance in a plain and in a wrapped engine. A first batch misses; a second batch mixes two hits, two misses and a
 repeat of a miss: every request's outputs are ``torch.equal`` to the plain engine's on the same batches, and the
 hook on the tower counts exactly the misses' forwards (one sub-batch when the node batches, one per miss when not)."""

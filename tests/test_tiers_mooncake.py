@@ -127,8 +127,9 @@ def test_a_store_page_is_verified_before_use():
     shared = MemoryStore(64)
 
     def cache(fingerprint=fp):
+        store = StoreTier(shared, publish_async=False)
         return PrefixCache(pool if fingerprint is fp else PagePool(8, (P,), torch.float32), fingerprint,
-                           evict_batch_pages=1, tiers=TierStack(fingerprint, store=StoreTier(shared, publish_async=False)))
+                           evict_batch_pages=1, tiers=TierStack(fingerprint, store=store))
 
     a = cache()
     a.admit("a", list(range(1, 10)), salt=b"t")

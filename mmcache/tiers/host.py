@@ -27,8 +27,9 @@ _LIN = np.dtype((np.void, 16))
 
 class HostBudget:
     """Host memory split explicitly between the host tier (``tier``) and preemption offload (``offload``, the pool
-    an engine's preemption offload takes, e.g. M*'s KV resource). They are two ``HostPagePool``s, so neither can take the other's pages:
-    a full tier evicts its own coldest pages, a full offload pool refuses the offload, whatever the other holds.
+    an engine's preemption offload takes, e.g. M*'s KV resource). They are two ``HostPagePool``s, so neither can take
+    the other's pages: a full tier evicts its own coldest pages, a full offload pool refuses the offload, whatever the
+    other holds.
 
     ``pin_memory`` defaults to pinning when the device pool is on CUDA (page-locked memory needs CUDA)."""
 
