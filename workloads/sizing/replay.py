@@ -6,7 +6,9 @@ Per request, in the order of ``ordering.schedule``: ``admit`` (its ``matched_tok
 the trace has them (their pages extend the chain), with none otherwise (output pages are held while live but never
 indexed).
 
-Live-request model (when a request is finished, i.e. when its pages become reusable):
+A page becomes reusable when it is marked computed, as in an engine that indexes pages as they are written: the
+prompt's full pages right after admission (the replay prefills at once), the output's at its mark. Finishing a
+request releases its pages to the index. Live-request model (when a request is finished):
 - always: a session's previous call is finished before its next call is admitted (the agent needs the output);
 - ``round-robin``: at most ``in_flight`` requests are live; admitting one more first finishes the oldest. With the
   rotation of ``ordering``, that is the same session's previous call or the last call of a session that ended;
