@@ -16,7 +16,8 @@ prefix it calls one lifecycle per label:
 
 Ownership: the table holds one owner per page it lists for a request, the index one per indexed page; the pool frees
 a page when its count reaches 0. Every method that reads or changes the index takes the pool's ``cache_lock`` (an
-RLock, so a table may hold it around several calls); the group agreement runs outside it.
+RLock, so a table may hold it around several calls); the group agreement and the lower tier's reads (a shared
+store's, bounded by its deadline) run outside it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class LowerTier(Protocol):
     def extend(self, index: PrefixIndex, idx: np.ndarray, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray,
                salt: bytes, salt_id: int) -> tuple[list[int], Readiness | None]:
         """Continue the device match ``idx`` through the tier: the request's pages (``idx``, then fresh pages holding
-        verified tier hits, indexed and owned by the request too) and their readiness (None when nothing was hit)."""
+        verified tier hits, indexed and owned by the request too) and their readiness (None when nothing was hit).
+        Called without the pool's ``cache_lock`` (the request holds ``idx``'s owners): the tier takes it around what
+        reads or changes the index, and adopts nothing under a chain that left the index meanwhile."""
 
     def spill(self, index: PrefixIndex, pages: np.ndarray) -> None:
         """``index`` evicts ``pages``, whose bytes and verifying ids are still intact: take what the tier keeps."""
@@ -151,9 +154,10 @@ class PrefixLifecycle:
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             pages, fetch = idx.tolist(), None
-            if self.tiers is not None and idx.size < limit and self.tiers.nominates(prompt.names[idx.size]):
-                pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids,
-                                                 prompt.salt, salt_id)
+            lower = self.tiers is not None and idx.size < limit and self.tiers.nominates(prompt.names[idx.size])
+        if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
+            pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids, prompt.salt,
+                                             salt_id)
         if self.agreement is not None:
             agreed, all_ok = self.agreement.agree(len(pages), True)
             if not all_ok:
