@@ -100,7 +100,7 @@ class TierStack:
         return self.store is not None or (self.host is not None and name in self.host)
 
     def extend(self, index, idx: np.ndarray, names, tokens: np.ndarray, mids: np.ndarray, salt: bytes,
-               salt_id: int) -> tuple[list[int], PageFetch | None]:
+               salt_id: int, media: dict[int, bytes] | None = None) -> tuple[list[int], PageFetch | None]:
         """Continue a device match ``idx`` (pages the request already holds) through the tiers (the caller asked
         ``nominates`` first). Returns the request's pages (``idx`` then fresh pages holding tier hits, each with the
         request's owner; the index adopts them too) and a ``PageFetch`` (None when no tier hit).
@@ -125,9 +125,9 @@ class TierStack:
                 if host:
                     self.host.pool.release(host)
                 return idx.tolist(), None
-            return self._adopt(index, idx, names, tokens, mids, salt_id, host, store)
+            return self._adopt(index, idx, names, tokens, mids, salt_id, media, host, store)
 
-    def _adopt(self, index, idx, names, tokens, mids, salt_id, host: list[int], store: list) -> tuple:
+    def _adopt(self, index, idx, names, tokens, mids, salt_id, media, host: list[int], store: list) -> tuple:
         """Fresh device pages for the verified hits (``host`` pages, then ``store`` bytes), copied up and indexed;
         under the lock."""
         pool: PagePool = index.pool
@@ -153,7 +153,8 @@ class TierStack:
         pages = idx.tolist() + fresh
         m = len(pages)
         P = index.page_size
-        index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id)  # index's own owners
+        index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id,
+                     media=media)  # index's own owners
         release = (lambda: self.host.pool.release(host)) if host else None
         if event is None and release is not None:
             release()
