@@ -23,9 +23,9 @@ import torch
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.timing import best  # noqa: E402
-from mmcache import Fingerprint, PagePool, PrefixCache  # noqa: E402
-from mmcache.kv_events import KVEventPublisher  # noqa: E402
+from benchmarks.timing import best
+from mmcache import Fingerprint, PagePool, PrefixCache
+from mmcache.kv_events import KVEventPublisher
 
 P = 16
 

@@ -54,8 +54,9 @@ class PrefixIndex:
 
     ``evict_batch_pages``: the least number of cached pages one eviction frees, so a saturated pool evicts in
     batches instead of once per allocation. ``spill(index, pages)``: called by ``evict`` while the evicted pages still
-    hold their bytes and ids (a lower tier's write-back). ``observer``: an ``IndexObserver``. ``counters`` are the lifecycle's counters (``COUNTERS``);
-    the index advances the eviction and collision ones, the lifecycle the query ones.
+    hold their bytes and ids (a lower tier's write-back). ``observer``: an ``IndexObserver``. ``counters`` are the
+    lifecycle's counters (``COUNTERS``); the index advances the eviction and collision ones, the lifecycle the query
+    ones.
     """
 
     def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int,

@@ -28,9 +28,9 @@ class Router:
 
     def drain(self, timeout=2.0):
         while self.sock.poll(int(timeout * 1000)):
-            topic, seq, payload = self.sock.recv_multipart()
+            _topic, seq, payload = self.sock.recv_multipart()
             self.seqs.append(int.from_bytes(seq, "big"))
-            ts, events = msgpack.unpackb(payload)[:2]
+            _ts, events = msgpack.unpackb(payload)[:2]
             for ev in events:
                 if ev[0] == "BlockStored":
                     _, hashes, parent, tokens, size, _lora, medium, _name, extra = ev

@@ -9,12 +9,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from mooncake_master import MooncakeMaster
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
-from mmcache.tiers import MemoryStore, StoreTier, TierStack
-from mmcache.tiers import mooncake
-from mooncake_master import MooncakeMaster
+from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
 
 P = 4
 WHY = mooncake.available()
@@ -150,3 +149,47 @@ def test_store_tier_arguments_are_checked():
         StoreTier(MemoryStore(1), batch_pages=0, publish_async=False)
     with pytest.raises(InvalidRequest):
         StoreTier(MemoryStore(1), key=b"short", publish_async=False)
+
+
+class RacingStore(MemoryStore):
+    """While a lookup reads it (outside the cache's lock), another request commits the same prefix."""
+
+    def __init__(self):
+        super().__init__(1024)
+        self.during_read = None
+
+    def get_many(self, keys):
+        if self.during_read is not None:
+            hook, self.during_read = self.during_read, None
+            hook()
+        return super().get_many(keys)
+
+
+def test_a_prefix_committed_while_the_store_is_read_keeps_the_index_closed_under_parents():
+    shared = RacingStore()
+    fp = Fingerprint(model="race", page_size=P)
+    tokens = prompts(1, pages=6)[0]
+    serve_once(PrefixCache(PagePool(32, (P,), torch.float32), fp,
+                           tiers=TierStack(fp, store=StoreTier(shared, publish_async=False, deadline_s=None))),
+               "a", tokens)
+    store = StoreTier(shared, deadline_s=1.0, publish_async=False)
+    b = PrefixCache(PagePool(32, (P,), torch.float32), fp, tiers=TierStack(fp, store=store))
+    try:
+        def commit_meanwhile():  # on the reader thread, while "b" waits outside the lock; "x" computes its own
+            store._down = True   # pages (its lookup skips the store: the one reader is busy reading for "b")
+            serve_once(b, "x", tokens)
+            store._down = False
+        shared.during_read = commit_meanwhile
+        state = b.admit("b", tokens)
+        assert state.matched_tokens == 6 * P
+        index = b.index
+        assert all(index.indexed[p] for p in state.page_indices)  # it holds the pages "x" indexed, not copies
+        longer = tokens + prompts(1, pages=3)[0][:2 * P]
+        b.abort("b")
+        serve_once(b, "c", longer)
+        v = index.tier_view()
+        for page in np.flatnonzero(index.indexed):
+            assert v.parent[page] == -1 or index.indexed[v.parent[page]]
+        assert len(index) == 8
+    finally:
+        store.close()

@@ -153,8 +153,13 @@ class TierStack:
         pages = idx.tolist() + fresh
         m = len(pages)
         P = index.page_size
-        index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id,
-                     media=media)  # index's own owners
+        _, walked, _ = index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id,
+                                    media=media)  # index's own owners
+        if walked != pages:  # another request indexed equal pages while the store was read (or a name collided):
+            swap = [q for q in range(len(walked)) if walked[q] != pages[q]]  # hold the indexed pages instead, so
+            pool.retain([walked[q] for q in swap], distinct=True)            # the claim's chain is what is indexed
+            pool.release([pages[q] for q in swap] + pages[len(walked):])
+            pages = walked
         release = (lambda: self.host.pool.release(host)) if host else None
         if event is None and release is not None:
             release()

@@ -180,7 +180,8 @@ class StoreTier:
         self._down = False
         self._health = threading.Condition()
         self.counters = dict.fromkeys(("published_pages", "publish_dropped", "hit_pages", "gets", "batches", "misses",
-                                       "rejected", "mac_failures", "failures", "late", "skipped", "probes"), 0)
+                                       "rejected", "mac_failures", "failures", "late", "read_errors", "skipped",
+                                       "probes"), 0)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._prober: threading.Thread | None = None
@@ -311,7 +312,7 @@ class StoreTier:
         except concurrent.futures.TimeoutError:
             self.counters["late"] += 1
         except Exception:  # noqa: BLE001 - a failed read is a miss (RuntimeError once the reader is shut down)
-            pass
+            self.counters["read_errors"] += 1
         self._failed()
         return None
 
