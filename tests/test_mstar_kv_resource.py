@@ -174,3 +174,23 @@ def test_offload_and_reload_with_shared_pages():
         out.append(tok)
         logits = [step(n, "decode", {"b": ids_feed([tok])})[1]["b"] for n in (on, off)]
         assert torch.equal(*logits)
+
+
+def test_kv_events_from_m_stars_resource_name_every_indexed_page():
+    class Heard:  # an IndexObserver that keeps what a router would
+        def __init__(self):
+            self.names = set()
+
+        def stored(self, names, parent, tokens, media, salt, depth):
+            self.names.update(names)
+
+        def removed(self, names):
+            self.names.difference_update(names)
+
+        def cleared(self):
+            self.names.clear()
+    heard = Heard()
+    on = node(W, reuse=PrefixReuse(model="toy@0", observer=lambda fp, pool: heard))
+    serve(on, "a", list(range(1, 14)), 5)
+    index = on.kv.lifecycle(LABEL).index
+    assert heard.names and heard.names == {int(index.tier_view().name[p]) for p in np.flatnonzero(index.indexed)}
