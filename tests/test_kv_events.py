@@ -1,6 +1,7 @@
 """KV events for external routers over a real ZMQ socket on 127.0.0.1: a subscriber decodes vLLM-format batches and
-rebuilds the set of stored pages, which equals the index's under eviction, a discard and a clear; media digests and
-the salt ride in the extra keys; parents are always stored before their children."""
+rebuilds the set of stored pages, which equals the index's under eviction, a discard and a clear, and with pages
+copied up from a store; media digests and the salt ride in the extra keys; parents are always stored before their
+children."""
 
 import time
 
@@ -13,6 +14,7 @@ import zmq
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
 from mmcache.kv_events import KVEventPublisher
+from mmcache.tiers import MemoryStore, StoreTier, TierStack
 
 P = 4
 
@@ -111,3 +113,19 @@ def test_publisher_arguments_are_checked():
         KVEventPublisher("tcp://127.0.0.1:*", 0)
     with pytest.raises(InvalidRequest):
         KVEventPublisher("127.0.0.1:5557", 4)
+
+
+def test_pages_copied_up_from_the_store_are_stored_events_too(wired):
+    _, pub, router = wired
+    fp = Fingerprint(model="events", page_size=P)
+    shared = MemoryStore(64)
+
+    def cache(observer=None):
+        return PrefixCache(PagePool(24, (P,), torch.float32), fp, observer=observer,
+                           tiers=TierStack(fp, store=StoreTier(shared, publish_async=False, deadline_s=None)))
+    tokens = list(range(1, 4 * P + 2))
+    serve(cache(), "a", tokens)               # another instance published 4 pages
+    b = cache(pub)
+    assert b.admit("b", tokens).matched_tokens == 4 * P
+    assert pub.flush() and router.drain() is None
+    assert set(router.blocks) == indexed_names(b) and len(router.blocks) == 4 and router.orphans == 0
