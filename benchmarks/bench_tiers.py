@@ -9,6 +9,10 @@
 3. Lookups per second of chains of 100 and 1,000 pages: host tier and store vs the device index.
 4. Tier overhead on an all-miss stream: admit + grow + finish of distinct prompts on a full pool with a host tier
    (every evicted page is written back for nothing) vs none, metadata-only and with 256 KiB pages.
+5. Store reads of a 64-page chain batched (``get_batch``, 16 pages a call) vs one get per page.
+6. Authenticated entries: get + verify with a keyed BLAKE2b MAC vs the plain checksum (an in-process store).
+7. Admission latency, p50/p99/max, under steady traffic that asks the store on every admission, with the master up,
+   killed (for 8 s, past Mooncake's ~4.4 s stalls) and restarted, against the bound (the store's deadline).
 
     python benchmarks/bench_tiers.py [--quick]
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +35,7 @@ from benchmarks.timing import best  # noqa: E402
 from mmcache import Fingerprint, PagePool, PrefixCache  # noqa: E402
 from mmcache.pool import HostPagePool  # noqa: E402
 from mmcache.reclaim import make_room  # noqa: E402
-from mmcache.tiers import HostTier, StoreTier, TierStack, mooncake  # noqa: E402
+from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack, mooncake  # noqa: E402
 from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
 from mmcache.tiers.stack import _copy_up  # noqa: E402
 from mmcache.tiers.store import Expected  # noqa: E402
@@ -116,7 +122,7 @@ def store_bandwidth(repeats, pages):
             dev.data.normal_()
             fp = Fingerprint(model=f"bench{page_kib}", page_size=P)
             cache = PrefixCache(dev, fp)  # no tier: its pages are published below, timed alone
-            store = StoreTier(client, publish_async=False)
+            store = StoreTier(client, publish_async=False, deadline_s=None)
             stack = TierStack(fp, store=store)
             rng = np.random.default_rng(page_kib)
             put_o, put_b, get_o, get_b = [], [], [], []
@@ -181,7 +187,7 @@ def lookups(repeats, store_client):
         host_t = [best(host_lookup, 3) for _ in range(repeats)]
         row(f"host tier, chain of {chain_pages}", host_t, dev_t, "chains/s", 1.0)
         if store_client is not None:
-            store = StoreTier(store_client, publish_async=False)
+            store = StoreTier(store_client, publish_async=False, deadline_s=None)
             stack = TierStack(fp, store=store)
             rows = list(range(chain_pages))
             dev2 = PagePool(chain_pages, shape, torch.float32)
@@ -238,12 +244,119 @@ def all_miss(repeats, requests):
         print(f"{'':<44} write-back cost per evicted page {spread(cost)} us (ids, lineage, bytes)")
 
 
+def published_chain(client, pages, shape, key=None, model="chain"):
+    """A ``pages``-page chain published through a StoreTier on ``client``; what a reader needs to look it up."""
+    fp = Fingerprint(model=model, page_size=P)
+    ids = np.random.default_rng(pages).integers(0, 30000, pages * P + 1).astype(np.int32)
+    mids = np.zeros((pages, 2), dtype=np.uint64)
+    names = [int(x) for x in np.random.default_rng(zlib.crc32(model.encode())).integers(1, 1 << 62, pages)]
+    dev = PagePool(pages, shape, torch.float32)
+    dev.data.normal_()
+    writer = StoreTier(client, publish_async=False, deadline_s=None, key=key)
+    rows = list(range(pages))
+    TierStack(fp, store=writer).publish(dev, rows, rows, names, ids, mids, b"")
+    want = Expected(fp, b"", dev.page_shape, dev.dtype, dev.page_bytes)
+    return names, ids, mids, want, lambda: RequestLineage(root_lineage(fp, b""), ids, mids, P), dev.page_bytes
+
+
+def batched_reads(repeats, client):
+    header("5. store reads of a 64-page chain", "batched (16/call) pages/s", "one get per page pages/s")
+    for shape, label in (((16, 64), "4 KiB pages"), ((64, 1024), "256 KiB pages")):
+        names, ids, mids, want, lineage, _ = published_chain(client, 64, shape, model=label)
+        readers = [StoreTier(client, publish_async=False, deadline_s=None, batch_pages=b) for b in (16, 1)]
+
+        def read(store):
+            assert len(store.match(names, 0, ids, mids, lineage(), want)) == 64, store.counters
+        ours = [best(lambda: read(readers[0]), 3) for _ in range(repeats)]
+        base = [best(lambda: read(readers[1]), 3) for _ in range(repeats)]
+        row(f"chain read + verify, {label}", ours, base, "pages/s", 64.0)
+
+
+def mac_cost(repeats):
+    header("6. store get + verify, 16 pages of 1 MiB (in-process store)", "keyed MAC pages/s", "checksum pages/s")
+    shared = MemoryStore(1024)
+    key = b"bench-deployment-key-0123456789ab"
+    plain = published_chain(shared, 16, (256, 1024), model="plain")
+    keyed = published_chain(shared, 16, (256, 1024), key=key, model="keyed")
+    ours_t, base_t = StoreTier(shared, publish_async=False, deadline_s=None, key=key), \
+        StoreTier(shared, publish_async=False, deadline_s=None)
+
+    def read(store, chain):
+        names, ids, mids, want, lineage, _ = chain
+        assert len(store.match(names, 0, ids, mids, lineage(), want)) == 16, store.counters
+    ours = [best(lambda: read(ours_t, keyed), 3) for _ in range(repeats)]
+    base = [best(lambda: read(base_t, plain), 3) for _ in range(repeats)]
+    row("get + verify", ours, base, "pages/s", 16.0)
+    cost = [(o - b) / 16 * 1e6 for o, b in zip(ours, base)]
+    print(f"{'':<44} MAC cost per 1 MiB page {spread(cost)} us")
+
+
+def killed_master(deadline_s=0.05, dead_s=8.0, commit_while_dead=True):
+    """Steady traffic (one admission every ~10 ms, each missing on the device and asking the store for a 6-page
+    chain of 4 KiB pages) through a master that is killed after 2 s and restarted ``dead_s`` later. Requests commit
+    (and publish) their pages, except while the master is dead with ``commit_while_dead=False``: then no put fails
+    first and only the reads' deadline can mark the store down."""
+    master = MooncakeMaster().start()
+    client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20)
+    store = StoreTier(client, deadline_s=deadline_s, probe_s=0.5)
+    fp = Fingerprint(model="killed", page_size=P)
+    cache = PrefixCache(PagePool(64, (16, 64), torch.float32), fp, evict_batch_pages=1,
+                        tiers=TierStack(fp, store=store))
+    rng = np.random.default_rng(0)
+    work = [rng.integers(1, 30000, 6 * P + 1).astype(np.int32) for _ in range(8)]
+    phases = {"master up": [], "master killed": [], "restarted": []}
+    hits = {k: 0 for k in phases}
+    try:
+        start, i, restarted = time.monotonic(), 0, None
+        while True:
+            now = time.monotonic() - start
+            if master.proc is not None and restarted is None and now > 2.0:
+                master.stop()
+            elif master.proc is None and now > 2.0 + dead_s:
+                master.start()
+                restarted = now
+            phase = "master up" if now <= 2.0 else "master killed" if restarted is None else "restarted"
+            cache.clear()
+            ids = work[i % len(work)]
+            t = time.perf_counter()
+            state = cache.admit(i, ids)
+            phases[phase].append(time.perf_counter() - t)
+            hits[phase] += state.matched_tokens > 0
+            if phase == "master killed" and not commit_while_dead:
+                cache.abort(i)
+                i += 1
+                time.sleep(0.01)
+                continue
+            cache.grow(i, ids.size)
+            cache.mark_computed(i, ids.size)
+            cache.finish(i)
+            i += 1
+            if restarted is not None and (hits["restarted"] >= 20 or now > restarted + 30):
+                break
+            time.sleep(0.01)
+        print(f"\n7. admission latency, store deadline {deadline_s * 1e3:.0f} ms, master killed {dead_s:.0f} s, "
+              f"{'requests commit' if commit_while_dead else 'reads only'} while it is dead")
+        print(f"{'phase':<16} {'admissions':>10} {'hit':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+        for k, v in phases.items():
+            ms = np.array(v) * 1e3
+            print(f"{k:<16} {len(v):>10} {hits[k]:>6} {np.percentile(ms, 50):>8.2f} {np.percentile(ms, 99):>8.2f} "
+                  f"{ms.max():>8.2f}")
+        print(f"store counters: {store.counters}")
+    finally:
+        store.close()
+        client.close()
+        master.stop()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=("batched", "mac", "killed"), help="run one of the store sections alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
+    if args.only:
+        return only(args.only, repeats)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, CUDA {torch.cuda.is_available()}; "
           f"median [min-max] over {repeats} repeats of best-of timings")
     host_bandwidth(repeats, 32)
@@ -251,11 +364,31 @@ def main():
     store = store_bandwidth(repeats, 32)
     try:
         lookups(repeats, store[0] if store else None)
+        if store:
+            batched_reads(repeats, store[0])
     finally:
         if store:
             store[0].close()
             store[1].stop()
     all_miss(repeats, 200 if args.quick else 500)
+    mac_cost(repeats)
+    if store:
+        killed_master()
+        killed_master(commit_while_dead=False)
+
+
+def only(section, repeats):
+    if section == "mac":
+        return mac_cost(repeats)
+    if section == "killed":
+        killed_master()
+        return killed_master(commit_while_dead=False)
+    with MooncakeMaster() as master:
+        client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 256 << 20, 128 << 20)
+        try:
+            batched_reads(repeats, client)
+        finally:
+            client.close()
 
 
 if __name__ == "__main__":

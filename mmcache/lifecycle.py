@@ -16,7 +16,8 @@ prefix it calls one lifecycle per label:
 
 Ownership: the table holds one owner per page it lists for a request, the index one per indexed page; the pool frees
 a page when its count reaches 0. Every method that reads or changes the index takes the pool's ``cache_lock`` (an
-RLock, so a table may hold it around several calls); the group agreement runs outside it.
+RLock, so a table may hold it around several calls); the group agreement and the lower tier's reads (a shared
+store's, bounded by its deadline) run outside it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from mmcache.errors import InvalidRequest, RefusedByGroup
 from mmcache.names import Fingerprint, NamedPrompt, chain, media_by_page, media_ids
 from mmcache.pool import PagePool
-from mmcache.prefix_index import PrefixIndex
+from mmcache.prefix_index import IndexObserver, PrefixIndex
 from mmcache.reclaim import take
 from mmcache.stats import PrefixCacheStats
 
@@ -53,9 +54,12 @@ class LowerTier(Protocol):
         """Whether a lookup that missed on the device at the page named ``name`` should ask the tier."""
 
     def extend(self, index: PrefixIndex, idx: np.ndarray, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray,
-               salt: bytes, salt_id: int) -> tuple[list[int], Readiness | None]:
+               salt: bytes, salt_id: int, media: dict[int, bytes] | None = None) -> tuple[list[int], Readiness | None]:
         """Continue the device match ``idx`` through the tier: the request's pages (``idx``, then fresh pages holding
-        verified tier hits, indexed and owned by the request too) and their readiness (None when nothing was hit)."""
+        verified tier hits, indexed and owned by the request too) and their readiness (None when nothing was hit).
+        Called without the pool's ``cache_lock`` (the request holds ``idx``'s owners): the tier takes it around what
+        reads or changes the index, and adopts nothing under a chain that left the index meanwhile. ``media``: the
+        prompt's media blobs by page, passed on to ``PrefixIndex.insert`` for its observer."""
 
     def spill(self, index: PrefixIndex, pages: np.ndarray) -> None:
         """``index`` evicts ``pages``, whose bytes and verifying ids are still intact: take what the tier keeps."""
@@ -125,11 +129,12 @@ class PrefixLifecycle:
 
     ``evict_batch_pages``: the least cached pages one eviction frees (default 1/64 of the pool). ``vocab_size``: token
     ids must lie below it. ``tiers``: a ``LowerTier`` under the pool. ``agreement``: a ``GroupAgreement`` over ranks.
+    ``observer``: an ``IndexObserver`` told of every page indexed and dropped (``mmcache.kv_events``).
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
                  vocab_size: int | None = None, tiers: LowerTier | None = None,
-                 agreement: GroupAgreement | None = None):
+                 agreement: GroupAgreement | None = None, observer: IndexObserver | None = None):
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
@@ -138,7 +143,7 @@ class PrefixLifecycle:
         self.agreement = agreement
         self.lock = pool.cache_lock
         self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64),
-                                 spill=tiers.spill if tiers is not None else None)
+                                 spill=tiers.spill if tiers is not None else None, observer=observer)
 
     @property
     def counters(self) -> dict:
@@ -164,9 +169,10 @@ class PrefixLifecycle:
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             pages, fetch = idx.tolist(), None
-            if self.tiers is not None and idx.size < limit and self.tiers.nominates(prompt.names[idx.size]):
-                pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids,
-                                                 prompt.salt, salt_id)
+            lower = self.tiers is not None and idx.size < limit and self.tiers.nominates(prompt.names[idx.size])
+        if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
+            pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids, prompt.salt,
+                                             salt_id, prompt.media)
         if self.agreement is not None:
             agreed, all_ok = self.agreement.agree(len(pages), True)
             if not all_ok:
@@ -276,7 +282,7 @@ class PrefixLifecycle:
                                                   P, start, claim.media)
             mids = media_ids(claim.media, range(lo, m))
             new, walked, claim.open = self.index.insert(pages[lo:m], claim.names[lo:m], rows, mids, claim.salt_id,
-                                                        lo, claim.chain[-1] if lo else -1)
+                                                        lo, claim.chain[-1] if lo else -1, prompt.media)
             if walked:
                 claim.chain += walked
                 claim.parent_serial = self.index.serial(walked[-1])

@@ -25,6 +25,7 @@ import numpy as np
 from mmcache.checks import as_int
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, RefusedByGroup, UnknownRequest
 from mmcache.lifecycle import Claim, GroupAgreement, LowerTier, PrefixLifecycle, Readiness
+from mmcache.prefix_index import IndexObserver
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.stats import PrefixCacheStats
@@ -86,17 +87,18 @@ class PrefixCache:
     saturated pool evicts in batches instead of once per allocation. ``vocab_size``: if given, token ids must lie
     below it. ``tiers``: a ``LowerTier`` (``mmcache.tiers.TierStack``) under the pool: evicted pages move down to it
     and lookups continue there. ``agreement``: a ``GroupAgreement`` (``mmcache.tp.TPAgreement``) that every admission
-    agrees with. ``index``: the ``PrefixIndex``; read it, never drive it (its lock is the pool's).
+    agrees with. ``observer``: an ``IndexObserver`` (``mmcache.kv_events.KVEventPublisher``) told of every page
+    indexed and dropped. ``index``: the ``PrefixIndex``; read it, never drive it (its lock is the pool's).
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
                  vocab_size: int | None = None, tiers: LowerTier | None = None,
-                 agreement: GroupAgreement | None = None):
+                 agreement: GroupAgreement | None = None, observer: IndexObserver | None = None):
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
         self.lifecycle = PrefixLifecycle(pool, fingerprint, evict_batch_pages=evict_batch_pages,
-                                         vocab_size=vocab_size, tiers=tiers, agreement=agreement)
+                                         vocab_size=vocab_size, tiers=tiers, agreement=agreement, observer=observer)
         self.index = self.lifecycle.index
         self._live: dict[Hashable, _Request] = {}
         self._ended: OrderedDict[Hashable, None] = OrderedDict()

@@ -11,13 +11,15 @@ Invariants:
 - every touch of a page touches its whole chain prefix with one tick, so ticks never increase along a chain, and the
   ``eviction_key`` order (tick, then deeper first) evicts cold tails from their ends;
 - ``serial[page]`` is unique per indexing of a page: a request table that remembers (page, serial) of a chain page it
-  did not retain can tell later whether that page is still the one it saw.
+  did not retain can tell later whether that page is still the one it saw;
+- an ``IndexObserver`` hears of every page the index adopts (``stored``, in chain order, each run after its parent)
+  and of every page it drops (``removed``, ``cleared``), so what it hears rebuilds exactly the set of indexed names.
 """
 
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -28,22 +30,43 @@ COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", 
             "shortfall_pages", "stalls", "collisions")
 
 
+class IndexObserver(Protocol):
+    """Hears what the index stores and drops (``mmcache.kv_events.KVEventPublisher``: events for external routers).
+    Called under the pool's ``cache_lock`` on a request's path: it must only queue what it hears, never block."""
+
+    def stored(self, names: list[int], parent: int | None, tokens: np.ndarray, media: list[bytes], salt: bytes,
+               depth: int) -> None:
+        """Pages named ``names`` (a run of chain positions from ``depth``, each the child of the one before, the first
+        a child of ``parent``; None at depth 0) were indexed: their token ids ``tokens`` [len(names), page_size],
+        each page's media blob (offset ‖ digest of the media whose first placeholder it holds; b"" for none) and the
+        chain's salt."""
+
+    def removed(self, names: list[int]) -> None:
+        """Pages named ``names`` left the index (evicted or discarded)."""
+
+    def cleared(self) -> None:
+        """Every page left the index."""
+
+
 class PrefixIndex:
     """Page name -> page, plus per-page verifying ids (tokens, 128-bit media id, parent page, salt) and LRU ticks.
 
     ``evict_batch_pages``: the least number of cached pages one eviction frees, so a saturated pool evicts in
     batches instead of once per allocation. ``spill(index, pages)``: called by ``evict`` while the evicted pages still
-    hold their bytes and ids (a lower tier's write-back). ``counters`` are the lifecycle's counters (``COUNTERS``);
-    the index advances the eviction and collision ones, the lifecycle the query ones.
+    hold their bytes and ids (a lower tier's write-back). ``observer``: an ``IndexObserver``. ``counters`` are the
+    lifecycle's counters (``COUNTERS``); the index advances the eviction and collision ones, the lifecycle the query
+    ones.
     """
 
     def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int,
-                 spill: Callable[[PrefixIndex, np.ndarray], None] | None = None):
+                 spill: Callable[[PrefixIndex, np.ndarray], None] | None = None,
+                 observer: IndexObserver | None = None):
         self.pool = pool
         pool.register(self)
         self.page_size = P = page_size
         self.evict_batch_pages = evict_batch_pages
         self._spill = spill
+        self._observer = observer
         n = pool.num_pages
         # Verifying ids and chain metadata, preallocated and indexed by page id (valid where _indexed).
         self._name = np.zeros(n, dtype=np.uint64)
@@ -59,6 +82,7 @@ class PrefixIndex:
         self._next_serial = 1
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
+        self._salts: list[bytes] = [b""]  # salt id -> salt
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     def __len__(self) -> int:
@@ -73,7 +97,11 @@ class PrefixIndex:
 
     def salt_id(self, salt: bytes) -> int:
         """A small integer per distinct salt, stored per page in place of the salt's bytes."""
-        return self._salt_ids.setdefault(bytes(salt), len(self._salt_ids))
+        salt = bytes(salt)
+        sid = self._salt_ids.setdefault(salt, len(self._salt_ids))
+        if sid == len(self._salts):
+            self._salts.append(salt)
+        return sid
 
     def serial(self, page: int) -> int:
         """The serial of ``page``'s current indexing (0 when not indexed)."""
@@ -114,7 +142,8 @@ class PrefixIndex:
             self._tick[pages] = self.pool.clock.tick()
 
     def insert(self, pages: Sequence[int], names: Sequence[int], page_tokens: np.ndarray, mids: np.ndarray,
-               salt_id: int, depth: int = 0, parent: int = -1) -> tuple[list[int], list[int], bool]:
+               salt_id: int, depth: int = 0, parent: int = -1,
+               media: dict[int, bytes] | None = None) -> tuple[list[int], list[int], bool]:
         """Index the chain positions ``depth, depth+1, ...``: ``pages[j]`` named ``names[j]`` with verifying ids
         ``page_tokens[j]``/``mids[j]``, under the indexed page ``parent`` (-1 at depth 0; a caller that did not retain
         it checks first, by ``serial``, that it is still the page it saw). Each page adopted gets an owner of the
@@ -123,7 +152,8 @@ class PrefixIndex:
         A name already indexed with equal verifying ids is not duplicated: the chain continues from the indexed page
         (the caller's copy stays the caller's). A name held by different ids stops indexing there. Returns the
         positions ``j`` adopted, the chain pages walked (position ``depth + i`` is ``chain[i]``; the last is the parent
-        of the next position) and whether the chain may go on. Touches the pages walked.
+        of the next position) and whether the chain may go on. Touches the pages walked. ``media`` (the prompt's media
+        blobs by chain position) only tells the observer which media each page holds.
         """
         new, chain_pages, first_parent, ok = [], [], parent, True
         for j, name in enumerate(names):
@@ -152,8 +182,24 @@ class PrefixIndex:
             self._serial[adopted] = np.arange(self._next_serial, self._next_serial + len(adopted))
             self._next_serial += len(adopted)
             self._indexed[adopted] = True
+            if self._observer is not None:
+                self._tell_stored(new, names, chain_pages, first_parent, page_tokens, salt_id, depth, media or {})
         self.touch(chain_pages)
         return new, chain_pages, ok
+
+    def _tell_stored(self, new, names, chain_pages, first_parent, page_tokens, salt_id, depth, media) -> None:
+        """One ``stored`` per run of consecutive adopted positions, each under the page before it."""
+        start = 0
+        for i in range(1, len(new) + 1):
+            if i < len(new) and new[i] == new[i - 1] + 1:
+                continue
+            run = new[start:i]
+            j = run[0]
+            parent = chain_pages[j - 1] if j else first_parent
+            self._observer.stored([int(names[q]) for q in run], int(self._name[parent]) if parent >= 0 else None,
+                                  np.array(page_tokens[run[0]:run[-1] + 1]), [media.get(depth + q, b"") for q in run],
+                                  self._salts[salt_id], depth + j)
+            start = i
 
     def _same(self, page: int, tokens: np.ndarray, mid: np.ndarray, parent: int, salt_id: int) -> bool:
         return bool(self._parent[page] == parent and self._salt[page] == salt_id
@@ -203,9 +249,12 @@ class PrefixIndex:
     def _drop(self, pages: np.ndarray) -> None:
         if not pages.size:
             return
-        for name in self._name[pages].tolist():
+        names = self._name[pages].tolist()
+        for name in names:
             del self._pages[name]
         self._indexed[pages] = False
+        if self._observer is not None:
+            self._observer.removed(names)
         self.pool.release(pages)
 
     def clear(self) -> int:
@@ -214,6 +263,8 @@ class PrefixIndex:
         self._pages.clear()
         self._indexed[:] = False
         self.pool.release(pages)
+        if self._observer is not None:
+            self._observer.cleared()
         return int(pages.size)
 
     # ----------------------------------------------------------------- read access for the tiers (mmcache.tiers)

@@ -243,3 +243,23 @@ def test_an_embeddings_walk_named_by_its_media_digest_is_reused_and_another_item
     hit = on.kv.stats(LABEL).hit_tokens
     assert equal(_media_request(on, "c", d2), _media_request(off, "c", d2))
     assert on.kv.stats(LABEL).hit_tokens - hit == 4           # only the text before the other item
+
+
+def test_kv_events_from_m_stars_resource_name_every_indexed_page():
+    class Heard:  # an IndexObserver that keeps what a router would
+        def __init__(self):
+            self.names = set()
+
+        def stored(self, names, parent, tokens, media, salt, depth):
+            self.names.update(names)
+
+        def removed(self, names):
+            self.names.difference_update(names)
+
+        def cleared(self):
+            self.names.clear()
+    heard = Heard()
+    on = node(W, reuse=PrefixReuse(model="toy@0", observer=lambda fp, pool: heard))
+    serve(on, "a", list(range(1, 14)), 5)
+    index = on.kv.lifecycle(LABEL).index
+    assert heard.names and heard.names == {int(index.tier_view().name[p]) for p in np.flatnonzero(index.indexed)}

@@ -37,6 +37,7 @@ from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle
 from mmcache.mstar.requirement import require_mstar
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
+from mmcache.prefix_index import IndexObserver
 from mmcache.reclaim import reclaimable as reclaimable_pages
 from mmcache.reclaim import take
 from mmcache.stats import PrefixCacheStats
@@ -91,6 +92,7 @@ class PrefixReuse:
     resource and label). ``labels``: the streams the seam names (the label a node's step writes its prompt into).
     ``attention_backend``: part of the fingerprint. ``evict_batch_pages``: least pages one eviction frees (default
     1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
+    ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or None.
     ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default: the token
     count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own). ``walk_media(graph_walk,
     fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step, digest)`` marks of the
@@ -103,6 +105,7 @@ class PrefixReuse:
     attention_backend: str = "flashinfer"
     evict_batch_pages: int | None = None
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
+    observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
     walk_media: Callable | None = None
 
@@ -186,8 +189,9 @@ class ReuseKVManager(KVManager):
                              kv_dtype=str(self.kv_cache.dtype), attention_backend=r.attention_backend,
                              page_size=self.config.page_size, extra=f"{self.name}/{label}")
             tiers = r.tiers(fp, self.pool) if r.tiers is not None else None
+            observer = r.observer(fp, self.pool) if r.observer is not None else None
             life = self._lifecycles[label] = PrefixLifecycle(self.pool, fp, evict_batch_pages=self._evict_batch,
-                                                             tiers=tiers, agreement=self._agreement)
+                                                             tiers=tiers, agreement=self._agreement, observer=observer)
         return life
 
     def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"",

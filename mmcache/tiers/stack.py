@@ -8,7 +8,8 @@
 - ``publish`` (from ``PrefixLifecycle.commit``, after pages are indexed): newly indexed pages are put to the store
   (write-through, so other instances can use a prefix while it is hot here, and while its request still runs).
 
-Every call comes under the pool's ``cache_lock``. A tier's failure is a miss: nothing here raises into a request.
+``spill`` and ``publish`` come under the pool's ``cache_lock``; ``extend`` takes it itself, around everything but the
+store read. A tier's failure is a miss: nothing here raises into a request.
 """
 
 from __future__ import annotations
@@ -99,22 +100,38 @@ class TierStack:
         return self.store is not None or (self.host is not None and name in self.host)
 
     def extend(self, index, idx: np.ndarray, names, tokens: np.ndarray, mids: np.ndarray, salt: bytes,
-               salt_id: int) -> tuple[list[int], PageFetch | None]:
+               salt_id: int, media: dict[int, bytes] | None = None) -> tuple[list[int], PageFetch | None]:
         """Continue a device match ``idx`` (pages the request already holds) through the tiers (the caller asked
-        ``nominates`` first). Returns the
-        request's pages (``idx`` then fresh pages holding tier hits, each with the request's owner; the index
-        adopts them too) and a ``PageFetch`` (None when no tier hit)."""
+        ``nominates`` first). Returns the request's pages (``idx`` then fresh pages holding tier hits, each with the
+        request's owner; the index adopts them too) and a ``PageFetch`` (None when no tier hit).
+
+        Called without the pool's ``cache_lock``: the host tier is read under it, the store outside it (a batched
+        read within the store's deadline, verified), and the hits are adopted under it again, only if the device
+        chain they continue is still the one matched (its last page's serial is unchanged)."""
         pool: PagePool = index.pool
         k = int(idx.size)
         lineage = RequestLineage(root_lineage(self.fingerprint, salt), tokens, mids, index.page_size)
-        host = self.host.match(names, k, tokens, mids, lineage) if self.host is not None else []
+        with pool.cache_lock:
+            serial = index.serial(int(idx[-1])) if k else 0
+            host = self.host.match(names, k, tokens, mids, lineage) if self.host is not None else []
         store = []
         if self.store is not None:
             want = Expected(self.fingerprint, salt, pool.page_shape, pool.dtype, pool.page_bytes)
             store = self.store.match(names, k + len(host), tokens, mids, lineage, want)
-        h = len(host) + len(store)
-        if not h:
+        if not host and not store:
             return idx.tolist(), None
+        with pool.cache_lock:
+            if k and index.serial(int(idx[-1])) != serial:  # the chain left the index meanwhile: nothing hangs on it
+                if host:
+                    self.host.pool.release(host)
+                return idx.tolist(), None
+            return self._adopt(index, idx, names, tokens, mids, salt_id, media, host, store)
+
+    def _adopt(self, index, idx, names, tokens, mids, salt_id, media, host: list[int], store: list) -> tuple:
+        """Fresh device pages for the verified hits (``host`` pages, then ``store`` bytes), copied up and indexed;
+        under the lock."""
+        pool: PagePool = index.pool
+        h = len(host) + len(store)
         try:
             make_room(pool, h, index.evict_batch_pages, index.counters)
         except OutOfPages as e:  # live requests fill the device: keep the part of the hit that fits, if any
@@ -136,7 +153,13 @@ class TierStack:
         pages = idx.tolist() + fresh
         m = len(pages)
         P = index.page_size
-        index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id)  # index's own owners
+        _, walked, _ = index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id,
+                                    media=media)  # index's own owners
+        if walked != pages:  # another request indexed equal pages while the store was read (or a name collided):
+            swap = [q for q in range(len(walked)) if walked[q] != pages[q]]  # hold the indexed pages instead, so
+            pool.retain([walked[q] for q in swap], distinct=True)            # the claim's chain is what is indexed
+            pool.release([pages[q] for q in swap] + pages[len(walked):])
+            pages = walked
         release = (lambda: self.host.pool.release(host)) if host else None
         if event is None and release is not None:
             release()
@@ -161,7 +184,8 @@ class TierStack:
         for i, j in enumerate(positions):
             data = rows[i].view(torch.uint8).numpy().tobytes() if rows is not None else b""
             items.append((page_key(names[j]), encode_page(want.fp_bytes, want.salt, want.layout, names[j], j,
-                                                          seq[j * P:(j + 1) * P], mids[j], lineage.before(j), data)))
+                                                          seq[j * P:(j + 1) * P], mids[j], lineage.before(j), data,
+                                                          self.store.key)))
         self.store.publish(items)
 
     def counters(self) -> dict:

@@ -5,15 +5,25 @@ in clear, the page's depth, token ids, 128-bit media id, the lineage of its pare
 page layout (dtype and shape) and a checksum of its bytes. A get is a nomination only: every field is compared with
 what the requesting instance expects before one byte is used, so a cross-instance hit is as exact as a device hit.
 
-Faults: a store that fails (an exception or an error status from ``put``) is marked down; for ``probe_s`` seconds
-every call is skipped and answered as a miss, then the next call probes it again. On Mooncake a dead master makes
-``put`` fail only after ~4.5 s, so publishing runs on a background thread (``publish_async``) and never on a
-request's path; ``get`` answers empty bytes at once, which is a miss.
+Never a stall: a lookup reads the nominated chain in batches (``get_many``, Mooncake's ``get_batch``) on the tier's
+reader thread and waits for them at most ``deadline_s`` in all (one deadline for the whole lookup, not a timeout per
+call). A call that fails or misses the deadline marks the store down: every lookup is then a miss at once, and a
+background prober (``probe_s``; never a request) marks it up again. An answer that arrives after its deadline is
+dropped, never used; every answer used is verified first. On Mooncake a dead master makes ``get`` take ~4.4 s after
+a few fast empty answers and ``put`` fail after ~4.5 s, so puts run on the publisher thread (``publish_async``).
+
+Authenticated entries: with a deployment ``key`` every payload ends in a keyed BLAKE2b MAC over all of it (header,
+fingerprint, salt, layout, token ids, page bytes); a reader with the key refuses, and counts (``mac_failures``), an
+entry whose MAC fails before looking at any field. Without a key the checksum only catches corruption: anyone who can
+put to the store can serve bytes to every instance that trusts it (the README's trust model).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import hashlib
+import hmac
 import queue
 import struct
 import threading
@@ -23,15 +33,20 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
+from mmcache.errors import InvalidRequest
 from mmcache.names import Fingerprint
 from mmcache.tiers.lineage import RequestLineage
 
 _MAGIC = b"MMCP1\0"
+_MAGIC_KEYED = b"MMCA1\0"  # the payload ends in a keyed MAC
+_MAC_BYTES = 32
 _HEAD = struct.Struct("<6sQIIIII16s16sQ")  # magic, name, depth, page_size, fp, salt, layout lengths, plin, media, sum
 
 
 class KVStore(Protocol):
-    """What the tier needs of a store: ``put`` returns True on success; ``get`` returns b"" for an absent key."""
+    """What the tier needs of a store: ``put`` returns True on success; ``get`` returns b"" for an absent key. Optional:
+    ``get_many(keys)`` (one batched read, b"" per absent key) and ``probe()`` (True when the store answers; the
+    background prober calls it, else a ``get``)."""
 
     def put(self, key: str, value: bytes) -> bool: ...
 
@@ -59,6 +74,9 @@ class MemoryStore:
             self._data.move_to_end(key)
         return value
 
+    def get_many(self, keys) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
 
 def page_key(name: int) -> str:
     return f"mmcache/{int(name):016x}"
@@ -68,12 +86,37 @@ def layout_of(page_shape, dtype) -> bytes:
     return f"{str(dtype).removeprefix('torch.')}{tuple(page_shape)}".encode()
 
 
+def check_key(key: bytes | None) -> bytes | None:
+    """A deployment key for the MAC: None, or 16 to 64 bytes (BLAKE2b's key range, a floor against guessable keys)."""
+    if key is None:
+        return None
+    if not isinstance(key, (bytes, bytearray)) or not 16 <= len(key) <= 64:
+        raise InvalidRequest("a store key must be 16 to 64 bytes")
+    return bytes(key)
+
+
+def mac(key: bytes, body) -> bytes:
+    return hashlib.blake2b(body, key=key, digest_size=_MAC_BYTES).digest()
+
+
 def encode_page(fp_bytes: bytes, salt: bytes, layout: bytes, name: int, depth: int, tokens: np.ndarray,
-                media: np.ndarray, parent_lineage: bytes, data: bytes) -> bytes:
-    """One page's payload: header, fingerprint, salt, layout, token ids (int32), then the page bytes."""
-    head = _HEAD.pack(_MAGIC, int(name), depth, tokens.size, len(fp_bytes), len(salt), len(layout), parent_lineage,
-                      media.astype(np.uint64).tobytes(), xxhash.xxh3_64_intdigest(data))
-    return b"".join((head, fp_bytes, salt, layout, tokens.astype(np.int32).tobytes(), data))
+                media: np.ndarray, parent_lineage: bytes, data: bytes, key: bytes | None = None) -> bytes:
+    """One page's payload: header, fingerprint, salt, layout, token ids (int32), the page bytes, then with ``key``
+    a keyed MAC over all of that."""
+    head = _HEAD.pack(_MAGIC if key is None else _MAGIC_KEYED, int(name), depth, tokens.size, len(fp_bytes),
+                      len(salt), len(layout), parent_lineage, media.astype(np.uint64).tobytes(),
+                      xxhash.xxh3_64_intdigest(data))
+    body = b"".join((head, fp_bytes, salt, layout, tokens.astype(np.int32).tobytes(), data))
+    return body if key is None else body + mac(key, body)
+
+
+def unseal(payload: bytes, key: bytes) -> memoryview | None:
+    """The body of a keyed ``payload`` if its MAC is the key's (compared in constant time), else None."""
+    if len(payload) < _HEAD.size + _MAC_BYTES:
+        return None
+    view = memoryview(payload)
+    body = view[:-_MAC_BYTES]
+    return body if hmac.compare_digest(mac(key, body), view[-_MAC_BYTES:]) else None
 
 
 class Expected:
@@ -85,14 +128,15 @@ class Expected:
         self.page_size = fingerprint.page_size
 
 
-def verify_page(payload: bytes, want: Expected, name: int, depth: int, tokens: np.ndarray, media: np.ndarray,
-                parent_lineage: bytes) -> memoryview | None:
-    """The page bytes of ``payload`` if every verifying field equals the request's, else None (a miss)."""
+def verify_page(payload, want: Expected, name: int, depth: int, tokens: np.ndarray, media: np.ndarray,
+                parent_lineage: bytes, keyed: bool = False) -> memoryview | None:
+    """The page bytes of ``payload`` (a keyed entry's body once ``unseal`` passed it: ``keyed``) if every verifying
+    field equals the request's, else None (a miss)."""
     if len(payload) < _HEAD.size:
         return None
     magic, pname, pdepth, psize, nfp, nsalt, nlay, plin, pmedia, checksum = _HEAD.unpack_from(payload)
-    if (magic != _MAGIC or pname != int(name) or pdepth != depth or psize != want.page_size or plin != parent_lineage
-            or pmedia != media.astype(np.uint64).tobytes()):
+    if (magic != (_MAGIC_KEYED if keyed else _MAGIC) or pname != int(name) or pdepth != depth
+            or psize != want.page_size or plin != parent_lineage or pmedia != media.astype(np.uint64).tobytes()):
         return None
     view = memoryview(payload)
     a = _HEAD.size
@@ -109,18 +153,40 @@ def verify_page(payload: bytes, want: Expected, name: int, depth: int, tokens: n
     return data
 
 
-class StoreTier:
-    """Publish pages to a ``KVStore`` and read verified pages back; degrades to misses while the store is down."""
 
-    def __init__(self, client: KVStore, *, probe_s: float = 5.0, publish_async: bool = True,
-                 queue_pages: int = 4096, clock=time.monotonic):
+
+class StoreTier:
+    """Publish pages to a ``KVStore`` and read verified pages back within a deadline; degrades to misses while the
+    store is down (see the module docstring).
+
+    ``deadline_s``: the longest one lookup waits for the store, all its batches together (None: read inline with no
+    bound, for an in-process ``MemoryStore``). ``batch_pages``: pages per batched read. ``probe_s``: how often the
+    background prober tries a store marked down. ``key``: the deployment key (16-64 bytes) that authenticates entries.
+
+    Invariants: no request thread waits on the store past its deadline or calls it while it is marked down; no
+    byte of an answer is used before it is verified (MAC, then every field); an answer after its deadline is dropped.
+    """
+
+    def __init__(self, client: KVStore, *, probe_s: float = 5.0, deadline_s: float | None = 0.05,
+                 batch_pages: int = 16, publish_async: bool = True, queue_pages: int = 4096,
+                 key: bytes | None = None, clock=time.monotonic):
+        if deadline_s is not None and not deadline_s > 0:
+            raise InvalidRequest(f"deadline_s must be positive or None, got {deadline_s!r}")
+        if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
+            raise InvalidRequest(f"batch_pages must be a positive integer, got {batch_pages!r}")
+        self.key = check_key(key)
         self.client, self.probe_s, self._clock = client, float(probe_s), clock
-        self._down_until = None  # None: believed up; else the clock time of the next probe
-        self._health = threading.Lock()
-        self.counters = dict.fromkeys(("published_pages", "publish_dropped", "hit_pages", "gets", "misses",
-                                       "rejected", "failures", "skipped"), 0)
+        self.deadline_s, self.batch_pages = deadline_s, batch_pages
+        self._down = False
+        self._health = threading.Condition()
+        self.counters = dict.fromkeys(("published_pages", "publish_dropped", "hit_pages", "gets", "batches", "misses",
+                                       "rejected", "mac_failures", "failures", "late", "read_errors", "skipped",
+                                       "probes"), 0)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
+        self._prober: threading.Thread | None = None
+        self._reader = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mmcache-store-read")
+                        if deadline_s is not None else None)
         self._closed = False
         if publish_async:
             self._queue = queue.Queue(maxsize=queue_pages)
@@ -130,18 +196,36 @@ class StoreTier:
     # ----------------------------------------------------------------- health
     @property
     def up(self) -> bool:
-        """False while the store is marked down and not yet due for a probe."""
-        with self._health:
-            return self._down_until is None or self._clock() >= self._down_until
+        """False while the store is marked down (until the background prober finds it answering again)."""
+        return not self._down
 
     def _failed(self) -> None:
         with self._health:
             self.counters["failures"] += 1
-            self._down_until = self._clock() + self.probe_s
+            self._down = True
+            if self._prober is None and not self._closed:
+                self._prober = threading.Thread(target=self._probe_loop, name="mmcache-store-probe", daemon=True)
+                self._prober.start()
+            self._health.notify_all()
 
-    def _succeeded(self) -> None:
-        with self._health:
-            self._down_until = None
+    def _probe_loop(self) -> None:
+        """While the store is marked down, try it every ``probe_s`` (off every request's path); mark it up when it
+        answers. Exits at ``close``."""
+        while True:
+            with self._health:
+                while not self._closed and not self._down:
+                    self._health.wait()
+                if self._closed or self._health.wait_for(lambda: self._closed, self.probe_s):
+                    return
+            self.counters["probes"] += 1
+            try:
+                probe = getattr(self.client, "probe", None)
+                ok = probe() if probe is not None else (self.client.get("mmcache/probe") is not None)
+            except Exception:  # noqa: BLE001 - a failed probe leaves the store down
+                ok = False
+            if ok:
+                with self._health:
+                    self._down = False
 
     # ----------------------------------------------------------------- publish
     def publish(self, items: list[tuple[str, bytes]]) -> None:
@@ -171,13 +255,20 @@ class StoreTier:
         return True
 
     def close(self) -> None:
-        """Put what is queued, then stop the publisher thread; call it before closing the store's client (a client
-        closed under a put in flight crashes Mooncake's). Later publishes are dropped and counted."""
+        """Put what is queued, then stop the publisher, the prober and the reader (waiting for a call in flight);
+        call it before closing the store's client (a client closed under a call crashes Mooncake's). Later
+        publishes are dropped and counted, later lookups miss."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread, self._queue = None, None
+        with self._health:
             self._closed = True
+            self._health.notify_all()
+        if self._prober is not None:
+            self._prober.join()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
 
     def _publisher(self) -> None:
         while True:
@@ -198,36 +289,72 @@ class StoreTier:
         except Exception:  # noqa: BLE001 - any store failure is a miss, never a request's error
             ok = False
         if ok:
-            self._succeeded()
             self.counters["published_pages"] += 1
         else:
             self._failed()
             self.counters["publish_dropped"] += 1
 
     # ----------------------------------------------------------------- read
+    def _get_many(self, keys: list[str]) -> list[bytes]:
+        get_many = getattr(self.client, "get_many", None)
+        return get_many(keys) if get_many is not None else [self.client.get(k) for k in keys]
+
+    def _read(self, keys: list[str], deadline: float | None) -> list[bytes] | None:
+        """One batched read, waited for until ``deadline``; None (and the store marked down) when it failed or
+        came late (a late answer is dropped when it comes)."""
+        self.counters["batches"] += 1
+        self.counters["gets"] += len(keys)
+        try:
+            if self._reader is None:
+                return self._get_many(keys)
+            future = self._reader.submit(self._get_many, keys)
+            return future.result(timeout=max(0.0, deadline - self._clock()))
+        except concurrent.futures.TimeoutError:
+            self.counters["late"] += 1
+        except Exception:  # noqa: BLE001 - a failed read is a miss (RuntimeError once the reader is shut down)
+            self.counters["read_errors"] += 1
+        self._failed()
+        return None
+
     def match(self, names, start: int, tokens: np.ndarray, mids: np.ndarray, lineage: RequestLineage,
               want: Expected, limit: int | None = None) -> list[memoryview]:
         """Verified page bytes for pages ``start, start+1, ...`` of a request, to the first miss, failed
-        verification, or ``limit`` pages; an empty list while the store is down."""
+        verification, ``limit`` pages or the deadline; an empty list while the store is down. Takes no lock."""
         out, P = [], want.page_size
-        if not self.up:
+        if not self.up or self._closed:
             self.counters["skipped"] += 1
             return out
+        deadline = None if self.deadline_s is None else self._clock() + self.deadline_s
         stop = len(names) if limit is None else min(len(names), start + limit)
-        for j in range(start, stop):
-            self.counters["gets"] += 1
-            try:
-                payload = self.client.get(page_key(names[j]))
-            except Exception:  # noqa: BLE001
-                self._failed()
+        j = start
+        while j < stop:
+            keys = [page_key(n) for n in names[j:min(stop, j + self.batch_pages)]]
+            payloads = self._read(keys, deadline)
+            if payloads is None:
                 break
-            if not payload:
-                self.counters["misses"] += 1
-                break
-            data = verify_page(payload, want, names[j], j, tokens[j * P:(j + 1) * P], mids[j], lineage.before(j))
-            if data is None:
-                self.counters["rejected"] += 1
-                break
-            out.append(data)
+            for payload in payloads:
+                data = self._verified(payload, want, names[j], j, tokens[j * P:(j + 1) * P], mids[j], lineage)
+                if data is None:
+                    break
+                out.append(data)
+                j += 1
+            else:
+                continue
+            break
         self.counters["hit_pages"] += len(out)
         return out
+
+    def _verified(self, payload: bytes, want: Expected, name: int, j: int, tokens: np.ndarray, mid: np.ndarray,
+                  lineage: RequestLineage) -> memoryview | None:
+        if not payload:
+            self.counters["misses"] += 1
+            return None
+        if self.key is not None:
+            payload = unseal(payload, self.key)
+            if payload is None:
+                self.counters["mac_failures"] += 1
+                return None
+        data = verify_page(payload, want, name, j, tokens, mid, lineage.before(j), keyed=self.key is not None)
+        if data is None:
+            self.counters["rejected"] += 1
+        return data

@@ -43,5 +43,6 @@ class TierModel:
         if self.host_tokens:
             host = HostTier(HostPagePool.like(pool, max(1, self.host_tokens // page_size)), page_size)
         if self.store_tokens:
-            store = StoreTier(MemoryStore(max(1, self.store_tokens // page_size)), publish_async=False)
+            store = StoreTier(MemoryStore(max(1, self.store_tokens // page_size)), publish_async=False,
+                              deadline_s=None)  # in-process: read inline, never a deadline
         return TierStack(fingerprint, host=host, store=store)
