@@ -145,10 +145,6 @@ class PrefixLifecycle:
         self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64),
                                  spill=tiers.spill if tiers is not None else None, observer=observer)
 
-    @property
-    def counters(self) -> dict:
-        return self.index.counters
-
     # ----------------------------------------------------------------- admission
     def name(self, token_ids, media: Sequence = (), salt: bytes = b"", names: Sequence[int] | None = None,
              what: str = "request") -> NamedPrompt:
