@@ -186,3 +186,27 @@ def wait_for(predicate, timeout=10.0):
 
 def store_all_free(store):
     return store.pool.num_free == store.pool.num_pages and not store.pool.counts.any()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The continuous-batching engine tests (tests/test_peer_transformers.py, tests/test_hf_continuous_batching.py): the same
+# prompts and the plain ``generate`` reference on the tiny Llama, page 16, 6 new tokens.
+ENGINE_P, ENGINE_NEW = 16, 6
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Five prompts: three share a 3-page prefix (one is another's prefix + more), two share nothing."""
+    g = torch.Generator().manual_seed(13)
+    ids = lambda n: torch.randint(3, 32000, (n,), generator=g).tolist()  # noqa: E731
+    head = ids(3 * ENGINE_P)
+    first = head + ids(21)
+    return [first, head + ids(9), ids(40), first + ids(2 * ENGINE_P + 3), ids(3 * ENGINE_P + 5)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, prompts):
+    """What plain greedy ``generate`` gives for ``prompts``."""
+    with torch.inference_mode():
+        return [tiny_llama.generate(torch.tensor([p]), max_new_tokens=ENGINE_NEW, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]

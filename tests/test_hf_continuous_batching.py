@@ -24,26 +24,10 @@ from mmcache.errors import InvalidRequest  # noqa: E402
 from mmcache.hf.continuous_batching import TESTED_TRANSFORMERS, allocator_class, enable_prefix_cache  # noqa: E402
 from workloads.peers.transformers_cb import Call, PeerEngine  # noqa: E402
 
+from conftest import ENGINE_NEW as NEW  # noqa: E402
+from conftest import ENGINE_P as P  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-P, NEW = 16, 6
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    """Five prompts: three share a 3-page prefix (one is another's prefix + more), two share nothing."""
-    g = torch.Generator().manual_seed(13)
-    ids = lambda n: torch.randint(3, 32000, (n,), generator=g).tolist()  # noqa: E731
-    head = ids(3 * P)
-    first = head + ids(21)
-    return [first, head + ids(9), ids(40), first + ids(2 * P + 3), ids(3 * P + 5)]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama, prompts):
-    with torch.inference_mode():
-        return [tiny_llama.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
 def replay(model, prompts, *, mmcache=True, share=True, inflight=1, salts=None, namer=None, blocks=128,
