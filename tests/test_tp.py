@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from mooncake_master import free_ports
 
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
-from mmcache.errors import OutOfPages, RefusedByGroup
+from mmcache.errors import InvalidRequest, OutOfPages, RefusedByGroup
 from mmcache.tp import TPAgreement
 
 P = 4
@@ -142,6 +142,6 @@ def test_the_group_minimum_is_kept_and_counted_and_a_refusal_holds_nothing():
     with pytest.raises(RefusedByGroup):
         cache.admit("c", list(range(13)))
     assert pool.counts.sum() == 4 and cache.stats().queries == 2    # nothing held, nothing counted
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidRequest):
         cache.admit("bad", [])                                      # a local failure is told to the group too
     assert group.calls[-1] == (0, False)

@@ -130,10 +130,9 @@ class ReuseKVSpec(KVSpec):
 @dataclasses.dataclass(slots=True, eq=False)
 class _Named:
     """What names one (request, label) stream: its claim on the index and its label's lifecycle, the stream itself, the
-    ids fed after the prompt
-    (chunks as fed, flattened when a page fills), how many leading positions the names cover (``named``), the feed
-    announced for the step in flight (start, ids, length) and the next position whose page, once written and named,
-    is committed (``due``: one integer compare per decode step)."""
+    ids fed after the prompt (chunks as fed, appended to the int32 ``generated`` when a page fills), how many leading
+    positions the names cover (``named``), the feed announced for the step in flight (start, ids, length) and the
+    next position whose page, once written and named, is committed (``due``: one integer compare per decode step)."""
 
     claim: Claim
     life: PrefixLifecycle
@@ -142,7 +141,7 @@ class _Named:
     named: int
     due: int
     chunks: list = dataclasses.field(default_factory=list)
-    generated: list[int] = dataclasses.field(default_factory=list)
+    generated: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     media_upto: int = 0  # positions whose media marks are registered
     pending: tuple | None = None
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
@@ -312,17 +311,17 @@ class ReuseKVManager(KVManager):
 
     def _commit_named(self, named: _Named) -> None:
         """Index ``named``'s full pages that are written and named (a page filled: once every ``page_size`` tokens)."""
-        for chunk in named.chunks:
-            named.generated += chunk.tolist() if hasattr(chunk, "tolist") else list(chunk)
+        fed = [i for chunk in named.chunks for i in (chunk.tolist() if hasattr(chunk, "tolist") else chunk)]
         named.chunks = []
         P = self.config.page_size
         stream = named.stream
-        try:
-            generated = as_tokens(named.generated) if named.generated else np.zeros(0, dtype=np.int32)
+        try:  # only the ids fed since the last page filled are converted: the rest is kept as an array
+            named.generated = np.concatenate((named.generated, as_tokens(fed))) if fed else named.generated
         except InvalidRequest:  # a fed id that is no token id: nothing from here on is named
             named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
             return
-        named.life.commit(named.claim, stream.page_indices, stream.stored_len, generated, tokens_named=named.named)
+        named.life.commit(named.claim, stream.page_indices, stream.stored_len, named.generated,
+                          tokens_named=named.named)
         named.due = (min(stream.stored_len, named.named) // P + 1) * P
 
     def reset_request(self, rid: str, free: bool = False):
