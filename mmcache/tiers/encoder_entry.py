@@ -3,7 +3,7 @@
     head ‖ stable name ‖ verify ids ‖ tree ‖ layout ‖ data [‖ keyed MAC]
 
 The head holds the magic (keyless or keyed), the data's byte length, the encoder seconds the entry cost, an xxh3-64
-checksum of the data and the lengths of the parts after it. The stable name (``EncoderKey.stable_name``: digest,
+checksum of the whole body (every byte but the checksum's own) and the lengths of the parts after it. The stable name (``EncoderKey.stable_name``: digest,
 fingerprint, salt, modality in a process-independent form) and the verifying ids are the key in full; the tree is
 the output's container structure (tuple/list/dict, str keys); the layout names each tensor's dtype and shape and its
 byte offset. Entries live under ``entry_key(key)``, a 128-bit hash of the stable name: a nomination only.
@@ -11,7 +11,7 @@ byte offset. Entries live under ``entry_key(key)``, a 128-bit hash of the stable
 ``decode`` returns the entry only if the MAC is the key's (with a key), the magic is the expected one, the name and
 verifying ids equal the requesting key's, the tree and layout parse exactly, every dtype is one of ``DTYPES``, the
 offsets are the ones ``entry_layout`` gives for those shapes and dtypes, the byte length matches and the checksum of
-the data is the one stored; anything else is a miss. The checksum catches corruption, not a writer who recomputes it:
+the body is the one stored; anything else is a miss. The checksum catches corruption, not a writer who recomputes it:
 against writers outside the trust domain the MAC does (``mmcache.tiers.store``: the same key, the same trust model).
 """
 
@@ -26,11 +26,12 @@ import xxhash
 
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import StoredBytes, entry_layout
-from mmcache.tiers.store import mac, unseal
+from mmcache.tiers.store import _MAC_BYTES, mac, unseal
 
 _MAGIC = b"MMCE1\0"
 _MAGIC_KEYED = b"MMCF1\0"  # the payload ends in a keyed MAC
 _HEAD = struct.Struct("<6sQdQIqII")  # magic, data bytes, compute_s, checksum, name, ids (-1: None), tree, layout
+_SUM_AT = struct.calcsize("<6sQd")  # where the checksum lies in the head (zero while the checksum is taken)
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _MAX_DEPTH, _MAX_DIMS = 32, 16
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -44,7 +45,7 @@ def entry_key(key: EncoderKey) -> str:
     return f"mmcache/e/{xxhash.xxh3_128_hexdigest(key.stable_name)}"
 
 
-def encode(entry: StoredBytes, mac_key: bytes | None = None) -> bytes | None:
+def encode(entry: StoredBytes, mac_key: bytes | None = None) -> bytearray | None:
     """``entry``'s payload (with ``mac_key``, sealed by a keyed MAC over all of it); None when its tree or a dtype has
     no byte form here (a dict key that is not a str, a dtype outside ``DTYPES``), so it stays on the device only."""
     tree, layout = [], []
@@ -60,11 +61,19 @@ def encode(entry: StoredBytes, mac_key: bytes | None = None) -> bytes | None:
     data = memoryview(entry.data.detach().cpu().contiguous().numpy()) if entry.nbytes else memoryview(b"")
     ids = entry.key.verify_ids
     name = entry.key.stable_name
-    head = _HEAD.pack(_MAGIC if mac_key is None else _MAGIC_KEYED, entry.nbytes, float(entry.compute_s),
-                      xxhash.xxh3_64_intdigest(data), len(name), -1 if ids is None else len(ids), len(tree),
-                      len(layout))
-    body = b"".join((head, name, ids or b"", tree, layout, data))
-    return body if mac_key is None else body + mac(mac_key, body)
+    parts = (_HEAD.pack(_MAGIC if mac_key is None else _MAGIC_KEYED, entry.nbytes, float(entry.compute_s), 0,
+                        len(name), -1 if ids is None else len(ids), len(tree), len(layout)),
+             name, ids or b"", tree, layout, data)
+    size = sum(map(len, parts))
+    payload = bytearray(size + (0 if mac_key is None else _MAC_BYTES))  # the data is copied once, into it
+    view, at = memoryview(payload), 0
+    for part in parts:
+        view[at:at + len(part)] = part
+        at += len(part)
+    _U64.pack_into(view, _SUM_AT, xxhash.xxh3_64_intdigest(view[:size]))
+    if mac_key is not None:
+        view[size:] = mac(mac_key, view[:size])
+    return payload
 
 
 def decode(payload, key: EncoderKey, mac_key: bytes | None = None) -> StoredBytes | str:
@@ -95,12 +104,20 @@ def decode(payload, key: EncoderKey, mac_key: bytes | None = None) -> StoredByte
     data = view[at + ntree + nlayout:]
     if parsed is None or layout is None or parsed[1] != len(layout):
         return "rejected"
-    if entry_layout((s, d) for s, d, _ in layout) != (layout, nbytes) or xxhash.xxh3_64_intdigest(data) != checksum:
+    if entry_layout((s, d) for s, d, _ in layout) != (layout, nbytes) or _checksum(view) != checksum:
         return "rejected"
     fresh = torch.empty(nbytes, dtype=torch.uint8)  # aligned, writable, never aliasing the payload
     if nbytes:
         fresh.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     return StoredBytes(key, parsed[0], layout, nbytes, compute_s, fresh)
+
+
+def _checksum(body: memoryview) -> int:
+    """xxh3-64 of ``body`` with its checksum field read as zero (as ``encode`` took it)."""
+    h = xxhash.xxh3_64(body[:_SUM_AT])
+    h.update(bytes(8))
+    h.update(body[_SUM_AT + 8:])
+    return h.intdigest()
 
 
 def _tree_bytes(tree, out: list) -> bool:
