@@ -3,10 +3,11 @@
     head ‖ stable name ‖ verify ids ‖ tree ‖ layout ‖ data [‖ keyed MAC]
 
 The head holds the magic (keyless or keyed), the data's byte length, the encoder seconds the entry cost, an xxh3-64
-checksum of the whole body (every byte but the checksum's own) and the lengths of the parts after it. The stable name (``EncoderKey.stable_name``: digest,
-fingerprint, salt, modality in a process-independent form) and the verifying ids are the key in full; the tree is
-the output's container structure (tuple/list/dict, str keys); the layout names each tensor's dtype and shape and its
-byte offset. Entries live under ``entry_key(key)``, a 128-bit hash of the stable name: a nomination only.
+checksum of the whole body (every byte but the checksum's own) and the lengths of the parts after it. The stable
+name (``EncoderKey.stable_name``: digest, fingerprint, salt, modality in a process-independent form) and the
+verifying ids are the key in full; the tree is the output's container structure (tuple/list/dict, str keys); the
+layout names each tensor's dtype and shape and its byte offset. Entries live under ``entry_key(key)``, a 128-bit
+hash of the stable name: a nomination only.
 
 ``decode`` returns the entry only if the MAC is the key's (with a key), the magic is the expected one, the name and
 verifying ids equal the requesting key's, the tree and layout parse exactly, every dtype is one of ``DTYPES``, the
