@@ -145,6 +145,35 @@ def test_one_host_pool_holds_kv_pages_and_encoder_entries_and_evicts_the_coldest
     assert int((hp.counts > 0).sum()) + hp.num_free == hp.num_pages
 
 
+def test_one_store_tier_serves_kv_pages_and_encoder_entries_of_one_pool():
+    P = 64
+    fp = Fingerprint(model="one-node", page_size=P)
+    shared = MemoryStore(64)
+
+    def node():
+        pool = PagePool(16, (P,), torch.float32)  # one pool per node: KV pages and encoder outputs on it
+        tier = StoreTier(shared, publish_async=False, deadline_s=1.0)
+        kv = PrefixCache(pool, fp, evict_batch_pages=1, tiers=TierStack(fp, store=tier))
+        return kv, EncoderStore(pool=pool, tiers=EncoderTiers(store=tier)), tier
+
+    kv, enc, tier = node()
+    ids = list(range(1, 2 * P + 2))
+    kv.admit("a", ids)
+    kv.grow("a", len(ids))
+    kv.mark_computed("a", len(ids))
+    kv.finish("a")
+    enc.put(store_key(1), torch.arange(100.0))
+    assert (tier.counters["published_pages"], tier.counters["published_entries"]) == (2, 1)
+    tier.close()
+    kv, enc, tier = node()
+    try:
+        assert kv.admit("b", ids).matched_tokens == 2 * P
+        assert enc.get_or_compute_many([store_key(1)], never)[0].source == "shared"
+        assert (tier.counters["hit_pages"], tier.counters["batches"]) == (2, 2)  # one read each: the chain, the entry
+    finally:
+        tier.close()
+
+
 def test_a_corrupted_store_entry_or_one_filed_under_another_key_is_a_counted_miss():
     shared = MemoryStore(64)
     a, _, _ = tiered(pages=8, shared=shared, host_pages=0)
@@ -349,3 +378,22 @@ def test_fingerprints_without_a_stable_form_are_refused_by_a_tiered_store_before
     forms = [stable_bytes(v) for v in ("1", b"1", 1, True, 1.0, None, ("1",), ("a", "b"), ("ab",), (("a",), "b"))]
     assert None not in forms and len(set(forms)) == len(forms)
     assert stable_bytes(("vit", np.int64(1))) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_store_spills_to_pinned_host_pages_and_serves_tier_hits_on_its_device():
+    host = EncoderHostTier(HostPagePool(64, (PB,), torch.uint8, pin_memory=True))
+    shared = MemoryStore(16)
+    tiers = EncoderTiers(host=host, store=StoreTier(shared, publish_async=False, deadline_s=None))
+    s = EncoderStore(2 * PB, PB, device="cuda", tiers=tiers)
+    vals = [v.cuda() for v in values() if isinstance(v, torch.Tensor)]
+    for i, v in enumerate(vals):
+        s.put(store_key(i), v)
+    for i, v in enumerate(vals):
+        got = s.get_or_compute_many([store_key(i)], never)[0]
+        assert got.value.device.type == "cuda"
+        assert_same_value(got.value, v)
+    b = EncoderStore(2 * PB, PB, device="cuda", tiers=EncoderTiers(store=StoreTier(shared, publish_async=False,
+                                                                                   deadline_s=None)))
+    got = b.get_or_compute_many([store_key(0)], never)[0]
+    assert got.source == "shared" and got.value.device.type == "cuda" and torch.equal(got.value, vals[0])
