@@ -571,7 +571,7 @@ class EncoderStore:
         """``InvalidRequest`` unless ``key`` is an EncoderKey this store can file (with tiers: under a stable name)."""
         _check_key(key)
         if self.tiers is not None:
-            key.stable_name
+            key.stable_name  # InvalidRequest when the fingerprint has no form outside this process
 
     def _from_tiers(self, keys: list[EncoderKey]) -> list[tuple[Any, str] | None]:
         """Per key (each a device miss): ``(value, source)`` of a verified tier hit, stored on the device again, or

@@ -373,6 +373,9 @@ def test_fingerprints_without_a_stable_form_are_refused_by_a_tiered_store_before
         with pytest.raises(InvalidRequest):
             call()
     assert s.stats() == before and len(s) == 0 and store_key(1) not in s
+    from encoders.vision import CachedVisionEncoder
+    with pytest.raises(InvalidRequest):  # a wrapper knows its fingerprint: refused at its construction
+        CachedVisionEncoder(torch.nn.Linear(2, 2), None, s, fingerprint=object())
     untiered = EncoderStore(2 * PB, PB)  # without tiers any hashable still names an output in this process
     assert untiered.put(odd, torch.ones(2)) and untiered.get(odd) is not None
     forms = [stable_bytes(v) for v in ("1", b"1", 1, True, 1.0, None, ("1",), ("a", "b"), ("ab",), (("a",), "b"))]

@@ -47,9 +47,6 @@ class EncoderHostTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
-
     def holds(self, key: str, verify_ids: bytes | None) -> bool:
         """Whether the entry under ``key`` is held with these verifying ids; if so it is marked used (a refresh)."""
         with self.pool.cache_lock:
