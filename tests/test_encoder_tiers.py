@@ -252,8 +252,8 @@ def test_any_corruption_of_an_entry_is_a_miss_never_a_wrong_value(data):
     a.put(key, value)
     name = encoder_entry.entry_key(key)
     payload = bytearray(shared._data[name])
-    for _ in range(data.draw(st.integers(1, 3))):
-        payload[data.draw(st.integers(0, len(payload) - 1))] ^= data.draw(st.integers(1, 255))
+    for at in data.draw(st.lists(st.integers(0, len(payload) - 1), min_size=1, max_size=3, unique=True)):
+        payload[at] ^= data.draw(st.integers(1, 255))  # distinct places: the payload differs from the original
     shared._data[name] = bytes(payload)
     b, _, _ = tiered(shared=shared, key=mac_key, host_pages=0)
     assert b.get(key) is None
