@@ -43,7 +43,8 @@ from mmcache.pool import PagePool
 from mmcache.prefix_index import IndexObserver
 from mmcache.reclaim import reclaimable as reclaimable_pages
 from mmcache.reclaim import take
-from mmcache.stats import PrefixCacheStats
+from mmcache.shadow import ShadowIndex
+from mmcache.stats import PrefixCacheStats, ShadowStats
 from mmcache.tp import TPAgreement
 
 require_mstar()
@@ -101,7 +102,10 @@ class PrefixReuse:
     fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step, digest)`` marks of the
     media items its rows hold (their digests must commit to everything the rows depend on: the media bytes as sent,
     the preprocessing and the encoder's weights), or None when the rows are not described by media: then the seam
-    names nothing and the stream's indexing stops there."""
+    names nothing and the stream's indexing stops there. ``shadow``: measure only (phase 1): each label's prompts are
+    named and looked up in a ``ShadowIndex`` (every finished request's pages, unbounded), nothing is shared, cut or
+    indexed, and M* computes what it computes without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse
+    would have saved."""
 
     model: str
     labels: tuple[str, ...] = ("main",)
@@ -111,6 +115,7 @@ class PrefixReuse:
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
     walk_media: Callable | None = None
+    shadow: bool = False
 
 
 @dataclasses.dataclass
@@ -167,7 +172,11 @@ class ReuseKVManager(KVManager):
         self._lifecycles: dict[str, PrefixLifecycle] = {}
         self._named: dict[tuple[str, str], _Named] = {}
         self._due: dict[_Named, None] = {}  # streams whose announced feed reaches a page end, in feed order
-        self._reused = frozenset(reuse.labels) if reuse is not None else frozenset()
+        labels = frozenset(reuse.labels) if reuse is not None else frozenset()
+        self._reused = labels if reuse is not None and not reuse.shadow else frozenset()
+        self._shadowed = labels - self._reused
+        self._shadows: dict[str, ShadowIndex] = {}
+        self._shadow_fed: dict[tuple[str, str], dict[int, np.ndarray] | None] = {}  # position -> ids fed there
         self._agreement = None
         if joint_comm_group is not None and joint_comm_group.world_size > 1:
             if joint_comm_group.sp_group.world_size > 1:
@@ -182,16 +191,21 @@ class ReuseKVManager(KVManager):
 
     # ----------------------------------------------------------------- the seam (mmcache.mstar.switch)
     def reuses(self, label: str) -> bool:
-        return label in self._reused
+        """Whether the seam feeds ``label``'s steps here (reused, or measured in shadow)."""
+        return label in self._reused or label in self._shadowed
+
+    def fingerprint(self, label: str) -> Fingerprint:
+        """What roots ``label``'s page names: the weights, this rank, the KV layout and the label."""
+        r = self.reuse
+        return Fingerprint(model=r.model, tp_rank=self._rank, tp_size=self._world_size,
+                           kv_dtype=str(self.kv_cache.dtype), attention_backend=r.attention_backend,
+                           page_size=self.config.page_size, extra=f"{self.name}/{label}")
 
     def lifecycle(self, label: str) -> PrefixLifecycle:
         """The prefix lifecycle of ``label`` (made on first use)."""
         life = self._lifecycles.get(label)
         if life is None:
-            r = self.reuse
-            fp = Fingerprint(model=r.model, tp_rank=self._rank, tp_size=self._world_size,
-                             kv_dtype=str(self.kv_cache.dtype), attention_backend=r.attention_backend,
-                             page_size=self.config.page_size, extra=f"{self.name}/{label}")
+            r, fp = self.reuse, self.fingerprint(label)
             tiers = r.tiers(fp, self.pool) if r.tiers is not None else None
             observer = r.observer(fp, self.pool) if r.observer is not None else None
             life = self._lifecycles[label] = PrefixLifecycle(self.pool, fp, evict_batch_pages=self._evict_batch,
@@ -209,7 +223,7 @@ class ReuseKVManager(KVManager):
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks, and
         one with no marks names nothing, which stops the stream's indexing there."""
         if label not in self._reused:
-            return 0
+            return self._shadow_feed(rid, label, token_ids, media, salt) if label in self._shadowed else 0
         named = self._named.get((rid, label))
         if named is None:
             return self._first_feed(rid, label, token_ids, media, salt)
@@ -235,6 +249,52 @@ class ReuseKVManager(KVManager):
             with self._lock:
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
+
+    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+        """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex``; later feeds are kept
+        by the position they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
+        key = (rid, label)
+        with self._lock:
+            stream = self._ensure_label(rid, label)
+            held = stream.stored_len
+            if key not in self._shadow_fed:
+                if token_ids is None or held:
+                    return 0  # embeddings, or a stream filled another way: nothing of it is measured
+                self.shadow_index(label).admit(rid, token_ids, media, salt)
+                self._shadow_fed[key] = {}
+                return 0
+            fed = self._shadow_fed[key]
+            if fed is None or held < self._shadows[label].prompt_tokens(rid):
+                return 0  # a retried prefill, or after an unnamed walk
+            if token_ids is None:
+                self._shadow_fed[key] = None
+            else:
+                fed[held] = as_tokens(token_ids)
+            return 0
+
+    def shadow_index(self, label: str) -> ShadowIndex:
+        """``label``'s shadow table (made on first use)."""
+        shadow = self._shadows.get(label)
+        if shadow is None:
+            shadow = self._shadows[label] = ShadowIndex(self.fingerprint(label))
+        return shadow
+
+    def shadow_stats(self, label: str) -> ShadowStats:
+        """What reuse would have matched on ``label`` so far (``ShadowIndex.stats``)."""
+        return self.shadow_index(label).stats()
+
+    def _end_shadow(self, rid: str, finished: bool) -> None:
+        """``rid`` left (``finished``: its pages of prompt + what was fed after it go into the table) or was reset."""
+        for key in [k for k in self._shadow_fed if k[0] == rid]:
+            fed, shadow = self._shadow_fed.pop(key), self._shadows[key[1]]
+            if not finished:
+                shadow.abort(rid)
+                continue
+            out, at = [], shadow.prompt_tokens(rid)
+            while fed and at in fed:
+                out.append(fed[at])
+                at += out[-1].size
+            shadow.finish(rid, np.concatenate(out) if out else ())
 
     def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
         if token_ids is None:
@@ -358,7 +418,7 @@ class ReuseKVManager(KVManager):
         return Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
 
     def reset_request(self, rid: str, free: bool = False):
-        self._forget(rid)  # first: the chain is touched while the stream still holds it
+        self._forget(rid, finished=False)  # first: the chain is touched while the stream still holds it
         if not free:
             with self._lock:
                 for stream in self._streams.get(rid, {}).values():
@@ -369,12 +429,14 @@ class ReuseKVManager(KVManager):
         super().reset_request(rid, free)
 
     def remove_request(self, rid: str):
-        self._forget(rid)
+        self._forget(rid, finished=True)
         super().remove_request(rid)
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, rid: str, finished: bool) -> None:
         """``rid``'s streams are named no more; their chains are touched (done with them now)."""
         with self._lock:
+            if self._shadow_fed:
+                self._end_shadow(rid, finished)
             for key in [k for k in self._named if k[0] == rid]:
                 named = self._named.pop(key)
                 self._due.pop(named, None)
