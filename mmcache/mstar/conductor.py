@@ -12,9 +12,9 @@ them with ``mmcache.page_names``; a list of ints). Override ``route_names`` in a
 A request without names is placed as today.
 
 Routing by media (``key = "media"``, see ``mmcache.routing``): ``route_media(body)`` reads the request's media
-digests, in prompt order, from ``body.model_kwargs["mmcache_route_media"]`` (16-byte digests as the data worker
-carries them, ``mmcache.mstar.media_digests``; the API side computes them with ``digests.image``/``digests.audio``),
-and the tenant salt from ``model_kwargs["mmcache_salt"]`` (``mmcache.mstar.salts``) is folded into the key; a
+digests from ``body.model_kwargs["mmcache_route_media"]``, which ``mmcache.mstar.media_digests.install_digests``
+fills in the data worker with the digests it carries (16 bytes each, file order), so nothing on the API side
+changes; the tenant salt from ``model_kwargs["mmcache_salt"]`` (``mmcache.mstar.salts``) is folded into the key. A
 request without them falls back to its names.
 
 Importing this module imports M* (checked by ``mmcache.mstar.requirement``; M*'s own dependencies: ``pip install
@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from mmcache.mstar.requirement import require_mstar
+from mmcache.mstar.media_digests import ROUTE_MEDIA_KWARG
 from mmcache.mstar.salts import request_salt
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
 
@@ -35,7 +36,6 @@ require_mstar()
 from mstar.conductor.conductor import Conductor  # noqa: E402
 
 ROUTE_NAMES_KWARG = "mmcache_route_names"
-ROUTE_MEDIA_KWARG = "mmcache_route_media"
 
 
 class _NumpyRandom:
