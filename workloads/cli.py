@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "continuous-batching engine with K requests in flight (cache on: mmcache under it)")
     rp.add_argument("--limit", type=_positive, metavar="N",
                     help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
-                    "workloads: requests, each with a default cap)")
+                    "workloads: requests, each with a default cap; --replicas on a model workload: sessions, in "
+                    "order of arrival)")
     rp.add_argument("--prefill-rate", type=float, default=ServiceModel.prefill_tokens_per_s, metavar="TOK_S",
                     help="timestamp order: uncached prompt tokens prefilled per second (default %(default)g)")
     rp.add_argument("--tpot", type=float, default=ServiceModel.s_per_output_token, metavar="S",

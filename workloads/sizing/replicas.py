@@ -13,9 +13,9 @@ output, so eviction and capacity act on the true sizes while the replay holds no
 runs (a miss, stored). The encoder hit rate is the share of items the encoder did not run for.
 
 Per request, in timestamp order: every replica first finishes what has ended by the arrival; a session's previous
-call is finished on whichever replica holds it; the router sees the request's page names, prompt length and each
-replica's live requests (its queue) and picks a replica, whose ``_Replayer`` admits and runs the request exactly as
-the single-pool replay does (``workloads.sizing.replay``).
+call is finished on whichever replica holds it; the router sees the request's page names, prompt length, the digests
+of its encoded media and each replica's live requests (its queue) and picks a replica, whose ``_Replayer`` admits
+and runs the request exactly as the single-pool replay does (``workloads.sizing.replay``).
 
 Service model, per replica: a request's prefill waits for the replica's earlier prefills (one prefill at a time,
 FIFO) and takes ``encoder misses * encoder_s + uncached tokens / prefill_tokens_per_s`` (the encoder runs in the
