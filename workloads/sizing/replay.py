@@ -166,7 +166,7 @@ class _Replayer:
         if -(-(n + out) // P) > run.pool_pages:
             run.failed += 1
             return None
-        state = self.cache.admit(req.rid, req.token_ids, names=req.names)
+        state = self.cache.admit(req.rid, req.token_ids, media=req.marks, names=req.names)
         run.hit_tokens += state.matched_tokens
         host = store = 0
         if state.fetch is not None:
