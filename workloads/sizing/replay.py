@@ -216,6 +216,7 @@ class _Replayer:
             self.finish_earliest()
 
     def cache_stats(self) -> dict:
+        """The cache's statistics in a serving workload's ``cache_stats()`` shape."""
         stats = {"prefix": self.cache.stats().to_dict()}
         if self.stack is not None:
             stats["tiers"] = self.stack.stats().to_dict()
