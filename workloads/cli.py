@@ -4,6 +4,7 @@
                    [--tokenizer PATH]
                    [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
+                   [--host-tokens SIZE] [--store-tokens SIZE] [--metrics-port PORT] [--metrics-linger S]
     mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,media-affinity,cache-aware]
                    [--pool-tokens TOTAL] [--affinity-threshold N] [--key-pages K]
     mmcache replay vlm-chat|voice-clone --replicas R[,R...] [--router ...] [--pool-tokens TOTAL]
@@ -16,7 +17,8 @@
 Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.registry``), a Mooncake
 JSONL file, an OpenAI-style chat JSONL or ShareGPT JSON file (tokenized with ``--tokenizer``), or a folder of
 mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a metadata-only prefix cache
-at several pool sizes, no model involved.
+at several pool sizes, no model involved. ``--metrics-port`` serves the replayed caches' Prometheus series (the prefix
+cache's, and the tier series with ``--host-tokens``/``--store-tokens``) while it runs.
 
 Replica replay of a model workload (``--replicas`` on ``vlm-chat`` or ``voice-clone``): its data (needed: the
 command fails naming where it looked) becomes a metadata trace with media (``workloads.registry.replica_trace``),
@@ -65,8 +67,8 @@ INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIG
 TEXT_ONLY = ("pool_tokens", "order", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
              "kv_bytes_per_token")
-MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "metrics_linger",
-              "max_new_tokens", "pool_pages", "encoder_bytes")
+MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "max_new_tokens", "pool_pages",
+              "encoder_bytes")
 # what a replica replay of a model workload reads (it runs no model); any other option given is refused
 MODEL_REPLICA_OPTIONS = ("replicas", "router", "pool_tokens", "affinity_threshold", "key_pages", "prefill_rate",
                          "tpot", "encoder_s", "encoder_bytes", "seed", "page_size", "limit", "data", "json",
@@ -254,7 +256,9 @@ def _model_options(rp, defaults: ModelWorkloadOptions) -> None:
     mg.add_argument("--html", type=Path, metavar="OUT.html",
                     help="write the HTML report (and its JSON next to it unless --json is given)")
     mg.add_argument("--metrics-port", type=int, metavar="PORT",
-                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port)")
+                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port); "
+                    "also a trace replay's (its cache's prefix series, and with --host-tokens/--store-tokens the "
+                    "tier series)")
     mg.add_argument("--metrics-linger", type=_seconds, metavar="S",
                     help="with --metrics-port: keep serving the final metrics S seconds after the replay, so a "
                     "Prometheus server scrapes the end state (Ctrl-C ends it early)")
@@ -393,6 +397,8 @@ def replay_command(args, defaults: dict) -> int:
         return model_replay_command(args)
     if misused := _given(args, defaults, MODEL_ONLY):
         return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
+    if problem := _metrics_problem(args):
+        return _fail(problem)
     if args.in_flight is None:
         args.in_flight = DEFAULT_IN_FLIGHT
     if args.in_flight < 1:
@@ -413,6 +419,19 @@ def replay_command(args, defaults: dict) -> int:
     if problem := _replica_problem(args, defaults):
         return _fail(problem)
     progress = _progress(args)
+    try:
+        exporter, port = _metrics_exporter(args)
+    except OSError as e:
+        return _fail(f"--metrics-port {args.metrics_port}: {e}")
+    try:
+        return _trace_replay(args, defaults, fmt, path, progress, exporter, port)
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter, port) -> int:
+    """Load the trace, then replay it over replicas or through the pool-size sweep (sampled by ``exporter``)."""
     from mmcache.errors import MissingDependency, TraceError
     from workloads.sizing.sweep import format_table, run_sweep, sweep_json
     started = time.perf_counter()
@@ -437,7 +456,7 @@ def replay_command(args, defaults: dict) -> int:
         return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(TEXT_ROUTERS))
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                      in_flight=args.in_flight, service=service, progress=progress, tiers=tiers)
+                      in_flight=args.in_flight, service=service, progress=progress, tiers=tiers, observer=exporter)
     print(format_table(sweep))
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
@@ -451,6 +470,8 @@ def replay_command(args, defaults: dict) -> int:
     if args.plot:
         from workloads.sizing.plot import plot_sweeps
         saved &= _save("--plot", args.plot, plot_sweeps([sweep]))
+    if exporter is not None and args.metrics_linger and not sweep.interrupted:
+        _linger(exporter, args.metrics_linger, port)
     return INTERRUPTED if sweep.interrupted else 0 if saved else 1
 
 
@@ -468,6 +489,8 @@ def _replica_problem(args, defaults: dict) -> str | None:
         return "--replicas: replica replays run in timestamp order (the service model needs arrival times)"
     if args.host_tokens or args.store_tokens:
         return "--replicas: tiers under replicas are not modelled; drop --host-tokens/--store-tokens"
+    if args.metrics_port is not None:
+        return "--replicas: --metrics-port exports one cache's series, not R replicas'; drop it"
     if len(sizes) != 1:
         return f"--replicas: give one --pool-tokens size, the total over the replicas (got {len(sizes)})"
     if sizes[0] is None:
@@ -573,10 +596,8 @@ def model_replay_command(args) -> int:
         return _fail(f"--in-flight: {args.target!r} cannot be served through transformers' continuous-batching "
                      f"engine, which takes token ids only (image features, reference audio and diffusion do not go "
                      f"through it); it serves {', '.join(ENGINE_WORKLOADS)}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        return _fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
-    if args.metrics_linger is not None and args.metrics_port is None:
-        return _fail("--metrics-linger: needs --metrics-port (there is no metrics endpoint to keep up)")
+    if problem := _metrics_problem(args):
+        return _fail(problem)
     from workloads.harness.metrics import SLO
     from workloads.harness.serving import Schedule
     try:
@@ -607,17 +628,34 @@ def _linger(exporter, seconds: float, port: int) -> None:
         pass
 
 
+def _metrics_problem(args) -> str | None:
+    """Why ``--metrics-port``/``--metrics-linger`` cannot be served as given."""
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        return f"--metrics-port must be in [0, 65535], got {args.metrics_port}"
+    if args.metrics_linger is not None and args.metrics_port is None:
+        return "--metrics-linger: needs --metrics-port (there is no metrics endpoint to keep up)"
+    return None
+
+
+def _metrics_exporter(args, **kw):
+    """``(exporter, bound port)`` serving ``--metrics-port`` on loopback (``Exporter(**kw)``), ``(None, None)``
+    without it; OSError when the port cannot be bound. Called before the slow part loads, so a scraper sees every
+    series at 0 before the first request."""
+    if args.metrics_port is None:
+        return None, None
+    from workloads.harness.prometheus import Exporter
+    exporter = Exporter(**kw)
+    port = exporter.serve(args.metrics_port)
+    print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    return exporter, port
+
+
 def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
     started = time.perf_counter()
-    exporter, port = None, args.metrics_port
-    if port is not None:  # up before the models load, so a scraper sees every series at 0 before the first request
-        from workloads.harness.prometheus import Exporter
-        exporter = Exporter(slo=slo)
-        try:
-            port = exporter.serve(port)
-        except OSError as e:
-            return _fail(f"--metrics-port {port}: {e}")
-        print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    try:
+        exporter, port = _metrics_exporter(args, slo=slo)
+    except OSError as e:
+        return _fail(f"--metrics-port {args.metrics_port}: {e}")
     try:
         return _replay_and_report(args, schedule, slo, progress, started, exporter, port)
     finally:
