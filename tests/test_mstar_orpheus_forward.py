@@ -91,7 +91,7 @@ def test_a_second_turn_reuses_the_first_turn_bit_exactly(weights, sampled):
 
 def test_a_request_admitted_while_another_decodes_shares_its_committed_pages(weights, sampled):
     on, off = engines(weights)
-    a, b = ids(23, seed=4), None
+    a = ids(23, seed=4)
     b = a[:18] + ids(7, seed=5)  # a's first 4 pages, then its own
     runs = {}
     for name, oe in (("on", on), ("off", off)):
