@@ -4,12 +4,15 @@
 
 The node is the tests' toy AR model (``tests/mstar_toy_ar.py``: M*'s ``KVManager``/``RopeManager`` under M*'s
 ``Engine``, attention computed densely, one query row at a time, so it is slow per token and every figure here is
-about the cache, not the model). Two workloads, each served with reuse off (M*'s own ``KVSpec``) and on
-(``ReuseKVSpec``) on the same batch schedule:
+about the cache, not the model), and for MT-Bench also M*'s real Orpheus LLM node (``tests/mstar_orpheus.py``: its
+``OrpheusLLMSubmodule`` and all its resources under M*'s ``Engine``, tiny random weights through M*'s loader, bf16,
+flashinfer's kernels as the tests' torch stand-ins, ``tests/mstar_torch_kernels.py``, whose attention also runs one
+query row at a time). The workloads, each served with reuse off (M*'s own ``KVSpec``) and on (``ReuseKVSpec``, for
+Orpheus through ``enable_reuse``) on the same batch schedule:
 
 - MT-Bench two-turn conversations (``--data``, default the replays' data folder; an embedded two-turn stand-in
   without it, labelled as such): turn 1 of a batch of ``--batch`` conversations, then their turn 2, which re-sends
-  turn 1 and its answer. Token ids are the Mistral tokenizer's, taken modulo the toy's vocabulary.
+  turn 1 and its answer. Token ids are the Mistral tokenizer's, taken modulo the model's vocabulary.
 - a burst of ``--batch`` requests behind one 512-token system prompt, the first admitted one step ahead of the rest
   (commit-as-written lets the rest hit what it wrote while it still runs).
 
@@ -34,9 +37,10 @@ from workloads.registry import data_place  # noqa: E402
 SKIP = why_unavailable()
 
 
-def conversations(data: Path, n: int):
-    """(label, [(turn 1 ids, turn 2 ids without the answer, answer ids)]) from MT-Bench, or a stand-in."""
+def conversations(data: Path, n: int, vocab: int | None = None):
+    """(label, [(turn 1 ids, turn 2 ids)]) from MT-Bench, or a stand-in; ids below ``vocab`` (default: the toy's)."""
     from mstar_toy_ar import V
+    V = vocab or V
     folder = data / "mt-bench"
     if (folder / "question.jsonl").is_file():
         from workloads.traces.mt_bench import load_mt_bench
@@ -87,6 +91,37 @@ def run_mt_bench(reuse, convs, batch: int, decode: int):
     return node.fed, ttfts
 
 
+def run_mt_bench_orpheus(reuse, convs, batch: int, decode: int, weights: Path):
+    """``run_mt_bench`` on M*'s Orpheus LLM node (page size 4, as the toy's): (prompt tokens its forward computed,
+    turn-2 TTFTs)."""
+    import pytest
+
+    from mstar_orpheus import PrefixReuse, engine_step, greedy, orpheus_engine
+    from mstar_torch_kernels import install
+
+    def serve(oe, sampled, prompts, arrival):
+        for rid in prompts:
+            oe.engine.add_request(rid, greedy())
+        got = engine_step(oe, "prefill", prompts, sampled)
+        fed, ttft = oe.embedded[-1], {rid: time.perf_counter() - arrival for rid in prompts}
+        for _ in range(decode):
+            got = engine_step(oe, "decode", {rid: [tok] for rid, (tok, _) in got.items()}, sampled)
+        for rid in prompts:
+            oe.engine.remove_request(rid)
+        return fed, ttft
+
+    with pytest.MonkeyPatch.context() as mp:
+        sampled = install(mp)
+        oe = orpheus_engine(weights, reuse=PrefixReuse(model="orpheus-tiny@bench") if reuse else None, pages=4096)
+        fed, ttfts = 0, []
+        for i in range(0, len(convs), batch):
+            group = convs[i:i + batch]
+            fed += serve(oe, sampled, {f"c{i + j}-1": c[0] for j, c in enumerate(group)}, time.perf_counter())[0]
+            n, ttft = serve(oe, sampled, {f"c{i + j}-2": c[1] for j, c in enumerate(group)}, time.perf_counter())
+            fed, ttfts = fed + n, ttfts + list(ttft.values())
+        return fed, ttfts
+
+
 def run_burst(reuse, batch: int, decode: int):
     import random
 
@@ -117,11 +152,24 @@ def main() -> None:
         return
     import torch
     torch.set_num_threads(1)
+    import logging
+    import tempfile
+
+    import transformers
+
+    from mstar_orpheus import CFG, save_weights
+    logging.getLogger("mstar").setLevel(logging.ERROR)  # "no CUDA, no graph capture", the loader's hub lookup
+    transformers.utils.logging.disable_progress_bar()
     label, convs = conversations(args.data, args.conversations)
+    convs_orpheus = conversations(args.data, args.conversations, vocab=CFG.vocab_size)[1]
+    folder = tempfile.TemporaryDirectory(prefix="bench-orpheus-")
+    weights = save_weights(Path(folder.name))
     print(f"MT-Bench: {label}; {len(convs)} conversations in batches of {args.batch}, {args.decode} decode steps")
     print(f"{'workload':<34} {'reuse':<5} | {'prompt tokens computed':>22} | {'vs off':>6} | "
           f"{'TTFT ms (median, min-max over repeats)':>40}")
     for name, run in (("MT-Bench turn 2", lambda r: run_mt_bench(r, convs, args.batch, args.decode)),
+                      ("MT-Bench turn 2, M*'s Orpheus LLM",
+                       lambda r: run_mt_bench_orpheus(r, convs_orpheus, args.batch, args.decode, weights)),
                       (f"burst of {args.batch}, 512-token system", lambda r: run_burst(r, args.batch, args.decode))):
         rows = {}
         for _ in range(args.repeats):
@@ -134,7 +182,8 @@ def main() -> None:
             t = [x[1] * 1e3 for x in rows[reuse]]
             print(f"{name:<34} {'on' if reuse else 'off':<5} | {fed:>22} | {fed / base:6.2f} | "
                   f"{statistics.median(t):>20.1f} ({min(t):.1f}-{max(t):.1f})")
-    print(f"({sys.platform}, 1 thread, toy AR model: dense attention per query row, float64)")
+    print(f"({sys.platform}, 1 thread; toy AR model: dense attention per query row, float64; Orpheus LLM: "
+          f"{CFG.num_hidden_layers} layers, hidden {CFG.hidden_size}, bf16, torch stand-ins for flashinfer's kernels)")
 
 
 if __name__ == "__main__":

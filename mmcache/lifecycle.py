@@ -23,14 +23,14 @@ store's, bounded by its deadline) run outside it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from mmcache.errors import InvalidRequest, RefusedByGroup
 from mmcache.names import Fingerprint, NamedPrompt, chain, media_by_page, media_ids
 from mmcache.pool import PagePool
-from mmcache.prefix_index import IndexObserver, PrefixIndex
+from mmcache.prefix_index import ChainRun, IndexObserver, PrefixIndex
 from mmcache.reclaim import take
 from mmcache.stats import PrefixCacheStats
 
@@ -95,7 +95,7 @@ class Claim:
     parent_serial: int = 0
     open: bool = True
     adopted: list[int] = dataclasses.field(default_factory=list)
-    names: list[int] = dataclasses.field(default_factory=list)   # prompt names, then generated pages' as they fill
+    names: list[int] = dataclasses.field(default_factory=list)   # its own: the prompt's, then generated pages'
     media: dict[int, bytes] = dataclasses.field(default_factory=dict)  # page -> media blob: the prompt's, then walks'
 
     @property
@@ -113,6 +113,18 @@ class Claim:
             raise InvalidRequest(f"media marks at {first} fall on pages already named")
         for page, blob in media_by_page(marks, page_size, 1 << 62).items():
             self.media[page] = self.media.get(page, b"") + blob  # later offsets: the page's blob stays sorted
+
+
+class Written(NamedTuple):
+    """One request's pages to index as written (``PrefixLifecycle.commit_many``): its claim, its pages in chain
+    order, how many leading tokens their KV holds, its int32 ids after the prompt, and how many leading positions its
+    names cover (None: prompt + ``generated``)."""
+
+    claim: Claim
+    pages: Sequence[int]
+    written_tokens: int
+    generated: np.ndarray = _NO_TOKENS
+    tokens_named: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,8 +195,8 @@ class PrefixLifecycle:
             c["hits"] += bool(pages)
             c["queried_tokens"] += int(prompt.tokens.size)
             c["hit_tokens"] += len(pages) * self.page_size
-            claim = Claim(prompt, salt_id, len(pages), list(pages),
-                          self.index.serial(pages[-1]) if pages else 0, names=prompt.names, media=dict(prompt.media))
+            claim = Claim(prompt, salt_id, len(pages), list(pages), self.index.serial(pages[-1]) if pages else 0,
+                          names=list(prompt.names), media=dict(prompt.media))
         return claim, Match(pages, fetch)
 
     def refuse(self) -> None:
@@ -235,7 +247,7 @@ class PrefixLifecycle:
         with self.lock:
             if pages:
                 claim.chain += pages
-                claim.names = claim.names + names[:len(pages)]
+                claim.names += names[:len(pages)]
                 claim.parent_serial = self.index.serial(pages[-1])
                 self.index.counters["hit_tokens"] += len(pages) * P
             return pages
@@ -254,42 +266,64 @@ class PrefixLifecycle:
     # ----------------------------------------------------------------- commit as pages fill
     def commit(self, claim: Claim, pages: Sequence[int], written_tokens: int, generated: np.ndarray = _NO_TOKENS,
                tokens_named: int | None = None) -> int:
-        """Index the request's full pages whose KV is written (the first ``written_tokens`` tokens) and whose names
-        cover every position they hold: the prompt's, then ``generated`` (int32 ids after the prompt) as they fill.
-        ``tokens_named`` (default: prompt + generated) caps what the names cover. ``pages[j]`` holds chain position
-        ``j``. Returns the pages newly indexed. Nothing is indexed past a collision or a lost parent."""
-        if not claim.open:
-            return 0
+        """``commit_many`` of one request: the pages newly indexed."""
+        return self.commit_many([Written(claim, pages, written_tokens, generated, tokens_named)])[0]
+
+    def commit_many(self, written: Sequence[Written]) -> list[int]:
+        """For each ``Written``: index the request's full pages whose KV is written (the first ``written_tokens``
+        tokens) and whose names cover every position they hold: the prompt's, then ``generated`` (int32 ids after the
+        prompt) as they fill; ``tokens_named`` (default: prompt + generated) caps what the names cover. ``pages[j]``
+        holds chain position ``j``. Returns the pages newly indexed per request. Nothing is indexed past a collision
+        or a lost parent. One lock and one index update for all (a decode step's pages that filled); no chain is
+        touched here (``touch`` when a request is done)."""
         P = self.page_size
-        prompt = claim.prompt
-        named = prompt.tokens.size + generated.size if tokens_named is None else tokens_named
-        m = min(written_tokens, named, prompt.tokens.size + generated.size, len(pages) * P) // P
-        lo = claim.indexed
-        if m <= lo:
-            return 0
+        out, todo = [0] * len(written), []
+        for i, w in enumerate(written):
+            claim = w.claim
+            if not claim.open:
+                continue
+            n = claim.prompt.tokens.size + w.generated.size
+            m = min(w.written_tokens, n if w.tokens_named is None else w.tokens_named, n, len(w.pages) * P) // P
+            if m > claim.indexed:
+                todo.append((i, w, claim.indexed, m))
+        if not todo:
+            return out
         with self.lock:
-            if lo and self.index.serial(claim.chain[-1]) != claim.parent_serial:
-                claim.open = False  # the parent left the index (evicted or discarded): its children may not hang on
-                return 0
-            rows = _rows(prompt, generated, lo, m)
-            if m > len(claim.names):  # generated pages: their names continue the prompt's chain (lo <= len(names))
-                start = len(claim.names)
-                claim.names = claim.names + chain(claim.names[-1] if start else prompt.root, rows[start - lo:].ravel(),
-                                                  P, start, claim.media)
-            mids = media_ids(claim.media, range(lo, m))
-            new, walked, claim.open = self.index.insert(pages[lo:m], claim.names[lo:m], rows, mids, claim.salt_id,
-                                                        lo, claim.chain[-1] if lo else -1, prompt.media)
-            if walked:
-                claim.chain += walked
-                claim.parent_serial = self.index.serial(walked[-1])
-                self.index.touch(claim.chain[:lo])
-            adopted = [int(pages[lo + j]) for j in new]
-            claim.adopted += adopted
-            if self.tiers is not None and new:
-                seq = np.concatenate((prompt.tokens, generated))[:m * P]
-                self.tiers.publish(self.pool, list(pages[:m]), [lo + j for j in new], claim.names[:m], seq,
-                                   media_ids(claim.media, range(m)), prompt.salt)
-            return len(adopted)
+            runs, kept = [], []
+            for i, w, lo, m in todo:
+                claim, prompt = w.claim, w.claim.prompt
+                if lo and self.index.serial(claim.chain[-1]) != claim.parent_serial:
+                    claim.open = False  # the parent left the index (evicted or discarded): no child may hang on it
+                    continue
+                rows = _rows(prompt, w.generated, lo, m)
+                if m > len(claim.names):  # generated pages: their names continue the prompt's chain (lo <= names)
+                    start = len(claim.names)
+                    claim.names += chain(claim.names[-1] if start else prompt.root, rows[start - lo:].ravel(), P,
+                                         start, claim.media)
+                runs.append(ChainRun(w.pages[lo:m], claim.names[lo:m], rows, media_ids(claim.media, range(lo, m)),
+                                     claim.salt_id, lo, claim.chain[-1] if lo else -1, prompt.media))
+                kept.append((i, w, lo, m))
+            for (i, w, lo, m), (new, walked, ok) in zip(kept, self.index.insert_runs(runs)):
+                claim = w.claim
+                claim.open = ok
+                if walked:
+                    claim.chain += walked
+                    claim.parent_serial = self.index.serial(walked[-1])
+                adopted = [int(w.pages[lo + j]) for j in new]
+                claim.adopted += adopted
+                out[i] = len(adopted)
+                if self.tiers is not None and new:
+                    prompt = claim.prompt
+                    seq = np.concatenate((prompt.tokens, w.generated))[:m * P]
+                    self.tiers.publish(self.pool, list(w.pages[:m]), [lo + j for j in new], claim.names[:m], seq,
+                                       media_ids(claim.media, range(m)), prompt.salt)
+            return out
+
+    def touch(self, claim: Claim) -> None:
+        """The request is done with its chain: mark it used now (one tick for the whole chain), so its pages rank by
+        their last use as they become evictable. Pages indexed while it ran took their parent's tick."""
+        with self.lock:
+            self.index.touch(claim.chain)
 
     def discard(self, claim: Claim) -> int:
         """Unindex every page ``claim``'s request indexed, with the descendants other requests indexed under them

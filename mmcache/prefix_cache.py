@@ -210,6 +210,8 @@ class PrefixCache:
             rec = self._get(rid, live=True)
             generated = self._generated(rec, output_ids)
             self._commit(rec, generated)
+            if rec.claim is not None:
+                self.lifecycle.touch(rec.claim)
             self.lifecycle.release(rec.pages)
             self._end(rid)
             return len(rec.claim.adopted) if rec.claim is not None else 0

@@ -8,8 +8,8 @@ Invariants:
 - closed under parents: an indexed page's parent is indexed and is the very page it was indexed under. ``evict`` and
   ``remove`` take every indexed descendant of a page with it, so a page id the pool hands out again can never stand
   as the parent of a stale child (the parent page id is a verifying id, and a reused id must not satisfy it);
-- every touch of a page touches its whole chain prefix with one tick, so ticks never increase along a chain, and the
-  ``eviction_key`` order (tick, then deeper first) evicts cold tails from their ends;
+- a page indexed takes its parent's tick, and every touch touches a whole chain prefix with one tick, so ticks never
+  increase along a chain, and the ``eviction_key`` order (tick, then deeper first) evicts cold tails from their ends;
 - ``serial[page]`` is unique per indexing of a page: a request table that remembers (page, serial) of a chain page it
   did not retain can tell later whether that page is still the one it saw;
 - an ``IndexObserver`` hears of every page the index adopts (``stored``, in chain order, each run after its parent)
@@ -19,7 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -46,6 +46,29 @@ class IndexObserver(Protocol):
 
     def cleared(self) -> None:
         """Every page left the index."""
+
+
+class ChainRun(NamedTuple):
+    """Chain positions ``depth, depth+1, ...`` of one request to index (``PrefixIndex.insert_runs``): ``pages[j]``
+    named ``names[j]``, its verifying ids ``rows[j]`` (token ids) and ``mids[j]`` (128-bit media id), under the
+    indexed page ``parent`` (-1 at depth 0), the chain's salt id, and its media blobs by position for the observer."""
+
+    pages: Sequence[int]
+    names: Sequence[int]
+    rows: np.ndarray
+    mids: np.ndarray
+    salt_id: int
+    depth: int = 0
+    parent: int = -1
+    media: dict[int, bytes] | None = None
+
+
+class Inserted(NamedTuple):
+    """What ``insert_runs`` did with one run: the positions adopted, the chain pages walked, whether it may go on."""
+
+    new: list[int]
+    chain: list[int]
+    ok: bool
 
 
 class PrefixIndex:
@@ -144,48 +167,95 @@ class PrefixIndex:
     def insert(self, pages: Sequence[int], names: Sequence[int], page_tokens: np.ndarray, mids: np.ndarray,
                salt_id: int, depth: int = 0, parent: int = -1,
                media: dict[int, bytes] | None = None) -> tuple[list[int], list[int], bool]:
-        """Index the chain positions ``depth, depth+1, ...``: ``pages[j]`` named ``names[j]`` with verifying ids
-        ``page_tokens[j]``/``mids[j]``, under the indexed page ``parent`` (-1 at depth 0; a caller that did not retain
-        it checks first, by ``serial``, that it is still the page it saw). Each page adopted gets an owner of the
-        index's own; a page that is already indexed is the caller's own matched page and continues the chain.
+        """Index one run of chain positions (``insert_runs`` of one ``ChainRun``); returns its ``Inserted``."""
+        return self.insert_runs([ChainRun(pages, names, page_tokens, mids, salt_id, depth, parent, media)])[0]
+
+    def insert_runs(self, runs: Sequence[ChainRun]) -> list[Inserted]:
+        """Index each run's chain positions ``depth, depth+1, ...``: ``pages[j]`` named ``names[j]`` with verifying
+        ids ``rows[j]``/``mids[j]``, under the indexed page ``parent`` (-1 at depth 0; a caller that did not retain it
+        checks first, by ``serial``, that it is still the page it saw). Each page adopted gets an owner of the index's
+        own; a page that is already indexed is the caller's own matched page and continues the chain.
 
         A name already indexed with equal verifying ids is not duplicated: the chain continues from the indexed page
-        (the caller's copy stays the caller's). A name held by different ids stops indexing there. Returns the
-        positions ``j`` adopted, the chain pages walked (position ``depth + i`` is ``chain[i]``; the last is the parent
-        of the next position) and whether the chain may go on. Touches the pages walked. ``media`` (the prompt's media
-        blobs by chain position) only tells the observer which media each page holds.
+        (the caller's copy stays the caller's), also when an earlier run of the same call indexed it. A name held by
+        different ids stops that run there. Per run: the positions ``j`` adopted, the chain pages walked (position
+        ``depth + i`` is ``chain[i]``; the last is the parent of the next position) and whether the chain may go on.
+        The pages walked take their parent's tick (a chain from depth 0 a new one), so an insert never touches the
+        chain before it: a request table touches its whole chain once, when the request is done with it
+        (``PrefixLifecycle.touch``). One owner update for all runs. ``media`` (a run's media blobs by chain position)
+        only tells the observer which media each page holds.
         """
-        new, chain_pages, first_parent, ok = [], [], parent, True
-        for j, name in enumerate(names):
-            page = pages[j]
-            if not self._indexed[page]:
-                other = self._pages.get(name)
-                if other is None:
-                    self._pages[name] = page
-                    new.append(j)
-                elif self._same(other, page_tokens[j], mids[j], parent, salt_id):
-                    page = other
+        out, adopted_all, fresh = [], [], None
+        for run in runs:
+            new, chain_pages, parent, ok = [], [], run.parent, True
+            pages, rows, mids = run.pages, run.rows, run.mids
+            for j, name in enumerate(run.names):
+                page = pages[j]
+                if not self._indexed[page]:
+                    other = self._pages.get(name)
+                    if other is None:
+                        self._pages[name] = page
+                        new.append(j)
+                    elif self._same(other, rows[j], mids[j], parent, run.salt_id):
+                        page = other
+                    else:
+                        self.counters["collisions"] += 1
+                        ok = False
+                        break
+                chain_pages.append(parent := page)
+            if new:
+                adopted = [pages[j] for j in new]
+                self._record(adopted, [run.names[j] for j in new], rows, mids, new,
+                             [chain_pages[j - 1] if j else run.parent for j in new], run.salt_id, run.depth)
+                adopted_all += adopted
+                if self._observer is not None:
+                    self._tell_stored(new, run.names, chain_pages, run.parent, rows, run.salt_id, run.depth,
+                                      run.media or {})
+            if chain_pages:  # the parent's tick: ticks never increase along the chain, and no prefix is touched
+                if run.parent >= 0:
+                    tick = self._tick[run.parent]
                 else:
-                    self.counters["collisions"] += 1
-                    ok = False
-                    break
-            chain_pages.append(parent := page)
-        if new:
-            adopted = [pages[j] for j in new]
-            self.pool.retain(adopted, distinct=True)
-            self._name[adopted] = np.array([names[j] for j in new], dtype=np.uint64)
-            self._tokens[adopted] = page_tokens[new]
-            self._media_lo[adopted], self._media_hi[adopted] = mids[new, 0], mids[new, 1]
-            self._parent[adopted] = [chain_pages[j - 1] if j else first_parent for j in new]
-            self._salt[adopted] = salt_id
-            self._depth[adopted] = np.asarray(new, dtype=np.int32) + depth
-            self._serial[adopted] = np.arange(self._next_serial, self._next_serial + len(adopted))
-            self._next_serial += len(adopted)
-            self._indexed[adopted] = True
-            if self._observer is not None:
-                self._tell_stored(new, names, chain_pages, first_parent, page_tokens, salt_id, depth, media or {})
-        self.touch(chain_pages)
-        return new, chain_pages, ok
+                    tick = fresh = self.pool.clock.tick() if fresh is None else fresh
+                if len(chain_pages) <= 2:
+                    for page in chain_pages:
+                        self._tick[page] = tick
+                else:
+                    self._tick[chain_pages] = tick
+            out.append(Inserted(new, chain_pages, ok))
+        if adopted_all:
+            self.pool.retain(adopted_all, distinct=True)
+        return out
+
+    def _record(self, adopted: list[int], names: list[int], rows: np.ndarray, mids: np.ndarray, new: list[int],
+                parents: list[int], salt_id: int, depth: int) -> None:
+        """Write the verifying ids and chain metadata of the pages ``adopted`` (run positions ``new``) at once, so a
+        later run of the same ``insert_runs`` compares against them. A page or two (a decode step's page that
+        filled) is written element by element: numpy's fancy-index setup costs more than the writes."""
+        serial = self._next_serial
+        self._next_serial += len(adopted)
+        if len(adopted) <= 2:
+            for q, page in enumerate(adopted):
+                j = new[q]
+                mid = mids[j]
+                self._name[page] = names[q]
+                self._tokens[page] = rows[j]
+                self._media_lo[page] = mid[0]
+                self._media_hi[page] = mid[1]
+                self._parent[page] = parents[q]
+                self._salt[page] = salt_id
+                self._depth[page] = depth + j
+                self._serial[page] = serial + q
+                self._indexed[page] = True
+            return
+        idx = np.asarray(adopted, dtype=np.int64)
+        self._name[idx] = np.asarray(names, dtype=np.uint64)
+        self._tokens[idx] = rows[new]
+        self._media_lo[idx], self._media_hi[idx] = mids[new, 0], mids[new, 1]
+        self._parent[idx] = parents
+        self._salt[idx] = salt_id
+        self._depth[idx] = np.asarray(new, dtype=np.int32) + depth
+        self._serial[idx] = np.arange(serial, serial + len(adopted))
+        self._indexed[idx] = True
 
     def _tell_stored(self, new, names, chain_pages, first_parent, page_tokens, salt_id, depth, media) -> None:
         """One ``stored`` per run of consecutive adopted positions, each under the page before it."""

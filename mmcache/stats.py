@@ -100,3 +100,66 @@ class ShadowStats(_Snapshot):
     repeated_prefixes: int = 0          # page names admitted at least twice
     replica_spread_mean: float = 0.0    # replicas per repeated prefix, mean over them
     replica_spread_max: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HistogramStats(_Snapshot):
+    """A ``WaitHistogram`` (``mmcache.histogram``) at one instant: ``counts[i]`` observations fell above
+    ``bounds[i - 1]`` and at or below ``bounds[i]``; the last count (one more count than bounds) lies above every
+    bound. ``sum`` adds every observation. Not cumulative: Prometheus's ``le`` buckets are running sums of these."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[int, ...] = (0,)
+    sum: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierStats(_Snapshot):
+    """``TierStack.stats()``: which tiers there are, the KV pages each gave requests, the host tier's and the store's
+    counters since creation, and their state now. An absent tier's fields stay at their defaults.
+
+    ``*_adopted_pages``: pages of a tier's verified hits copied up and given to a request (the tier's own
+    ``*_hit_pages`` less those dropped when the device had no room or the chain left the index meanwhile); with the
+    device's share (``PrefixCacheStats.hit_tokens / page_size`` less both) they are the hits by tier.
+    ``store_wait``: seconds each lookup that asked the store spent in it (its batched reads within the deadline, and
+    verification); lookups that skipped a store marked down are in ``store_skipped``, not here. A ``StoreTier`` that
+    an ``EncoderStore``'s tiers share counts their reads too (``store_published_entries``: encoder entries put; their
+    wait is the batched read, verified after it).
+    ``to_dict()`` is flat (``host_*`` and ``store_*`` keys), ``store_wait`` as its own dict.
+    """
+
+    page_size: int = 0
+    host: bool = False
+    store: bool = False
+    host_adopted_pages: int = 0
+    store_adopted_pages: int = 0
+    host_pages_held: int = 0
+    host_written_pages: int = 0
+    host_refreshed_pages: int = 0
+    host_dropped_pages: int = 0
+    host_hit_pages: int = 0
+    host_collisions: int = 0
+    store_up: bool = False
+    store_published_pages: int = 0
+    store_published_entries: int = 0
+    store_publish_dropped: int = 0
+    store_hit_pages: int = 0
+    store_gets: int = 0
+    store_batches: int = 0
+    store_misses: int = 0
+    store_rejected: int = 0
+    store_mac_failures: int = 0
+    store_failures: int = 0
+    store_late: int = 0
+    store_read_errors: int = 0
+    store_skipped: int = 0
+    store_probes: int = 0
+    store_wait: HistogramStats = HistogramStats()
+
+    def to_dict(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "store_wait": self.store_wait.to_dict()}

@@ -1,7 +1,8 @@
-"""The import-only flashinfer the CPU tests need: Qwen3-Omni's ``components/talker.py:18`` imports flashinfer at module
-level, so ``mstar.model.qwen3_omni.submodules`` (its encoder nodes included) cannot be imported without it, and
-flashinfer has no CPU build. The encoder nodes never call it; any attribute read raises, so a kernel reached by
-mistake fails loudly instead of computing something else."""
+"""The flashinfer the CPU tests import (flashinfer has no CPU build). ``module()`` is import-only: Qwen3-Omni's
+``components/talker.py:18`` imports flashinfer at module level, so ``mstar.model.qwen3_omni.submodules`` (its encoder
+nodes included) cannot be imported without it, and the encoder nodes never call it. ``module(**kernels)`` also holds
+the given attributes (torch stand-ins, ``tests/mstar_torch_kernels.py``). Any other attribute read raises, so a
+kernel reached by mistake fails loudly instead of computing something else."""
 
 import types
 
@@ -10,8 +11,11 @@ class _ImportOnly(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise RuntimeError(f"flashinfer.{name}: the CPU stand-in only lets flashinfer be imported; no kernel runs here")
+        raise RuntimeError(f"{self.__name__}.{name}: the CPU stand-in has no such kernel; nothing else runs here")
 
 
-def module() -> types.ModuleType:
-    return _ImportOnly("flashinfer")
+def module(name: str = "flashinfer", **kernels) -> types.ModuleType:
+    m = _ImportOnly(name)
+    for attr, value in kernels.items():
+        setattr(m, attr, value)
+    return m

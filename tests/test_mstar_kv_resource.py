@@ -12,7 +12,7 @@ from mstar_helpers import require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
-    LABEL, PrefixReuse, dense_logits, ids_feed, node, serve, step, weights,
+    LABEL, P, PrefixReuse, dense_logits, ids_feed, node, serve, step, weights,
 )
 
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
@@ -263,3 +263,21 @@ def test_kv_events_from_m_stars_resource_name_every_indexed_page():
     serve(on, "a", list(range(1, 14)), 5)
     index = on.kv.lifecycle(LABEL).index
     assert heard.names and heard.names == {int(index.tier_view().name[p]) for p in np.flatnonzero(index.indexed)}
+
+
+def test_shadow_mode_measures_what_reuse_would_match_and_changes_nothing():
+    """Phase 1 on M*: ``PrefixReuse(shadow=True)`` names and looks up every prompt, generated pages included, but M*
+    computes everything itself (logits equal to reuse off, nothing cached), and the shadow's matched pages are the
+    pages reuse on matches on the same schedule."""
+    shadow, on, off = node(W, reuse=PrefixReuse(model="toy@0", shadow=True)), node(W, reuse=REUSE), node(W)
+    turn1 = list(range(1, 14))
+    runs = {}
+    for name, n in (("shadow", shadow), ("on", on), ("off", off)):
+        a = serve(n, "a", turn1, 5)
+        turn2 = turn1 + a[0] + [7, 8, 9]
+        runs[name] = (a, serve(n, "b", turn2, 4), serve(n, "c", turn2[:9] + [99, 98], 2))
+    for a, b in zip(runs["shadow"], runs["off"]):
+        assert a[0] == b[0] and equal(a[1], b[1])
+    assert shadow.kv.lifecycle(LABEL).stats(0, 0).pages_cached == 0 and shadow.kv.stats(LABEL).hit_tokens == 0
+    s = shadow.kv.shadow_stats(LABEL)
+    assert s.requests == 3 and s.matched_pages * P == on.kv.stats(LABEL).hit_tokens == 16 + 8

@@ -86,3 +86,15 @@ def test_a_loader_override_decodes_a_private_snapshot_of_the_bytes_read(monkeypa
     assert seen == [seen[0]] and seen[0] != str(wavs[0])  # one decode, of a snapshot, not of the user's path
     want = preprocess(data_worker(plain), "a", "audio", wavs[0], text=None)
     assert torch.equal(got["audio_features"][0], want["audio_features"][0])
+
+
+def test_the_carried_digests_reach_the_conductor_for_routing_by_media(worker, images):
+    from mmcache.routing import AffinityRouter, media_key
+    given = {"mmcache_salt": "tenant-7"}
+    got = preprocess(worker, "m", "image", images[0], model_kwargs=given)
+    (dest, msg), = [(d, m) for d, m in worker.communicator.sent if d == "conductor"]
+    carried = bytes(got["image_digest"][0].numpy())
+    assert msg.body.model_kwargs[media_digests.ROUTE_MEDIA_KWARG] == [carried]
+    router = AffinityRouter(range(4), key="media")
+    assert router.route_key([], msg.body.model_kwargs[media_digests.ROUTE_MEDIA_KWARG], b"tenant-7") == media_key(
+        [carried], b"tenant-7")

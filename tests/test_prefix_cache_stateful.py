@@ -224,6 +224,15 @@ class CacheMachine(RuleBasedStateMachine):
         for name, page in idx.items():
             assert int(self.cache.index._name[page]) == name
 
+    @invariant()
+    def ticks_never_increase_along_a_chain(self):
+        """What lets eviction take whole cold tails: no indexed page is more recent than its parent."""
+        index = self.cache.index
+        pages = np.flatnonzero(index.indexed)
+        parents = index._parent[pages]
+        child = parents >= 0
+        assert (index._tick[parents[child]] >= index._tick[pages[child]]).all()
+
     def teardown(self):
         for rid in list(self.live):
             self.cache.abort(rid)

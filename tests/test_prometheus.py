@@ -1,16 +1,22 @@
-"""Live Prometheus metrics: a real HTTP scrape of a tiny replay, parsed back; the Grafana dashboard's metric names.
-(A real Prometheus server evaluating every dashboard query: test_prometheus_server.py.)"""
+"""Live Prometheus metrics: a real HTTP scrape of a tiny replay, parsed back; the tier series of a cache with a host
+tier and a store (in-process); the Grafana dashboard's metric names. (A real Prometheus server evaluating every
+dashboard query: test_prometheus_server.py, and the tier panels on a real Mooncake master: test_prometheus_tiers.py.)"""
 
 import json
 import re
 import urllib.request
 
 import pytest
+import torch
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmcache.tiers import MemoryStore
+from tier_traffic import P, TieredCache, prompts, publish_as_another_instance, traffic
 from workloads.harness.metrics import SLO
 from workloads.harness.prometheus import DASHBOARD, Exporter, cache_outcome, dashboard_queries
 from workloads.harness.serving import Schedule, compare
+from workloads.harness.tier_series import STORE_COUNTERS
 
 SLO_ = SLO(ttft_s=0.05)
 
@@ -27,15 +33,87 @@ def scraped(tiny_chat, tmp_path_factory):
             text = resp.read().decode()
     finally:
         exporter.close()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[s.name, tuple(sorted(s.labels.items()))] = s.value
-    return off, on, samples
+    return off, on, parse(text)
+
+
+def parse(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(samples, name, **labels):
     return samples[name, tuple(sorted(labels.items()))]
+
+
+class BreakableStore(MemoryStore):
+    """An in-process store whose reads fail once ``broken`` (a dead store, as the tier sees one)."""
+
+    broken = False
+
+    def get_many(self, keys):
+        if self.broken:
+            raise ConnectionError("store unreachable")
+        return super().get_many(keys)
+
+
+@pytest.fixture(scope="module")
+def tiered():
+    """(instance, its final TierStats, samples): an exporter sampled after every request of tier traffic (every tier
+    hits), one entry under another key, one of another page layout, then a failed read that marks the store down."""
+    exporter = Exporter()
+    shared = BreakableStore(256)
+    inst = TieredCache(shared, publish_async=False, deadline_s=None)
+    try:
+        sample = lambda: exporter.sample(inst.cache_stats())  # noqa: E731
+        sample()
+        traffic(inst, prompts(4), sample)
+        forged, other_layout, last = prompts(3, seed=9)
+        publish_as_another_instance(shared, forged, key=b"another-key-0123456789abcdef")
+        publish_as_another_instance(shared, other_layout, dtype=torch.float16)
+        assert inst.serve(forged) == inst.serve(other_layout) == 0
+        shared.broken = True
+        inst.cache.clear()
+        assert inst.serve(last) == 0 and not inst.store.up
+        sample()
+        text = generate_latest(exporter.registry).decode()
+    finally:
+        inst.store.close()
+    return inst, inst.stack.stats(), parse(text)
+
+
+def test_tier_series_follow_the_tier_stats(tiered):
+    inst, stats, samples = tiered
+    for tier, tokens in inst.hits.items():  # what the admissions got, tier by tier
+        assert value(samples, "mmcache_tier_hit_tokens_total", tier=tier, kind="kv") == tokens > 0
+        assert value(samples, "mmcache_tier_hit_pages_total", tier=tier, kind="kv") == tokens // P
+    assert sum(inst.hits.values()) == value(samples, "mmcache_prefix_cache_hit_tokens_total")
+    assert stats.store_mac_failures == stats.store_rejected == stats.store_read_errors == 1
+    assert stats.store_published_pages > 0
+    for field, (suffix, _) in STORE_COUNTERS.items():
+        assert value(samples, f"mmcache_tier_store_{suffix}_total", kind="kv") == getattr(stats, field), field
+    assert value(samples, "mmcache_tier_store_up") == 0
+    assert value(samples, "mmcache_tier_host_pages", kind="kv") == stats.host_pages_held == 6
+    wait = stats.store_wait
+    count = value(samples, "mmcache_tier_store_wait_seconds_count", kind="kv")
+    assert count == wait.count == stats.store_batches > 0  # one lookup per batch here: chains of 3 pages
+    assert value(samples, "mmcache_tier_store_wait_seconds_sum", kind="kv") == pytest.approx(wait.sum)
+    buckets = [value(samples, "mmcache_tier_store_wait_seconds_bucket", kind="kv", le=le)
+               for le in [*(repr(b) for b in wait.bounds), "+Inf"]]
+    assert buckets == sorted(buckets) and buckets[-1] == count
+
+
+def test_tier_series_stay_monotonic_across_fresh_caches(tiered):
+    _, stats, before = tiered
+    exporter = Exporter()
+    exporter.sample({"tiers": stats.to_dict()})
+    exporter.new_caches()  # a fresh instance: its statistics start at 0 again, the series do not go back
+    fresh = TieredCache(MemoryStore(64), publish_async=False, deadline_s=None)
+    exporter.sample(fresh.cache_stats())
+    after = parse(generate_latest(exporter.registry).decode())
+    assert value(after, "mmcache_tier_store_mac_failures_total", kind="kv") == 1
+    assert value(after, "mmcache_tier_hit_tokens_total", tier="host", kind="kv") == stats.host_adopted_pages * P
+    assert value(after, "mmcache_tier_store_wait_seconds_count", kind="kv") == stats.store_wait.count
+    assert value(after, "mmcache_tier_store_up") == 1 and value(after, "mmcache_tier_host_pages", kind="kv") == 0
 
 
 def test_scrape_matches_the_runs(scraped):
@@ -68,6 +146,7 @@ def test_series_exist_at_zero_before_the_first_request():
     assert value(samples, "mmcache_time_to_first_audio_seconds_count", cached="on", cache_outcome="miss") == 0
     assert value(samples, "mmcache_requests_slo_met_total", cached="off") == 0
     assert value(samples, "mmcache_pool_pages", state="live") == 0
+    assert not any(name.startswith("mmcache_tier_") for name, _ in samples)  # no tiers sampled, no tier series
 
 
 @pytest.mark.parametrize("metric, latency", [("mmcache_time_to_first_token_seconds", "ttft"),
@@ -96,9 +175,8 @@ def test_registry_is_dedicated(scraped):
     assert {name for name, _ in samples if not name.startswith("mmcache_")} == set()  # no process_/python_ metrics
 
 
-def test_grafana_dashboard_queries_only_exported_metrics(scraped):
-    *_, samples = scraped
-    exported = {name for name, _ in samples}
+def test_grafana_dashboard_queries_only_exported_metrics(scraped, tiered):
+    exported = {name for samples in (scraped[-1], tiered[-1]) for name, _ in samples}
     board = json.loads(DASHBOARD.read_text())
     assert board["schemaVersion"] >= 39 and board["__inputs"][0]["name"] == "DS_PROMETHEUS"
     [var] = board["templating"]["list"]  # provisioned without the import step, the variable picks the data source
@@ -111,9 +189,12 @@ def test_grafana_dashboard_queries_only_exported_metrics(scraped):
     assert {"mmcache_time_to_first_token_seconds_bucket", "mmcache_time_to_first_audio_seconds_bucket",
             "mmcache_prefix_cache_hit_tokens_total", "mmcache_encoder_cache_hits_total", "mmcache_pool_pages",
             "mmcache_prefix_cache_stalls_total", "mmcache_requests_slo_met_total",
-            "mmcache_encoder_cache_saved_seconds_total", "mmcache_prefix_cache_matched_pages_total"} <= queried
+            "mmcache_encoder_cache_saved_seconds_total", "mmcache_prefix_cache_matched_pages_total",
+            "mmcache_tier_hit_tokens_total", "mmcache_tier_store_up", "mmcache_tier_store_wait_seconds_bucket",
+            "mmcache_tier_store_mac_failures_total", "mmcache_tier_store_rejected_total",
+            "mmcache_tier_host_pages"} <= queried
     quantiles = [e for e in exprs if "histogram_quantile" in e]
-    assert quantiles and all(re.search(r"by \(le, (cached|cache_outcome)\)", e) and "_bucket" in e
+    assert quantiles and all(re.search(r"by \(le, (cached|cache_outcome|kind)\)", e) and "_bucket" in e
                              and "[$__rate_interval]" in e for e in quantiles)
     assert all("[5m]" not in e for e in exprs)  # Grafana sizes the window to the scrape interval
     assert sum('cache_outcome' in e and 'first_audio' in e for e in quantiles) == 2  # TTFA p50/p99 hit vs miss

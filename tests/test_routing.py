@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 from mmcache import Fingerprint, page_names
 from mmcache.errors import InvalidRequest
-from mmcache.routing import AffinityRouter, affinity_key, rendezvous_order
+from mmcache.routing import AffinityRouter, affinity_key, media_key, rendezvous_order
 
 FP = Fingerprint("m", page_size=4)
 
@@ -59,6 +59,45 @@ def test_bad_router_arguments_are_refused():
         AffinityRouter(range(2)).choose([1], [0])
 
 
+def test_media_key_follows_the_first_image_under_its_salt_and_falls_back_to_the_text_key():
+    img, other = bytes(range(16)), bytes(range(1, 17))
+    a, b = page_names(FP, [1] * 8), page_names(FP, [2] * 8)          # different text around one image
+    r = AffinityRouter(range(64), threshold=10**6, key="media")
+    assert r.route_key(a, [img, other]) == r.route_key(b, [img]) == media_key([img])
+    assert media_key([img], b"tenant-a") != media_key([img], b"tenant-b") != media_key([img])
+    assert media_key([other, img]) != media_key([img, other])         # the first item in prompt order
+    assert r.route_key(a, []) == affinity_key(a) and media_key([]) is None
+    assert AffinityRouter(range(4), key="text").route_key(a, [img]) == affinity_key(a)
+    picks = {r.choose(page_names(FP, [i] * 8), [0] * 64, [img]) for i in range(50)}
+    assert len(picks) == 1                                            # 50 texts, one image: one replica
+    assert media_key([int.from_bytes(img, "little")]) == media_key([img])  # an int digest is its 16 bytes
+
+
+def test_bad_media_and_salt_are_refused_before_anything_changes():
+    r = AffinityRouter(range(3), key="media")
+    for media, salt in ((b"\x01" * 16, b""), ("ab" * 8, b""), (["ab" * 8], b""), ([b""], b""), ([(0, b"x" * 16)], b""),
+                        ([b"x" * 16], "tenant"), ([-1], b"")):
+        with pytest.raises(InvalidRequest):
+            r.choose([], [0, 0, 0], media, salt)
+    with pytest.raises(InvalidRequest):
+        AffinityRouter(range(3)).choose([1], [0, 0, 0], ["not a digest"])  # checked under the text key too
+    assert r.preferred == r.fallbacks == 0
+    with pytest.raises(InvalidRequest):
+        AffinityRouter(range(2), key="image")
+
+
+@given(st.binary(min_size=16, max_size=16), st.binary(max_size=8), st.integers(2, 7))
+def test_rendezvous_on_media_keys_moves_only_the_leaving_replicas_keys(digest, salt, n):
+    replicas = [f"r{i}" for i in range(n)]
+    pick = lambda reps: reps[AffinityRouter(reps, threshold=10**6, key="media").choose(  # noqa: E731
+        [], [0] * len(reps), [digest], salt)]
+    before = pick(replicas)
+    for gone in replicas:
+        after = pick([r for r in replicas if r != gone])
+        assert after == before or before == gone
+    assert pick(replicas[::-1]) == before
+
+
 def test_affinity_spreads_distinct_prefixes_over_every_replica():
     r = AffinityRouter(range(4), threshold=10**6)
     picks = [r.choose(page_names(FP, [i] * 4), [0] * 4) for i in range(400)]
@@ -75,9 +114,10 @@ def mstar():
         from mstar.conductor import conductor
         from mstar.graph.base import GraphNode
         from mstar.model.base import WorkerGraph
-        from mmcache.mstar import conductor as mstar_routing
     except ImportError as e:
         pytest.skip(f"M*'s import dependencies are missing ({e}): pip install 'mmcache[mstar]'")
+    from mmcache.mstar import conductor as mstar_routing  # mmcache's own: an import error here is a failure
+
     return conductor, GraphNode, WorkerGraph, mstar_routing
 
 
@@ -102,8 +142,10 @@ def _live(conductor, assignment):
 
 
 class _Body:
-    def __init__(self, names):
-        self.model_kwargs = {"mmcache_route_names": names}
+    def __init__(self, names, media=(), salt=None):
+        self.model_kwargs = {"mmcache_route_names": names, "mmcache_route_media": list(media)}
+        if salt is not None:
+            self.model_kwargs["mmcache_salt"] = salt
 
 
 def test_conductor_seam_is_the_one_the_adapter_replaces(mstar):
@@ -147,3 +189,23 @@ def test_conductor_without_names_is_m_star_s_own_assignment(mstar):
         ours = [c._assign_worker_graphs_to_workers() for _ in range(4)]
         np.random.seed(seed)
         assert ours == [plain._assign_worker_graphs_to_workers() for _ in range(4)]
+
+
+def test_conductor_routes_by_the_first_media_digest_under_the_request_s_salt(mstar):
+    c, llm, _, enc = _conductor(mstar, threshold=100)
+    c.key = "media"
+    img = bytes(range(16))
+    placed = set()
+    for i in range(12):  # twelve prompts, one image: one replica of every group
+        c._mmcache_body = _Body(page_names(FP, [i] * 16), [img])
+        a = c._assign_worker_graphs_to_workers()
+        placed.add((tuple(a[llm.worker_graph_id]), tuple(a[enc.worker_graph_id])))
+    assert len(placed) == 1
+    salted = set()
+    for k in range(24):  # the same image under many tenants: spread, not piled on one replica
+        c._mmcache_body = _Body([], [img], salt=f"tenant{k}")
+        salted.add(tuple(c._assign_worker_graphs_to_workers()[llm.worker_graph_id]))
+    assert len(salted) == 3
+    c._mmcache_body = _Body([], [img], salt=7)
+    with pytest.raises(InvalidRequest):
+        c._assign_worker_graphs_to_workers()

@@ -6,8 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
-from mmcache.stats import EncoderCounters, EncoderStoreStats, PrefixCacheStats
+from mmcache import EncoderKey, EncoderStore, Fingerprint, HostPagePool, PagePool, PrefixCache, ShadowIndex
+from mmcache.errors import InvalidRequest
+from mmcache.histogram import WaitHistogram
+from mmcache.stats import EncoderCounters, EncoderStoreStats, HistogramStats, PrefixCacheStats, TierStats
+from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack
+from mmcache.tiers.store import WAIT_BOUNDS
 
 COUNTERS = ["queries", "hits", "misses", "bytes_stored", "evictions", "evicted_bytes", "bypasses", "joins",
             "collisions", "time_saved_s", "host_spilled", "host_hits", "host_misses", "host_rejected", "store_hits",
@@ -53,3 +57,30 @@ def test_shadow_and_allocator_stats_are_typed():
                                         "repeated_prefixes": 0, "replica_spread_mean": 0.0,
                                         "replica_spread_max": 0}
 
+
+
+def test_wait_histogram_counts_each_observation_in_the_first_bucket_at_or_above_it():
+    h = WaitHistogram((0.1, 1.0))
+    for seconds in (0.1, 0.5, 1.0, 3.0, 0.0):
+        h.observe(seconds)
+    s = h.snapshot()
+    assert isinstance(s, HistogramStats) and s.counts == (2, 2, 1) and s.count == 5 and s.sum == pytest.approx(4.6)
+    for bad in ((), (1.0, 1.0), (0.0, 1.0), (2.0, 1.0)):
+        with pytest.raises(InvalidRequest):
+            WaitHistogram(bad)
+
+
+def test_tier_stats_are_a_flat_snapshot_with_the_store_wait():
+    fp = Fingerprint("m", page_size=4)
+    pool = PagePool(4, (4,), torch.float32)
+    store = StoreTier(MemoryStore(16), publish_async=False, deadline_s=None)
+    stack = TierStack(fp, host=HostTier(HostPagePool.like(pool, 4), 4), store=store)
+    cache = PrefixCache(pool, fp, tiers=stack)
+    cache.admit("a", np.arange(9))  # misses on the device and the host, asks the store once
+    s = stack.stats()
+    assert isinstance(s, TierStats) and (s.host, s.store, s.store_up, s.page_size) == (True, True, True, 4)
+    assert (s.store_gets, s.store_misses, s.store_wait.count, s.host_pages_held) == (2, 1, 1, 0)
+    d = s.to_dict()
+    assert all(k in ("page_size", "host", "store") or k.startswith(("host_", "store_")) for k in d)
+    assert d["store_wait"] == {"bounds": WAIT_BOUNDS, "counts": s.store_wait.counts, "sum": s.store_wait.sum}
+    assert TierStack(fp).stats() == TierStats(page_size=4)  # no tier: nothing counted

@@ -1,8 +1,15 @@
 """Sizing replays with tiers under the pool: reuse per tier adds up, tiers only add reuse, transfers are charged in
-the TTFT model, and the command line takes the tier options for trace replays only."""
+the TTFT model, the command line takes the tier options for trace replays only, and with --metrics-port it serves the
+tier series of the replayed caches."""
+
+import json
+import threading
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from workloads import cli
 from workloads.cli import main
 from workloads.registry import embedded_slice
 from workloads.sizing.replay import replay_trace
@@ -42,3 +49,34 @@ def test_the_cli_reports_reuse_per_tier(capsys):
     assert "only for trace replays" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["replay", "--host-tokens", "inf"])
+
+
+def test_a_trace_replay_with_tiers_serves_the_tier_series(tmp_path, capsys, monkeypatch):
+    scraped, linger = {}, cli._linger
+
+    def scrape_then_linger(exporter, seconds, port):
+        t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()))
+        t.start()
+        linger(exporter, seconds, port)
+        t.join()
+
+    monkeypatch.setattr(cli, "_linger", scrape_then_linger)
+    out = tmp_path / "sweep.json"
+    assert main(["replay", "--limit", "300", "--pool-tokens", "64k", "--host-tokens", "1M", "--store-tokens", "4M",
+                 "--metrics-port", "0", "--metrics-linger", "0.2", "--json", str(out), "--no-progress"]) == 0
+    assert "Prometheus metrics on http://127.0.0.1:" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    [run] = doc["runs"]
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(scraped["text"]) for s in family.samples}
+    tokens = {tier: samples["mmcache_tier_hit_tokens_total", (("kind", "kv"), ("tier", tier))]
+              for tier in ("device", "host", "store")}
+    assert tokens == {"device": run["device_hit_tokens"], "host": run["host_hit_tokens"],
+                      "store": run["store_hit_tokens"]} and min(tokens.values()) > 0
+    # the prefix series add the ceiling replay (no tiers) to the tiered one: each replay is a fresh cache
+    assert samples["mmcache_prefix_cache_hit_tokens_total", ()] == doc["ceiling_hit_tokens"] + run["hit_tokens"]
+    assert samples["mmcache_tier_store_up", ()] == 1 and samples["mmcache_tier_host_pages", (("kind", "kv"),)] > 0
+    assert samples["mmcache_tier_store_wait_seconds_count", (("kind", "kv"),)] > 0
+    assert main(["replay", "--limit", "30", "--replicas", "2", "--metrics-port", "0"]) == 2
+    assert "--replicas: --metrics-port" in capsys.readouterr().err

@@ -4,8 +4,11 @@
                    [--tokenizer PATH]
                    [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
                    [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
-    mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,cache-aware]
+                   [--host-tokens SIZE] [--store-tokens SIZE] [--metrics-port PORT] [--metrics-linger S]
+    mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,media-affinity,cache-aware]
                    [--pool-tokens TOTAL] [--affinity-threshold N] [--key-pages K]
+    mmcache replay vlm-chat|voice-clone --replicas R[,R...] [--router ...] [--pool-tokens TOTAL]
+                   [--encoder-bytes TOTAL] [--encoder-s S] [--data PATH] [--limit N] [--seed S]
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
                    [--metrics-port PORT] [--metrics-linger S] [--page-size P] [--max-new-tokens N] [--pool-pages N]
@@ -14,7 +17,12 @@
 Trace replay: TARGET is a registered text workload (``mooncake``, ``agent``; see ``workloads.registry``), a Mooncake
 JSONL file, an OpenAI-style chat JSONL or ShareGPT JSON file (tokenized with ``--tokenizer``), or a folder of
 mini-swe-agent trajectories; without it the embedded Mooncake slice is replayed through a metadata-only prefix cache
-at several pool sizes, no model involved.
+at several pool sizes, no model involved. ``--metrics-port`` serves the replayed caches' Prometheus series (the prefix
+cache's, and the tier series with ``--host-tokens``/``--store-tokens``) while it runs.
+
+Replica replay of a model workload (``--replicas`` on ``vlm-chat`` or ``voice-clone``): its data (needed: the
+command fails naming where it looked) becomes a metadata trace with media (``workloads.registry.replica_trace``),
+replayed over R replicas, each with its prefix cache and encoder store; no model runs.
 
 Data: ``mmcache data list`` names each public data set the replays read (source, licence, present or not);
 ``mmcache data fetch [NAME ...]`` downloads them into the data folder (``workloads.datasets``).
@@ -46,7 +54,7 @@ from workloads import registry
 from workloads.options import ModelWorkloadOptions
 from workloads.sizes import parse_size, parse_sizes
 from workloads.sizing.ordering import ORDERS
-from workloads.sizing.router_names import DEFAULT_REPLICA_POOL, ROUTERS
+from workloads.sizing.router_names import DEFAULT_REPLICA_POOL, ROUTERS, TEXT_ROUTERS
 from workloads.sizing.service import ServiceModel
 from workloads.sizing.tiers import TierModel
 
@@ -59,8 +67,12 @@ INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIG
 TEXT_ONLY = ("pool_tokens", "order", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
              "kv_bytes_per_token")
-MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "metrics_port", "metrics_linger",
-              "max_new_tokens", "pool_pages", "encoder_bytes")
+MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "max_new_tokens", "pool_pages",
+              "encoder_bytes")
+# what a replica replay of a model workload reads (it runs no model); any other option given is refused
+MODEL_REPLICA_OPTIONS = ("replicas", "router", "pool_tokens", "affinity_threshold", "key_pages", "prefill_rate",
+                         "tpot", "encoder_s", "encoder_bytes", "seed", "page_size", "limit", "data", "json",
+                         "no_progress")
 ENGINE_WORKLOADS = ("agent-model", "mooncake-model")  # token-id prompts: what the continuous-batching engine takes
 DEFAULT_IN_FLIGHT = 8  # trace replays, round-robin order
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
@@ -177,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "continuous-batching engine with K requests in flight (cache on: mmcache under it)")
     rp.add_argument("--limit", type=_positive, metavar="N",
                     help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
-                    "workloads: requests, each with a default cap)")
+                    "workloads: requests, each with a default cap; --replicas on a model workload: sessions, in "
+                    "order of arrival)")
     rp.add_argument("--prefill-rate", type=float, default=ServiceModel.prefill_tokens_per_s, metavar="TOK_S",
                     help="timestamp order: uncached prompt tokens prefilled per second (default %(default)g)")
     rp.add_argument("--tpot", type=float, default=ServiceModel.s_per_output_token, metavar="S",
@@ -187,13 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
                     f"--pool-tokens size is the TOTAL (default {DEFAULT_REPLICA_POOL}); timestamp order; prints hit "
                     "rate, duplicated pages, replica spread, per-replica load and TTFT p50/p99 per router, against "
                     "one pool of the same total size")
-    rp.add_argument("--router", type=_routers, default=list(ROUTERS), metavar="POLICY[,...]",
-                    help=f"with --replicas: {', '.join(ROUTERS)} (default: all; random is M*'s choice today)")
+    rp.add_argument("--router", type=_routers, metavar="POLICY[,...]",
+                    help=f"with --replicas: {', '.join(ROUTERS)} (default: all; for a text trace all but "
+                    "media-affinity, which keys on media and falls back to the text key without; random is M*'s "
+                    "choice today)")
     rp.add_argument("--affinity-threshold", type=int, metavar="N",
                     help="affinity router: the preferred replica is taken while it has fewer than N live requests "
                     "(default 16)")
     rp.add_argument("--key-pages", type=int, metavar="K",
                     help="affinity router: the key is the name of the first K full pages (default 1)")
+    rp.add_argument("--encoder-s", type=_seconds, metavar="S",
+                    help=f"--replicas on {', '.join(registry.REPLICA_WORKLOADS)}: seconds per encoder run, added "
+                    f"before the request's prefill (default {ServiceModel.encoder_s:g}: image decode + preprocess "
+                    "measured here)")
     rp.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     rp.add_argument("--plot", type=Path, metavar="OUT.png", help="draw realized reuse vs pool size as a PNG")
     rp.add_argument("--no-progress", action="store_true",
@@ -237,7 +256,9 @@ def _model_options(rp, defaults: ModelWorkloadOptions) -> None:
     mg.add_argument("--html", type=Path, metavar="OUT.html",
                     help="write the HTML report (and its JSON next to it unless --json is given)")
     mg.add_argument("--metrics-port", type=int, metavar="PORT",
-                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port)")
+                    help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port); "
+                    "also a trace replay's (its cache's prefix series, and with --host-tokens/--store-tokens the "
+                    "tier series)")
     mg.add_argument("--metrics-linger", type=_seconds, metavar="S",
                     help="with --metrics-port: keep serving the final metrics S seconds after the replay, so a "
                     "Prometheus server scrapes the end state (Ctrl-C ends it early)")
@@ -366,12 +387,18 @@ def replay_command(args, defaults: dict) -> int:
     """``defaults``: the replay options' defaults, to tell which options were given."""
     if problem := output_problem(args) or _missing_dependency(args):
         return _fail(problem)
+    if args.encoder_s is not None and not (args.replicas and args.target in registry.MODEL_WORKLOADS):
+        return _fail(f"--encoder-s: only with --replicas on a model workload ({', '.join(registry.REPLICA_WORKLOADS)})")
     if args.target in registry.MODEL_WORKLOADS:
+        if args.replicas:
+            return model_replica_command(args, defaults)
         if misused := _given(args, defaults, TEXT_ONLY):
             return _fail(f"{', '.join(misused)}: only for trace replays, not for model workload {args.target!r}")
         return model_replay_command(args)
     if misused := _given(args, defaults, MODEL_ONLY):
         return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
+    if problem := _metrics_problem(args):
+        return _fail(problem)
     if args.in_flight is None:
         args.in_flight = DEFAULT_IN_FLIGHT
     if args.in_flight < 1:
@@ -392,6 +419,19 @@ def replay_command(args, defaults: dict) -> int:
     if problem := _replica_problem(args, defaults):
         return _fail(problem)
     progress = _progress(args)
+    try:
+        exporter, port = _metrics_exporter(args)
+    except OSError as e:
+        return _fail(f"--metrics-port {args.metrics_port}: {e}")
+    try:
+        return _trace_replay(args, defaults, fmt, path, progress, exporter, port)
+    finally:
+        if exporter is not None:
+            exporter.close()
+
+
+def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter, port) -> int:
+    """Load the trace, then replay it over replicas or through the pool-size sweep (sampled by ``exporter``)."""
     from mmcache.errors import MissingDependency, TraceError
     from workloads.sizing.sweep import format_table, run_sweep, sweep_json
     started = time.perf_counter()
@@ -413,10 +453,10 @@ def replay_command(args, defaults: dict) -> int:
           f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
     service = ServiceModel(args.prefill_rate, args.tpot)
     if args.replicas:
-        return _replica_replay(args, defaults, trace, page_size, service, started)
+        return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(TEXT_ROUTERS))
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                      in_flight=args.in_flight, service=service, progress=progress, tiers=tiers)
+                      in_flight=args.in_flight, service=service, progress=progress, tiers=tiers, observer=exporter)
     print(format_table(sweep))
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
@@ -430,6 +470,8 @@ def replay_command(args, defaults: dict) -> int:
     if args.plot:
         from workloads.sizing.plot import plot_sweeps
         saved &= _save("--plot", args.plot, plot_sweeps([sweep]))
+    if exporter is not None and args.metrics_linger and not sweep.interrupted:
+        _linger(exporter, args.metrics_linger, port)
     return INTERRUPTED if sweep.interrupted else 0 if saved else 1
 
 
@@ -447,6 +489,8 @@ def _replica_problem(args, defaults: dict) -> str | None:
         return "--replicas: replica replays run in timestamp order (the service model needs arrival times)"
     if args.host_tokens or args.store_tokens:
         return "--replicas: tiers under replicas are not modelled; drop --host-tokens/--store-tokens"
+    if args.metrics_port is not None:
+        return "--replicas: --metrics-port exports one cache's series, not R replicas'; drop it"
     if len(sizes) != 1:
         return f"--replicas: give one --pool-tokens size, the total over the replicas (got {len(sizes)})"
     if sizes[0] is None:
@@ -457,28 +501,62 @@ def _replica_problem(args, defaults: dict) -> str | None:
     return None
 
 
-def _replica_replay(args, defaults: dict, trace, page_size: int, service: ServiceModel, started: float) -> int:
-    """``--replicas``: one R = 1 reference run of the total pool, then every R x router."""
-    from workloads.sizing.replicas import format_replica_table, replay_replicas
+def _replica_replay(args, defaults: dict, trace, page_size: int, service: ServiceModel, started: float,
+                    routers: list[str], encoder_bytes: int | None = None) -> int:
+    """``--replicas``: one R = 1 reference run of the total pool (and encoder store), then every R x router."""
+    from workloads.sizing.replicas import DEFAULT_ENCODER_BYTES, format_replica_table, replay_replicas
     total = _replica_pool(args, defaults)
     kw = dict(page_size=page_size, pool_tokens=total, service=service, threshold=args.affinity_threshold,
-              key_pages=args.key_pages)
+              key_pages=args.key_pages, seed=args.seed or 0, encoder_bytes=encoder_bytes or DEFAULT_ENCODER_BYTES)
     try:
         one = replay_replicas(trace, replicas=1, router="random", **kw)
-        runs = [replay_replicas(trace, replicas=r, router=p, **kw) for r in args.replicas for p in args.router]
+        runs = [replay_replicas(trace, replicas=r, router=p, **kw) for r in args.replicas for p in routers]
     except ValueError as e:
         return _fail(str(e))
-    print(f"total pool {total:,} tokens, split evenly over the replicas; TTFT from the service model "
+    media = (f"; encoder store {one.encoder_bytes >> 20:,} MiB in total, split the same way, {service.encoder_s:g} s "
+             f"per encoder run" if one.encoder_items else "")
+    print(f"total pool {total:,} tokens, split evenly over the replicas{media}; TTFT from the service model "
           f"({service.prefill_tokens_per_s:g} prefill tokens/s per replica, one prefill at a time)")
     print(format_replica_table(runs, one))
     print(f"total {time.perf_counter() - started:.1f} s")
     if args.json:
         doc = {"trace": trace.source, "kind": trace.kind, "page_size": page_size, "pool_tokens_total": total,
+               "encoder_bytes_total": one.encoder_bytes,
                "service_model": {"prefill_tokens_per_s": service.prefill_tokens_per_s,
-                                 "s_per_output_token": service.s_per_output_token},
+                                 "s_per_output_token": service.s_per_output_token, "encoder_s": service.encoder_s},
                "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs]}
         return 0 if _save("--json", args.json, json.dumps(doc, indent=2) + "\n") else 1
     return 0
+
+
+def model_replica_command(args, defaults: dict) -> int:
+    """``--replicas`` on a model workload: its data as a metadata trace with media, replayed over replicas; no model
+    runs, so the options of a model run are refused."""
+    others = [d for d in defaults if d not in MODEL_REPLICA_OPTIONS + ("command", "target")]
+    if misused := _given(args, defaults, others):
+        return _fail(f"{', '.join(misused)}: not with --replicas on model workload {args.target!r} (a metadata "
+                     f"replay of its data: no model runs)")
+    if args.prefill_rate <= 0 or args.tpot < 0:
+        return _fail("--prefill-rate must be > 0 and --tpot >= 0")
+    if args.page_size is not None and args.page_size < 1:
+        return _fail(f"--page-size must be >= 1, got {args.page_size}")
+    if problem := _replica_problem(args, defaults):
+        return _fail(problem)
+    from mmcache.errors import MissingDependency, TraceError
+    started = time.perf_counter()
+    try:
+        trace = registry.replica_trace(args.target, args.data, limit=args.limit, seed=args.seed or 0)
+    except (registry.UnknownWorkload, TraceError, MissingDependency) as e:
+        return _fail(str(e))
+    page_size = args.page_size or ModelWorkloadOptions().page_size
+    items = sum(len(s.build(i).encoded) for s in trace.sessions for i in range(len(s.calls)))
+    print(f"{args.target} replica replay of {trace.source}: {trace.num_requests:,} requests in "
+          f"{len(trace.sessions):,} sessions, {trace.prompt_tokens:,} prompt tokens, {items:,} encoded media items; "
+          f"page size {page_size} (built in {time.perf_counter() - started:.1f} s; no model runs)")
+    encoder_s = ServiceModel.encoder_s if args.encoder_s is None else args.encoder_s
+    service = ServiceModel(args.prefill_rate, args.tpot, encoder_s)
+    return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(ROUTERS),
+                           args.encoder_bytes)
 
 
 def _options(args) -> ModelWorkloadOptions:
@@ -518,10 +596,8 @@ def model_replay_command(args) -> int:
         return _fail(f"--in-flight: {args.target!r} cannot be served through transformers' continuous-batching "
                      f"engine, which takes token ids only (image features, reference audio and diffusion do not go "
                      f"through it); it serves {', '.join(ENGINE_WORKLOADS)}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        return _fail(f"--metrics-port must be in [0, 65535], got {args.metrics_port}")
-    if args.metrics_linger is not None and args.metrics_port is None:
-        return _fail("--metrics-linger: needs --metrics-port (there is no metrics endpoint to keep up)")
+    if problem := _metrics_problem(args):
+        return _fail(problem)
     from workloads.harness.metrics import SLO
     from workloads.harness.serving import Schedule
     try:
@@ -552,17 +628,34 @@ def _linger(exporter, seconds: float, port: int) -> None:
         pass
 
 
+def _metrics_problem(args) -> str | None:
+    """Why ``--metrics-port``/``--metrics-linger`` cannot be served as given."""
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        return f"--metrics-port must be in [0, 65535], got {args.metrics_port}"
+    if args.metrics_linger is not None and args.metrics_port is None:
+        return "--metrics-linger: needs --metrics-port (there is no metrics endpoint to keep up)"
+    return None
+
+
+def _metrics_exporter(args, **kw):
+    """``(exporter, bound port)`` serving ``--metrics-port`` on loopback (``Exporter(**kw)``), ``(None, None)``
+    without it; OSError when the port cannot be bound. Called before the slow part loads, so a scraper sees every
+    series at 0 before the first request."""
+    if args.metrics_port is None:
+        return None, None
+    from workloads.harness.prometheus import Exporter
+    exporter = Exporter(**kw)
+    port = exporter.serve(args.metrics_port)
+    print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    return exporter, port
+
+
 def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
     started = time.perf_counter()
-    exporter, port = None, args.metrics_port
-    if port is not None:  # up before the models load, so a scraper sees every series at 0 before the first request
-        from workloads.harness.prometheus import Exporter
-        exporter = Exporter(slo=slo)
-        try:
-            port = exporter.serve(port)
-        except OSError as e:
-            return _fail(f"--metrics-port {port}: {e}")
-        print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+    try:
+        exporter, port = _metrics_exporter(args, slo=slo)
+    except OSError as e:
+        return _fail(f"--metrics-port {args.metrics_port}: {e}")
     try:
         return _replay_and_report(args, schedule, slo, progress, started, exporter, port)
     finally:

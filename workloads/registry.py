@@ -6,6 +6,8 @@
   (``workloads.harness.serving.compare``). ``factory`` names ``module:function`` (``function(options:
   ModelWorkloadOptions) -> Callable[[], Workload]``), imported only when the workload runs, so ``mmcache --help``
   imports no model library and a workload whose dependencies are missing fails alone (``UnknownWorkload`` says why).
+  ``replica_trace``, where set, names the ``module:function(data folder, limit=, seed=) -> TextTrace`` that turns the
+  workload's data into a metadata trace with media for the replica replay (``mmcache replay NAME --replicas R``).
 Trace loaders are referenced the same way (``LOADERS``: format -> ``module:function``).
 
 A replay target is resolved in this order:
@@ -62,6 +64,7 @@ class ModelWorkload:
     data_path: str             # relative to the shared data folder ("" for the folder itself)
     description: str
     aliases: tuple[str, ...] = ()
+    replica_trace: str = ""    # "module:function" of its replica-replay trace; "" for none
 
 
 WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
@@ -73,7 +76,8 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
     TraceWorkload("hot-prefix", "hot-prefix", "", "generated: 1,000 multi-turn users under 8 system prompts "
                   "picked by a Zipf law (s=1.1), for replica routing", ("skew",), generated=True),
     ModelWorkload("vlm-chat", "workloads.models.vlm_chat:factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
-                  "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)"),
+                  "multi-turn chat about images, several users per image (MMMU-Pro questions; tiny LLaVA)",
+                  replica_trace="workloads.traces.image_chats:load_image_chats"),
     ModelWorkload("image-gen", "workloads.models.image_gen:factory", "diffusiondb/diffusiondb_5k.jsonl",
                   "text-to-image requests with a shared negative prompt (DiffusionDB prompts)"),
     ModelWorkload("video-gen", "workloads.models.video_gen:factory", "diffusiondb/diffusiondb_5k.jsonl",
@@ -82,7 +86,8 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
     ModelWorkload("video-chat", "workloads.models.video_chat:factory", "mmmu/images",
                   "multi-turn questions about short clips made from MMMU images (tiny LLaVA-NeXT-Video)"),
     ModelWorkload("voice-clone", "workloads.models.voice_clone:factory", "seedtts/meta.lst",
-                  "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)"),
+                  "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)",
+                  replica_trace="workloads.traces.voice_sessions:load_voice_sessions"),
     ModelWorkload("agent-model", "workloads.models.agent:factory", "mini-swe-agent/trajs",
                   "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
     ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",
@@ -94,6 +99,7 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
 BY_NAME = {alias: w for w in WORKLOADS.values() for alias in (w.name, *w.aliases)}
 TRACE_WORKLOADS = {n: w for n, w in WORKLOADS.items() if isinstance(w, TraceWorkload)}
 MODEL_WORKLOADS = {n: w for n, w in WORKLOADS.items() if isinstance(w, ModelWorkload)}
+REPLICA_WORKLOADS = tuple(n for n, w in MODEL_WORKLOADS.items() if w.replica_trace)
 
 
 class UnknownWorkload(ValueError):
@@ -174,6 +180,16 @@ def model_data(name: str, data: str | Path | None) -> Path | None:
     """The shared data folder for model workload ``name``: None (its embedded default) when ``data`` is None, else
     ``find_data(name, data)`` (``""``: ``$MMCACHE_DATA`` or ../shared/data)."""
     return None if data is None else find_data(name, data)
+
+
+def replica_trace(name: str, data: str | Path | None, limit: int | None = None, seed: int = 0):
+    """The replica-replay ``TextTrace`` of model workload ``name`` from the shared data folder (``find_data``: it needs
+    its data, so ``UnknownWorkload`` names what it looked for when absent)."""
+    w = MODEL_WORKLOADS[name]
+    if not w.replica_trace:
+        raise UnknownWorkload(f"--replicas: {name!r} has no replica replay; the model workloads that have one: "
+                              f"{', '.join(REPLICA_WORKLOADS)}")
+    return _import(w.replica_trace)(find_data(name, data), limit=limit, seed=seed)
 
 
 def import_model_module(name: str):

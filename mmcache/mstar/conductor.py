@@ -11,6 +11,12 @@ request: ``route_names(body)`` reads ``body.model_kwargs["mmcache_route_names"]`
 them with ``mmcache.page_names``; a list of ints). Override ``route_names`` in a subclass to derive them otherwise.
 A request without names is placed as today.
 
+Routing by media (``key = "media"``, see ``mmcache.routing``): ``route_media(body)`` reads the request's media
+digests from ``body.model_kwargs["mmcache_route_media"]``, which ``mmcache.mstar.media_digests.install_digests``
+fills in the data worker with the digests it carries (16 bytes each, file order), so nothing on the API side
+changes; the tenant salt from ``model_kwargs["mmcache_salt"]`` (``mmcache.mstar.salts``) is folded into the key. A
+request without them falls back to its names.
+
 Importing this module imports M* (checked by ``mmcache.mstar.requirement``; M*'s own dependencies: ``pip install
 'mmcache[mstar]'``).
 """
@@ -22,6 +28,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from mmcache.mstar.requirement import require_mstar
+from mmcache.mstar.media_digests import ROUTE_MEDIA_KWARG
+from mmcache.mstar.salts import request_salt
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
 
 require_mstar()
@@ -70,21 +78,28 @@ def replica_loads(requests: Mapping, wg) -> list[int]:
 
 
 class AffinityConductor(Conductor):
-    """M*'s conductor with prefix affinity below ``threshold`` live requests per replica (see the module doc)."""
+    """M*'s conductor with prefix (``key = "text"``) or media (``key = "media"``) affinity below ``threshold`` live
+    requests per replica (see the module doc)."""
 
     threshold: int = DEFAULT_THRESHOLD
     key_pages: int = DEFAULT_KEY_PAGES
+    key: str = "text"
 
     def route_names(self, body) -> Sequence[int]:
         """The request's page names (empty: no affinity, today's choice)."""
         return list((body.model_kwargs or {}).get(ROUTE_NAMES_KWARG, ()))
+
+    def route_media(self, body) -> Sequence[bytes]:
+        """The request's media digests in prompt order (empty: route by its names)."""
+        return list((body.model_kwargs or {}).get(ROUTE_MEDIA_KWARG, ()))
 
     def _routers(self) -> dict[int, AffinityRouter]:
         routers = self.__dict__.setdefault("_mmcache_routers", {})
         for wg in self.worker_graphs.values():
             if wg._group_id not in routers:
                 units = [tuple(u) for u in replica_units(wg)]
-                routers[wg._group_id] = AffinityRouter(units, self.threshold, self.key_pages, _NumpyRandom())
+                routers[wg._group_id] = AffinityRouter(units, self.threshold, self.key_pages, _NumpyRandom(),
+                                                       key=self.key)
         return routers
 
     def _do_ingest_request(self, body):
@@ -97,6 +112,8 @@ class AffinityConductor(Conductor):
     def _assign_worker_graphs_to_workers(self) -> dict[str, list[str]]:
         body = getattr(self, "_mmcache_body", None)
         names = self.route_names(body) if body is not None else []
+        media = self.route_media(body) if body is not None else []
+        salt = request_salt(body.model_kwargs, "model_kwargs") if body is not None else b""
         routers = self._routers()
         return assign_worker_graphs(self.worker_graphs, lambda wg: routers[wg._group_id].choose(
-            names, replica_loads(self.requests, wg)))
+            names, replica_loads(self.requests, wg), media, salt))

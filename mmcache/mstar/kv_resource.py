@@ -17,6 +17,9 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
   generated tokens alike, as it is written: a walk the seam did not name (embeddings, a remote retrieve) stops the
   stream's indexing at its first position, so a page is never indexed under ids other than those its KV was
   computed from. A retried step (after ``AllocationFailed``) feeds the prompt again and is cut at what is held.
+  A feed's positions count as named once the stream holds exactly them, settled at the stream's next feed or, for a
+  feed that fills a page, at its commit: a decode step costs one ``feed`` per request, and the pages that fill in a
+  step are indexed in one ``PrefixLifecycle.commit_many``.
 - The methods that assumed one owner per page count owners: ``reset_request(free=False)`` gives up a stream's pages
   when another owner holds one (M* would rewind onto them and overwrite shared KV), ``reclaimable`` and the offload's
   freed count count only the pages a request alone holds.
@@ -33,14 +36,15 @@ import numpy as np
 import torch
 
 from mmcache.errors import InvalidRequest, OutOfPages
-from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle
+from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
 from mmcache.mstar.requirement import require_mstar
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import IndexObserver
 from mmcache.reclaim import reclaimable as reclaimable_pages
 from mmcache.reclaim import take
-from mmcache.stats import PrefixCacheStats
+from mmcache.shadow import ShadowIndex
+from mmcache.stats import PrefixCacheStats, ShadowStats
 from mmcache.tp import TPAgreement
 
 require_mstar()
@@ -98,7 +102,10 @@ class PrefixReuse:
     fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step, digest)`` marks of the
     media items its rows hold (their digests must commit to everything the rows depend on: the media bytes as sent,
     the preprocessing and the encoder's weights), or None when the rows are not described by media: then the seam
-    names nothing and the stream's indexing stops there."""
+    names nothing and the stream's indexing stops there. ``shadow``: measure only (phase 1): each label's prompts are
+    named and looked up in a ``ShadowIndex`` (every finished request's pages, unbounded), nothing is shared, cut or
+    indexed, and M* computes what it computes without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse
+    would have saved."""
 
     model: str
     labels: tuple[str, ...] = ("main",)
@@ -108,6 +115,7 @@ class PrefixReuse:
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
     walk_media: Callable | None = None
+    shadow: bool = False
 
 
 @dataclasses.dataclass
@@ -163,6 +171,12 @@ class ReuseKVManager(KVManager):
         self._evict_batch = batch
         self._lifecycles: dict[str, PrefixLifecycle] = {}
         self._named: dict[tuple[str, str], _Named] = {}
+        self._due: dict[_Named, None] = {}  # streams whose announced feed reaches a page end, in feed order
+        labels = frozenset(reuse.labels) if reuse is not None else frozenset()
+        self._reused = labels if reuse is not None and not reuse.shadow else frozenset()
+        self._shadowed = labels - self._reused
+        self._shadows: dict[str, ShadowIndex] = {}
+        self._shadow_fed: dict[tuple[str, str], dict[int, np.ndarray] | None] = {}  # position -> ids fed there
         self._agreement = None
         if joint_comm_group is not None and joint_comm_group.world_size > 1:
             if joint_comm_group.sp_group.world_size > 1:
@@ -177,16 +191,21 @@ class ReuseKVManager(KVManager):
 
     # ----------------------------------------------------------------- the seam (mmcache.mstar.switch)
     def reuses(self, label: str) -> bool:
-        return self.reuse is not None and label in self.reuse.labels
+        """Whether the seam feeds ``label``'s steps here (reused, or measured in shadow)."""
+        return label in self._reused or label in self._shadowed
+
+    def fingerprint(self, label: str) -> Fingerprint:
+        """What roots ``label``'s page names: the weights, this rank, the KV layout and the label."""
+        r = self.reuse
+        return Fingerprint(model=r.model, tp_rank=self._rank, tp_size=self._world_size,
+                           kv_dtype=str(self.kv_cache.dtype), attention_backend=r.attention_backend,
+                           page_size=self.config.page_size, extra=f"{self.name}/{label}")
 
     def lifecycle(self, label: str) -> PrefixLifecycle:
         """The prefix lifecycle of ``label`` (made on first use)."""
         life = self._lifecycles.get(label)
         if life is None:
-            r = self.reuse
-            fp = Fingerprint(model=r.model, tp_rank=self._rank, tp_size=self._world_size,
-                             kv_dtype=str(self.kv_cache.dtype), attention_backend=r.attention_backend,
-                             page_size=self.config.page_size, extra=f"{self.name}/{label}")
+            r, fp = self.reuse, self.fingerprint(label)
             tiers = r.tiers(fp, self.pool) if r.tiers is not None else None
             observer = r.observer(fp, self.pool) if r.observer is not None else None
             life = self._lifecycles[label] = PrefixLifecycle(self.pool, fp, evict_batch_pages=self._evict_batch,
@@ -203,28 +222,83 @@ class ReuseKVManager(KVManager):
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks, and
         one with no marks names nothing, which stops the stream's indexing there."""
-        if not self.reuses(label):
-            return 0
+        if label not in self._reused:
+            return self._shadow_feed(rid, label, token_ids, media, salt) if label in self._shadowed else 0
+        named = self._named.get((rid, label))
+        if named is None:
+            return self._first_feed(rid, label, token_ids, media, salt)
+        held = named.stream.stored_len
+        self._settle(named, held)  # what the previous feed announced is written now, or was not
         if token_ids is None:
             if not media or not length:
-                named = self._named.get((rid, label))
-                if named is not None:
-                    named.pending = None
-                return 0
+                return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
-        named = self._named.get((rid, label))
-        if named is not None:  # the stream is named already: a decode token, a later walk, or the prefill retried
-            held = named.stream.stored_len
-            n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
-            if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
-                named.pending = (held, named.claim.prompt.tokens[held:], n - held)
-                return held  # the prefill again: only what is not held is fed
+        n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
+        cut = 0
+        if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
+            cut, token_ids = held, named.claim.prompt.tokens[held:]  # the prefill again: only what is not held is fed
+        else:
             if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
                 named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
                 named.media_upto = held + n
-            cut = self._continue(named, held, token_ids) if held >= named.prompt_len and n > 1 else 0
-            named.pending = (held + cut, token_ids[cut:] if cut else token_ids, n - cut)  # checked when a page fills
-            return cut
+            if held >= named.prompt_len and n > 1:
+                cut = self._continue(named, held, token_ids)
+                token_ids = token_ids[cut:] if cut else token_ids
+        named.pending = (held + cut, token_ids, n - cut)
+        if named.covered and held + n >= named.due:
+            with self._lock:
+                self._due[named] = None  # a page fills in this step: commit indexes it
+        return cut
+
+    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+        """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex``; later feeds are kept
+        by the position they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
+        key = (rid, label)
+        with self._lock:
+            stream = self._ensure_label(rid, label)
+            held = stream.stored_len
+            if key not in self._shadow_fed:
+                if token_ids is None or held:
+                    return 0  # embeddings, or a stream filled another way: nothing of it is measured
+                self.shadow_index(label).admit(rid, token_ids, media, salt)
+                self._shadow_fed[key] = {}
+                return 0
+            fed = self._shadow_fed[key]
+            if fed is None or held < self._shadows[label].prompt_tokens(rid):
+                return 0  # a retried prefill, or after an unnamed walk
+            if token_ids is None:
+                self._shadow_fed[key] = None
+            else:
+                fed[held] = as_tokens(token_ids)
+            return 0
+
+    def shadow_index(self, label: str) -> ShadowIndex:
+        """``label``'s shadow table (made on first use)."""
+        shadow = self._shadows.get(label)
+        if shadow is None:
+            shadow = self._shadows[label] = ShadowIndex(self.fingerprint(label))
+        return shadow
+
+    def shadow_stats(self, label: str) -> ShadowStats:
+        """What reuse would have matched on ``label`` so far (``ShadowIndex.stats``)."""
+        return self.shadow_index(label).stats()
+
+    def _end_shadow(self, rid: str, finished: bool) -> None:
+        """``rid`` left (``finished``: its pages of prompt + what was fed after it go into the table) or was reset."""
+        for key in [k for k in self._shadow_fed if k[0] == rid]:
+            fed, shadow = self._shadow_fed.pop(key), self._shadows[key[1]]
+            if not finished:
+                shadow.abort(rid)
+                continue
+            out, at = [], shadow.prompt_tokens(rid)
+            while fed and at in fed:
+                out.append(fed[at])
+                at += out[-1].size
+            shadow.finish(rid, np.concatenate(out) if out else ())
+
+    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+        if token_ids is None:
+            return 0
         ids = as_tokens(token_ids)
         with self._lock:
             stream = self._ensure_label(rid, label)
@@ -232,6 +306,29 @@ class ReuseKVManager(KVManager):
         if filled or not ids.size:
             return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
         return self._match(rid, label, ids, media, salt)
+
+    @staticmethod
+    def _settle(named: _Named, held: int, unwritten_stays: bool = False) -> None:
+        """The stream holds ``held`` tokens now: the feed announced last (``pending``) was written exactly (the
+        names then cover up to ``held``), or not at all (dropped; kept with ``unwritten_stays``, for a step still to
+        commit), or the stream moved otherwise (a write no feed named: nothing from there on is indexed)."""
+        pending = named.pending
+        if pending is None:
+            if held != named.named:
+                named.covered = False
+            return
+        start, ids, n = pending
+        if held == start and n:
+            if not unwritten_stays:
+                named.pending = None
+            return
+        named.pending = None
+        if named.covered and start == named.named and held == start + n:
+            if held > named.prompt_len:
+                named.chunks.append(ids if start >= named.prompt_len else ids[named.prompt_len - start:])
+            named.named = held
+        else:
+            named.covered = False
 
     def _continue(self, named: _Named, held: int, token_ids) -> int:
         """Continue ``named``'s match into a feed at ``held``: how many of its ids cached pages now hold."""
@@ -270,8 +367,11 @@ class ReuseKVManager(KVManager):
             stream.stored_len = k
             stream.generation += 1
             P = self.config.page_size
-            self._named[(rid, label)] = _Named(claim, life, stream, int(ids.size), k, (k // P + 1) * P,
-                                               pending=(k, ids[k:], int(ids.size) - k), media_upto=int(ids.size))
+            named = self._named[(rid, label)] = _Named(claim, life, stream, int(ids.size), k, (k // P + 1) * P,
+                                                       pending=(k, ids[k:], int(ids.size) - k),
+                                                       media_upto=int(ids.size))
+            if ids.size >= named.due:
+                self._due[named] = None
         return k
 
     def position_after(self, rid: str, label: str, tokens: int) -> int:
@@ -281,50 +381,44 @@ class ReuseKVManager(KVManager):
     # ----------------------------------------------------------------- M*'s lifecycle, owner-counted
     def commit(self, step, ctx):
         with self._lock:
-            if not self._named or not step.commit:
-                return super().commit(step, ctx)
-            named_of, starts = self._named.get, []
-            for seg in step.segments:
-                named = named_of((seg.request_id, seg.label))
-                if named is not None:
-                    starts.append((named, named.stream.stored_len))
             super().commit(step, ctx)
-            for named, old in starts:
-                self._written(named, old)
+            if self._due and step.commit:
+                self._commit_due()
 
-    def _written(self, named: _Named, old: int) -> None:
-        """After a commit moved ``named``'s stream from ``old`` tokens: extend what its names cover by the feed that
-        wrote them (or stop covering), then index the full pages that are written and named."""
-        stored = named.stream.stored_len
-        pending, named.pending = named.pending, None
-        if stored <= old:
-            return
-        if named.covered and pending is not None and pending[0] == old == named.named and pending[2] == stored - old:
-            if stored > named.prompt_len:
-                ids = pending[1]
-                named.chunks.append(ids if old >= named.prompt_len else ids[named.prompt_len - old:])
-            named.named = stored
-        else:
-            named.covered = False
-        if min(stored, named.named) >= named.due:
-            self._commit_named(named)
+    def _commit_due(self) -> None:
+        """Index the pages that filled: of the streams whose announced feed reaches a page end (``_due``), those
+        whose feed is now written; one ``commit_many`` per label. A stream whose step has not committed yet stays."""
+        P, written = self.config.page_size, {}
+        for named in list(self._due):
+            stream = named.stream
+            self._settle(named, stream.stored_len, unwritten_stays=True)
+            if named.pending is not None:
+                continue
+            del self._due[named]
+            if named.covered and min(stream.stored_len, named.named) >= named.due:
+                item = self._written(named)
+                if item is not None:
+                    written.setdefault(named.life, []).append((named, item))
+        for life, items in written.items():
+            life.commit_many([item for _, item in items])
+            for named, _ in items:
+                named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
 
-    def _commit_named(self, named: _Named) -> None:
-        """Index ``named``'s full pages that are written and named (a page filled: once every ``page_size`` tokens)."""
+    def _written(self, named: _Named) -> Written | None:
+        """``named``'s pages to index: its stream's pages, what is written, its ids after the prompt (the chunks fed
+        since the last page filled joined to the int32 ``generated``), what its names cover."""
         fed = [i for chunk in named.chunks for i in (chunk.tolist() if hasattr(chunk, "tolist") else chunk)]
         named.chunks = []
-        P = self.config.page_size
-        stream = named.stream
-        try:  # only the ids fed since the last page filled are converted: the rest is kept as an array
+        try:
             named.generated = np.concatenate((named.generated, as_tokens(fed))) if fed else named.generated
         except InvalidRequest:  # a fed id that is no token id: nothing from here on is named
             named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
-            return
-        named.life.commit(named.claim, stream.page_indices, stream.stored_len, named.generated,
-                          tokens_named=named.named)
-        named.due = (min(stream.stored_len, named.named) // P + 1) * P
+            return None
+        stream = named.stream
+        return Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
 
     def reset_request(self, rid: str, free: bool = False):
+        self._forget(rid, finished=False)  # first: the chain is touched while the stream still holds it
         if not free:
             with self._lock:
                 for stream in self._streams.get(rid, {}).values():
@@ -333,15 +427,20 @@ class ReuseKVManager(KVManager):
                         self._arena.release(stream.page_indices)
                         stream.page_indices = []
         super().reset_request(rid, free)
-        with self._lock:
-            for key in [k for k in self._named if k[0] == rid]:
-                del self._named[key]
 
     def remove_request(self, rid: str):
+        self._forget(rid, finished=True)
         super().remove_request(rid)
+
+    def _forget(self, rid: str, finished: bool) -> None:
+        """``rid``'s streams are named no more; their chains are touched (done with them now)."""
         with self._lock:
+            if self._shadow_fed:
+                self._end_shadow(rid, finished)
             for key in [k for k in self._named if k[0] == rid]:
-                del self._named[key]
+                named = self._named.pop(key)
+                self._due.pop(named, None)
+                named.life.touch(named.claim)
 
     def reclaimable(self, rid: str) -> int:
         """Device pages only this request holds: what offloading it frees (shared pages stay for their owners)."""

@@ -13,6 +13,10 @@ From there a digest reaches the node like any other tensor: as a graph input of 
 ``route_digests(model)`` adds ``<modality>_digest`` to each encoder step of the thinker's prefill schedule, so
 ``VisionEncoderSubmodule``/``AudioEncoderSubmodule`` receive ``image_digest``/``audio_digest`` among their inputs;
 ``WholeRequest`` keys by it (``mmcache.mstar.encoder_items.carried_digest``).
+
+The same carried digests also join the request's ``model_kwargs`` as ``ROUTE_MEDIA_KWARG`` (a list of 16-byte
+values, file by file, modality by modality as the request lists them), which the data worker hands to the conductor
+with the request: ``mmcache.mstar.conductor.AffinityConductor`` with ``key = "media"`` routes by the first of them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from mmcache.mstar.salts import request_salt, salted_digest
 from mmcache.mstar.media_bytes import decode_from, read_request_files
 
 _MEDIA = {"image": digests.image, "audio": digests.audio, "video": digests.video}
+ROUTE_MEDIA_KWARG = "mmcache_route_media"
 
 
 def digest_files(file_paths: dict[str, list], params: dict[str, object],
@@ -96,6 +101,8 @@ def install_digests(worker, params: dict[str, object], known: Known | None = Non
         pending.blobs = read_request_files(input.file_paths)
         found = digest_files(input.file_paths or {}, params, pending.blobs)
         pending.raw = carried(found, salt)
+        if routed := [d for ds in pending.raw.values() for d in ds]:  # a fresh dict: the caller's stays as it was
+            input.model_kwargs = {**(input.model_kwargs or {}), ROUTE_MEDIA_KWARG: routed}
         pending.tensors = digest_tensors(pending.raw)
         pending.skip = stored = skippable(input, pending.raw)
         if stored is not None:

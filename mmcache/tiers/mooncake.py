@@ -29,8 +29,8 @@ class MooncakeClient:
     (objects this process puts live there, so they vanish when it exits) and reads through ``buffer_bytes``.
 
     The connection is made at construction and again on use after a failed setup; ``put`` returns False on any error
-    status, ``get``/``get_many`` return b"" for an absent key (and for an unreachable master, at once for the first
-    few calls, then after ~4.4 s each: the tier's deadline bounds that)."""
+    status, ``get``/``get_many`` return b"" for an absent key (and for an unreachable master, at once for the first few
+    calls, then after ~4.4 s each: the tier's deadline bounds that)."""
 
     def __init__(self, rpc_address: str, metadata_url: str, segment_bytes: int = 256 << 20,
                  buffer_bytes: int = 128 << 20):

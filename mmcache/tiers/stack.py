@@ -9,7 +9,7 @@
   (write-through, so other instances can use a prefix while it is hot here, and while its request still runs).
 
 ``spill`` and ``publish`` come under the pool's ``cache_lock``; ``extend`` takes it itself, around everything but the
-store read. A tier's failure is a miss: nothing here raises into a request.
+store read. A tier's failure is a miss: nothing here raises into a request. ``stats()`` is a ``TierStats``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from mmcache.errors import OutOfPages
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool, copy_pages
 from mmcache.reclaim import make_room
+from mmcache.stats import TierStats
 from mmcache.tiers.host import HostTier
 from mmcache.tiers.lineage import RequestLineage, root_lineage
 from mmcache.tiers.store import Expected, StoreTier, encode_page, page_key
@@ -68,6 +69,8 @@ class TierStack:
     fingerprint: Fingerprint
     host: HostTier | None = None
     store: StoreTier | None = None
+    adopted: dict = dataclasses.field(init=False, repr=False,  # pages of each tier's hits given to requests
+                                      default_factory=lambda: {"host": 0, "store": 0})
 
     # ----------------------------------------------------------------- device -> host (write-back on eviction)
     def spill(self, index, pages: np.ndarray) -> None:
@@ -160,6 +163,9 @@ class TierStack:
             pool.retain([walked[q] for q in swap], distinct=True)            # the claim's chain is what is indexed
             pool.release([pages[q] for q in swap] + pages[len(walked):])
             pages = walked
+        served = len(pages) - len(idx)  # host hits first, then the store's
+        self.adopted["host"] += min(len(host), served)
+        self.adopted["store"] += served - min(len(host), served)
         release = (lambda: self.host.pool.release(host)) if host else None
         if event is None and release is not None:
             release()
@@ -171,7 +177,10 @@ class TierStack:
                   mids: np.ndarray, salt: bytes) -> None:
         """Put the newly indexed pages ``pages[j]`` (chain position ``j`` for j in ``positions``) to the store. The
         bytes are read now, under the caller's lock; the puts run on the store's publisher thread."""
-        if self.store is None or not positions or not self.store.up:
+        if self.store is None or not positions:
+            return
+        if not self.store.up:  # not put: counted as dropped, like a put the publisher could not make
+            self.store.counters["publish_dropped"] += len(positions)
             return
         P = self.fingerprint.page_size
         lineage = RequestLineage(root_lineage(self.fingerprint, salt), seq, mids, P)
@@ -188,13 +197,25 @@ class TierStack:
                                                           self.store.key)))
         self.store.publish(items)
 
-    def counters(self) -> dict:
-        out = {}
+    def stats(self) -> TierStats:
+        """The tiers' counters and state now. Read without a lock: each counter is exact, the set may come from
+        instants a lookup apart (the store's threads count outside every lock)."""
+        out = {"page_size": self.fingerprint.page_size, "host": self.host is not None, "store": self.store is not None}
         if self.host is not None:
-            out.update({f"host_{k}": v for k, v in self.host.counters.items()}, host_pages_held=len(self.host))
+            out.update(_prefixed("host_", self.host.counters), host_adopted_pages=self.adopted["host"],
+                       host_pages_held=len(self.host))
         if self.store is not None:
-            out.update({f"store_{k}": v for k, v in self.store.counters.items()})
-        return out
+            out.update(_prefixed("store_", self.store.counters), store_adopted_pages=self.adopted["store"],
+                       store_up=self.store.up, store_wait=self.store.wait.snapshot())
+        return TierStats(**out)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TierStats))
+
+
+def _prefixed(prefix: str, counters: dict) -> dict:
+    """The ``TierStats`` fields named ``prefix`` + a key of ``counters`` (a counter no field declares is left out)."""
+    return {f"{prefix}{k}": v for k, v in counters.items() if f"{prefix}{k}" in _FIELDS}
 
 
 def _copy_up(src: PagePool, src_pages: list[int], dst: PagePool, dst_pages: list[int]):

@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from mmcache.errors import InvalidRequest
+from mmcache.histogram import WaitHistogram
 from mmcache.names import Fingerprint
 from mmcache.tiers.lineage import RequestLineage
 
@@ -41,6 +42,7 @@ _MAGIC = b"MMCP1\0"
 _MAGIC_KEYED = b"MMCA1\0"  # the payload ends in a keyed MAC
 _MAC_BYTES = 32
 _HEAD = struct.Struct("<6sQIIIII16s16sQ")  # magic, name, depth, page_size, fp, salt, layout lengths, plin, media, sum
+WAIT_BOUNDS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class KVStore(Protocol):
@@ -182,6 +184,7 @@ class StoreTier:
         self.counters = dict.fromkeys(("published_pages", "published_entries", "publish_dropped", "hit_pages", "gets",
                                        "batches", "misses", "rejected", "mac_failures", "failures", "late",
                                        "read_errors", "skipped", "probes"), 0)
+        self.wait = WaitHistogram(WAIT_BOUNDS)  # seconds each lookup that asked the store spent reading it
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._prober: threading.Thread | None = None
@@ -328,12 +331,14 @@ class StoreTier:
         if not self.up or self._closed:
             self.counters["skipped"] += 1
             return out
-        deadline = None if self.deadline_s is None else self._clock() + self.deadline_s
+        started = self._clock()
+        deadline = None if self.deadline_s is None else started + self.deadline_s
         for j in range(0, len(keys), self.batch_pages):
             payloads = self._read(keys[j:j + self.batch_pages], deadline)
             if payloads is None:
                 break
             out[j:j + len(payloads)] = payloads
+        self.wait.observe(self._clock() - started)
         return out
 
     def match(self, names, start: int, tokens: np.ndarray, mids: np.ndarray, lineage: RequestLineage,
@@ -344,7 +349,8 @@ class StoreTier:
         if not self.up or self._closed:
             self.counters["skipped"] += 1
             return out
-        deadline = None if self.deadline_s is None else self._clock() + self.deadline_s
+        started = self._clock()
+        deadline = None if self.deadline_s is None else started + self.deadline_s
         stop = len(names) if limit is None else min(len(names), start + limit)
         j = start
         while j < stop:
@@ -362,6 +368,8 @@ class StoreTier:
                 continue
             break
         self.counters["hit_pages"] += len(out)
+        if stop > start:  # it read the store
+            self.wait.observe(self._clock() - started)
         return out
 
     def _verified(self, payload: bytes, want: Expected, name: int, j: int, tokens: np.ndarray, mid: np.ndarray,

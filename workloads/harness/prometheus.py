@@ -21,7 +21,11 @@ in seconds, sizes in bytes, and what varies is a label (``cached``, ``cache_outc
   (``cached``, ``cache_outcome``) and their frames in ``mmcache_video_frames_total{cached}``. Stage times of every
   completed request add to ``mmcache_stage_seconds_total{cached, stage}``: off minus on is the time the cache saved.
 - Every series a dashboard panel reads exists from the first scrape (at 0), before the first request: a rate needs
-  a sample before the first increase, and a replay is often shorter than a few scrape intervals.
+  a sample before the first increase, and a replay is often shorter than a few scrape intervals. The tier series
+  (``tier_series``: hits by tier, store up/down, the store's admission wait, its refusals) exist once a cache with
+  tiers was sampled.
+- ``sample(cache_stats)`` advances the cache series alone (``observe`` calls it); ``new_caches()`` says the caches
+  sampled next start at 0 again. A trace replay, which has no requests to observe, drives the exporter with these.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from workloads.harness.metrics import SLO, RequestRecord, RunResult
+from workloads.harness.tier_series import TierSeries
 
 DASHBOARD = Path(__file__).resolve().parent / "grafana" / "mmcache_dashboard.json"
 LATENCY_BUCKETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
@@ -114,6 +119,7 @@ class Exporter:
         self.requests = Counter("mmcache_requests_total", "Requests served, by outcome.", ["outcome"], registry=reg)
         self.slo_met = Counter("mmcache_requests_slo_met_total", f"Completed requests that met the SLO ({slo}).",
                                ["cached"], registry=reg)
+        self.tiers: TierSeries | None = None  # registered with the first sample that has tiers
         for outcome in OUTCOMES:  # every series a panel reads is present at 0 before the first request
             self.requests.labels(outcome=outcome)
         for cached in CACHED:
@@ -143,7 +149,7 @@ class Exporter:
             self._server = self._thread = None
 
     def start(self, run: RunResult) -> None:
-        self._last.clear()
+        self.new_caches()
         for m in run.ceilings.keys() - {"prefix"}:  # the workload's encoder modalities, at 0 until first used
             for counter in self.encoder.values():
                 counter.labels(modality=m)
@@ -167,6 +173,15 @@ class Exporter:
             if run.cached:
                 for k, counter in self.pages.items():
                     counter.inc(getattr(record.result, k))
+        self.sample(cache_stats)
+
+    def new_caches(self) -> None:
+        """The caches sampled next are fresh ones: their statistics start at 0 again."""
+        self._last.clear()
+
+    def sample(self, cache_stats: dict) -> None:
+        """Advance the cache series to ``cache_stats`` (a workload's ``cache_stats()``: ``prefix``, ``encoder`` and
+        ``tiers``, each optional)."""
         prefix = cache_stats.get("prefix")
         if prefix is not None:
             for k, counter in self.prefix.items():
@@ -177,6 +192,10 @@ class Exporter:
             for k, counter in self.encoder.items():
                 counter.labels(modality=m).inc(self._growth(("encoder", m, k), stats[k]))
             self.encoder_bytes.labels(modality=m).set(stats["bytes_stored"])
+        if (tiers := cache_stats.get("tiers")) is not None:
+            if self.tiers is None:
+                self.tiers = TierSeries(self.registry)
+            self.tiers.sample(tiers, prefix, self._growth)
 
     def _growth(self, key: tuple, value: float) -> float:
         """How much statistic ``key`` grew since its last sample in this run (never negative: counters only rise)."""

@@ -91,9 +91,10 @@ class Workload(Protocol):
     ``serve(req, cached, clock)`` runs the real model for ``req``, with the caches when ``cached`` and bypassing them
     (computing everything) when not, reports events on ``clock`` and returns a ``RequestResult``. It may raise an
     ``MmcacheError`` for a bad request, after leaving its caches consistent (aborting what it admitted).
-    ``cache_stats()`` is ``{"prefix": PrefixCache.stats().to_dict(), "encoder": EncoderStore.stats().to_dict()}`` (a
-    cache the workload does not have is left out); ``ceilings()`` maps ``"prefix"`` (tokens) and encoder modalities
-    (items) to the hit rate an unbounded cache would realize on ``requests()``.
+    ``cache_stats()`` is ``{"prefix": PrefixCache.stats().to_dict(), "encoder": EncoderStore.stats().to_dict(),
+    "tiers": TierStack.stats().to_dict()}`` (a cache the workload does not have is left out); ``ceilings()`` maps
+    ``"prefix"`` (tokens) and encoder modalities (items) to the hit rate an unbounded cache would realize on
+    ``requests()``.
     """
 
     name: str

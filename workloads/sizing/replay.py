@@ -23,6 +23,10 @@ timestamp order) and ``grow`` retried. A request that waited at least once count
 + output alone needs more pages than the pool is counted as failed and not admitted (its prompt tokens still count
 in ``prompt_tokens``, with no hit).
 
+Metrics: an ``observer`` (``CacheObserver``; the Prometheus exporter is one) is told when the fresh cache is made,
+then sampled with its statistics (``cache_stats``, the serving workloads' shape: ``prefix`` and, with tiers,
+``tiers``) at once, every ``SAMPLE_S`` of replay and at the end.
+
 Realized reuse = ``hit_tokens / prompt_tokens`` where ``hit_tokens`` is the sum of ``matched_tokens`` at admission:
 prompt tokens served from the cache instead of prefilled. The ceiling is the same replay with an unbounded pool
 (``pool_tokens=None``: pages for every request of the trace at once, so nothing is ever evicted). In round-robin
@@ -36,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from typing import Protocol
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from workloads.harness.progress import progress_bar
@@ -44,6 +49,16 @@ from workloads.sizing.ordering import schedule
 from workloads.sizing.service import ServiceModel
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextRequest, TextTrace
+
+SAMPLE_S = 0.05  # how often a replay samples its cache for an observer: a tenth of a fast scrape interval
+
+
+class CacheObserver(Protocol):
+    """Told when a replay makes its fresh cache, then given that cache's statistics from time to time."""
+
+    def new_caches(self) -> None: ...
+
+    def sample(self, cache_stats: dict) -> None: ...
 
 
 @dataclasses.dataclass
@@ -106,7 +121,8 @@ class _Replayer:
         self.trace, self.run, self.service, self.tiers = trace, run, service, tiers
         self.pool = PagePool(run.pool_pages, page_shape=())
         fp = Fingerprint(model="replay", page_size=run.page_size)
-        self.cache = PrefixCache(self.pool, fp, tiers=tiers.build(fp, self.pool, run.page_size))
+        self.stack = tiers.build(fp, self.pool, run.page_size)
+        self.cache = PrefixCache(self.pool, fp, tiers=self.stack)
         self.live: dict[str, TextRequest] = {}
         self.ends: list[tuple[float, int, str]] = []  # heap of (end, admission seq, rid); stale entries skipped
         self.by_session: dict[str, str] = {}
@@ -166,7 +182,7 @@ class _Replayer:
         if -(-(n + out) // P) > run.pool_pages:
             run.failed += 1
             return None
-        state = self.cache.admit(req.rid, req.token_ids, names=req.names)
+        state = self.cache.admit(req.rid, req.token_ids, media=req.marks, names=req.names)
         run.hit_tokens += state.matched_tokens
         host = store = 0
         if state.fetch is not None:
@@ -199,12 +215,19 @@ class _Replayer:
         while self.live:
             self.finish_earliest()
 
+    def cache_stats(self) -> dict:
+        """The cache's statistics in a serving workload's ``cache_stats()`` shape."""
+        stats = {"prefix": self.cache.stats().to_dict()}
+        if self.stack is not None:
+            stats["tiers"] = self.stack.stats().to_dict()
+        return stats
+
 
 def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
            in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
-           tiers: TierModel = TierModel()) -> ReplayRun:
+           tiers: TierModel = TierModel(), observer: CacheObserver | None = None) -> ReplayRun:
     """Replay every call of ``trace`` through a fresh cache of ``pool_tokens`` (None: unbounded) with ``tiers``
-    (host tier and store; the unbounded pool never evicts, so it gets none)."""
+    (host tier and store; the unbounded pool never evicts, so it gets none), sampled by ``observer``."""
     if trace.page_size is not None and page_size != trace.page_size:
         raise ValueError(f"{trace.kind} traces fix the page size at {trace.page_size}, got {page_size}")
     pages = pool_pages_for(trace, page_size, pool_tokens)
@@ -215,13 +238,21 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, o
                           kv_bytes_per_token=tiers.kv_bytes_per_token)
     run.host_tokens, run.store_tokens = tiers.host_tokens, tiers.store_tokens
     r = _Replayer(trace, run, service, tiers)
-    started = time.perf_counter()
+    if observer is not None:
+        observer.new_caches()
+        observer.sample(r.cache_stats())
+    started = sampled = time.perf_counter()
     bar = progress_bar(trace.num_requests, f"pool {format_size(pool_tokens)}", enabled=progress)
     for s, i in schedule(trace.sessions, order, in_flight):
         r.step(trace.sessions[s].build(i))
         bar.update(1)
+        if observer is not None and time.perf_counter() - sampled >= SAMPLE_S:
+            observer.sample(r.cache_stats())
+            sampled = time.perf_counter()
     r.drain()
     bar.close()
+    if observer is not None:
+        observer.sample(r.cache_stats())
     stats = r.cache.stats().to_dict()
     run.evicted_pages, run.eviction_batches = stats["evicted_pages"], stats["eviction_batches"]
     run.collisions = stats["collisions"]

@@ -1,20 +1,33 @@
-"""Replay a text trace over R data-parallel replicas, each with its own metadata-only PrefixCache, under one router.
+"""Replay a trace over R data-parallel replicas, each with its own metadata-only PrefixCache and EncoderStore, under
+one router.
 
 The pool: ``pool_tokens`` is the TOTAL, split evenly (each replica gets ``pool_tokens // R``), so every R is compared
-at the same total memory and against one pool of that size (R = 1, the reference row).
+at the same total memory and against one pool of that size (R = 1, the reference row). The encoder store's
+``encoder_bytes`` is split the same way.
+
+Media (multimodal traces, ``TextRequest.media``): the page names fold in every item's digest at its offset, as an
+engine's do. After admission, each item an encoder makes (``TextRequest.encoded``) is served, as vlm-chat and
+voice-clone serve it: from the matched prefix when its placeholder rows lie inside it, else from the replica's
+``EncoderStore`` (a real store whose entries stand in for the features: one byte per ``ENCODER_UNIT`` bytes of
+output, so eviction and capacity act on the true sizes while the replay holds no feature bytes), else the encoder
+runs (a miss, stored). The encoder hit rate is the share of items the encoder did not run for.
 
 Per request, in timestamp order: every replica first finishes what has ended by the arrival; a session's previous
-call is finished on whichever replica holds it; the router sees the request's page names, prompt length and each
-replica's live requests (its queue) and picks a replica, whose ``_Replayer`` admits and runs the request exactly as
-the single-pool replay does (``workloads.sizing.replay``).
+call is finished on whichever replica holds it; the router sees the request's page names, prompt length, the digests
+of its encoded media and each replica's live requests (its queue) and picks a replica, whose ``_Replayer`` admits
+and runs the request exactly as the single-pool replay does (``workloads.sizing.replay``).
 
 Service model, per replica: a request's prefill waits for the replica's earlier prefills (one prefill at a time,
-FIFO) and takes ``uncached tokens / prefill_tokens_per_s``; ``TTFT = prefill end - arrival`` (admission stalls
-included); the request then decodes for ``output_len * s_per_output_token`` and ends. Decodes overlap freely.
+FIFO) and takes ``encoder misses * encoder_s + uncached tokens / prefill_tokens_per_s`` (the encoder runs in the
+request's turn, before its prefill); ``TTFT = prefill end - arrival`` (admission stalls included); the request then
+decodes for ``output_len * s_per_output_token`` and ends. Decodes overlap freely. Audio output
+(``TextTrace.first_audio_tokens``: frames per first audio chunk): ``TTFA = TTFT + (first_audio_tokens - 1) *
+s_per_output_token`` (the prefill yields the first frame).
 
 Reported: realized hit rate, pages duplicated across replicas (of the distinct prompt pages each replica was ever
 sent, the share that another replica was also sent: copies beyond the first; evictions are not subtracted), replica
-spread (``mmcache.shadow.ReplicaSpread``), per-replica load (requests routed; peak live), TTFT p50/p99.
+spread (``mmcache.shadow.ReplicaSpread``), per-replica load (requests routed; peak live), TTFT p50/p99; with media,
+the encoder hit rate (in the matched prefix, in the store); with audio output, TTFA p50/p99.
 """
 
 from __future__ import annotations
@@ -23,14 +36,19 @@ import dataclasses
 import time
 
 import numpy as np
+import torch
 
-from mmcache import Fingerprint, page_names
+from mmcache import EncoderKey, EncoderStore, Fingerprint, page_names
 from mmcache.shadow import ReplicaSpread
 from workloads.sizing.ordering import schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
 from workloads.sizing.routers import make_router
 from workloads.sizing.service import ServiceModel
-from workloads.traces.text_trace import TextRequest, TextTrace
+from workloads.traces.text_trace import MediaItem, TextRequest, TextTrace
+
+ENCODER_UNIT = 1 << 16  # bytes of encoder output one stand-in byte of a replica's store counts for
+DEFAULT_ENCODER_BYTES = 256 << 20  # total over the replicas: the model workloads' --encoder-bytes default
+_ENCODER = "replay-encoder"  # the fingerprint of the replay's stand-in encoders
 
 
 @dataclasses.dataclass
@@ -39,6 +57,7 @@ class ReplicaRun:
     router: str
     pool_tokens: int              # total over the replicas
     page_size: int
+    encoder_bytes: int = DEFAULT_ENCODER_BYTES  # total over the replicas
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -53,11 +72,21 @@ class ReplicaRun:
     per_replica_peak_live: list[int] = dataclasses.field(default_factory=list)
     ttft_p50_s: float = 0.0
     ttft_p99_s: float = 0.0
+    ttfa_p50_s: float | None = None  # audio output only
+    ttfa_p99_s: float | None = None
+    encoder_items: int = 0        # media items an encoder makes, over every admitted request
+    encoder_in_prefix: int = 0    # of those, inside the matched prefix (no lookup, no encoder)
+    encoder_store_hits: int = 0   # found in the replica's encoder store
     elapsed_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def encoder_hit_rate(self) -> float:
+        """Share of the media items the encoder did not run for (in the matched prefix, or in the store)."""
+        return (self.encoder_in_prefix + self.encoder_store_hits) / self.encoder_items if self.encoder_items else 0.0
 
     @property
     def duplicated(self) -> float:
@@ -72,29 +101,53 @@ class ReplicaRun:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "hit_rate": self.hit_rate, "duplicated": self.duplicated,
-                "load_imbalance": self.load_imbalance}
+                "load_imbalance": self.load_imbalance, "encoder_hit_rate": self.encoder_hit_rate}
+
+
+def _stand_in(item: MediaItem) -> torch.Tensor:
+    """What a replica's store keeps for an encoder output of ``item.nbytes`` bytes: one byte per ``ENCODER_UNIT``."""
+    return torch.zeros(max(1, -(-item.nbytes // ENCODER_UNIT)), dtype=torch.uint8)
 
 
 class _Replica(_Replayer):
-    """One replica's cache and live set, with a FIFO prefill queue for TTFT."""
+    """One replica's cache, encoder store and live set, with a FIFO prefill queue for TTFT."""
 
-    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel):
+    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_units: int):
         super().__init__(trace, run, service)
+        self.store = EncoderStore(capacity_bytes=encoder_units, page_bytes=1)
         self.prefill_free = 0.0
         self.ttfts: list[float] = []
         self.sent: set[int] = set()
+        self.encoder_items = self.encoder_in_prefix = self.encoder_store_hits = 0
+
+    def encode(self, req: TextRequest, matched: int) -> int:
+        """Serve every encoded media item of the admitted ``req``: from the first ``matched`` tokens when its rows
+        lie inside them, else from this replica's store, else by running the encoder (stored); the runs."""
+        runs = 0
+        for item in req.encoded:
+            self.encoder_items += 1
+            if item.offset + item.tokens <= matched:
+                self.encoder_in_prefix += 1
+                continue
+            found = self.store.get_or_compute(EncoderKey(item.digest, _ENCODER, item.modality),
+                                              lambda: _stand_in(item))
+            self.encoder_store_hits += found.hit
+            runs += not found.hit
+        return runs
 
     def end_of(self, req: TextRequest, matched: int) -> float:
         begin = max(self.clock, self.prefill_free)
-        self.prefill_free = begin + (req.prompt_len - matched) / self.service.prefill_tokens_per_s
+        self.prefill_free = begin + self.encode(req, matched) * self.service.encoder_s \
+            + (req.prompt_len - matched) / self.service.prefill_tokens_per_s
         self.ttfts.append(self.prefill_free - req.arrival_s)
         return self.prefill_free + req.output_len * self.service.s_per_output_token
 
 
 def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: int, pool_tokens: int,
                     service: ServiceModel = ServiceModel(), threshold: int | None = None, key_pages: int | None = None,
-                    seed: int = 0) -> ReplicaRun:
-    """Replay ``trace`` over ``replicas`` pools of ``pool_tokens // replicas`` tokens each, routed by ``router``."""
+                    seed: int = 0, encoder_bytes: int = DEFAULT_ENCODER_BYTES) -> ReplicaRun:
+    """Replay ``trace`` over ``replicas`` pools of ``pool_tokens // replicas`` tokens and encoder stores of
+    ``encoder_bytes // replicas`` bytes each, routed by ``router``."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if trace.page_size is not None and page_size != trace.page_size:
@@ -102,24 +155,29 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
     pages = max(1, pool_tokens // replicas // page_size)
     if pool_tokens // replicas < page_size:
         raise ValueError(f"a pool of {pool_tokens} tokens over {replicas} replicas holds no {page_size}-token page")
+    units = encoder_bytes // replicas // ENCODER_UNIT
+    if units < 1:
+        raise ValueError(f"an encoder store of {encoder_bytes} bytes over {replicas} replicas holds less than "
+                         f"{ENCODER_UNIT} bytes each")
     kw = {k: v for k, v in (("threshold", threshold), ("key_pages", key_pages)) if v is not None}
     policy = make_router(router, replicas, page_size, seed=seed, **kw)
-    reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None), service)
+    reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None), service, units)
             for _ in range(replicas)]
-    run = ReplicaRun(replicas, router, pages * page_size * replicas, page_size)
+    run = ReplicaRun(replicas, router, pages * page_size * replicas, page_size, units * ENCODER_UNIT * replicas)
     fp = Fingerprint(model="replay", page_size=page_size)  # the root the replay's caches use
     spread, where = ReplicaSpread(), {}  # where: session -> replica of its live call
     started = time.perf_counter()
     for s, i in schedule(trace.sessions, "timestamp"):
         req = trace.sessions[s].build(i)
         if req.names is None:
-            req = dataclasses.replace(req, names=page_names(fp, req.token_ids))
+            req = dataclasses.replace(req, names=page_names(fp, req.token_ids, req.marks))
         for rep in reps:
             rep.finish_ended_by(req.arrival_s)
         prev = where.pop(req.session, None)
         if prev is not None and reps[prev].by_session.get(req.session) is not None:
             reps[prev].finish(reps[prev].by_session[req.session])
-        pick = policy.choose(req.names, req.prompt_len, [len(r.live) for r in reps], req.arrival_s)
+        pick = policy.choose(req.names, req.prompt_len, [len(r.live) for r in reps], req.arrival_s,
+                             [m.digest for m in req.encoded])
         rep = reps[pick]
         if rep.step(req) is not None:
             where[req.session] = pick
@@ -136,25 +194,37 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
         run.failed += rep.run.failed
         run.per_replica_requests.append(rep.run.requests)
         run.per_replica_peak_live.append(rep.run.peak_live_requests)
+        run.encoder_items += rep.encoder_items
+        run.encoder_in_prefix += rep.encoder_in_prefix
+        run.encoder_store_hits += rep.encoder_store_hits
     run.sent_pages = sum(len(r.sent) for r in reps)
     run.distinct_pages = len(set().union(*(r.sent for r in reps)))
     run.repeated_prefixes, run.spread_mean, run.spread_max = spread.summary()
     ttfts = np.concatenate([np.asarray(r.ttfts) for r in reps]) if run.requests > run.failed else np.zeros(1)
     run.ttft_p50_s, run.ttft_p99_s = (float(x) for x in np.percentile(ttfts, [50, 99]))
+    if trace.first_audio_tokens is not None:  # a constant after the first frame: the same shift at every percentile
+        lag = (trace.first_audio_tokens - 1) * service.s_per_output_token
+        run.ttfa_p50_s, run.ttfa_p99_s = run.ttft_p50_s + lag, run.ttft_p99_s + lag
     run.elapsed_s = time.perf_counter() - started
     return run
 
 
 def format_replica_table(runs: list[ReplicaRun], one_pool: ReplicaRun) -> str:
-    """replicas | router | hit % | of one pool % | duplicated % | spread | busiest/mean | TTFT p50 | TTFT p99 |
-    stalls | failed; ``one_pool`` is the R = 1 run of the same total pool."""
-    head = ("replicas", "router", "hit %", "of one pool %", "dup pages %", "spread", "busiest/mean",
-            "TTFT p50 s", "TTFT p99 s", "stalls", "failed")
-    rows = [(str(r.replicas), r.router, f"{100 * r.hit_rate:.2f}",
+    """replicas | router | [encoder hit %] | hit % | of one pool % | duplicated % | spread | busiest/mean | TTFT p50 |
+    TTFT p99 | [TTFA p50 | TTFA p99] | stalls | failed; ``one_pool`` is the R = 1 run of the same total pool. The
+    encoder column is shown when the trace has encoded media, the TTFA columns when it has audio output."""
+    every = [one_pool, *runs]
+    media, audio = one_pool.encoder_items > 0, one_pool.ttfa_p50_s is not None
+    head = ("replicas", "router", *(("encoder hit %",) if media else ()), "prefix hit %" if media else "hit %",
+            "of one pool %", "dup pages %", "spread", "busiest/mean", "TTFT p50 s", "TTFT p99 s",
+            *(("TTFA p50 s", "TTFA p99 s") if audio else ()), "stalls", "failed")
+    rows = [(str(r.replicas), r.router, *((f"{100 * r.encoder_hit_rate:.1f}",) if media else ()),
+             f"{100 * r.hit_rate:.2f}",
              f"{100 * r.hit_tokens / one_pool.hit_tokens:.1f}" if one_pool.hit_tokens else "-",
              f"{100 * r.duplicated:.1f}", f"{r.spread_mean:.2f}", f"{r.load_imbalance:.2f}",
-             f"{r.ttft_p50_s:.3f}", f"{r.ttft_p99_s:.3f}", f"{r.stalls:,}", f"{r.failed:,}")
-            for r in [one_pool, *runs]]
+             f"{r.ttft_p50_s:.3f}", f"{r.ttft_p99_s:.3f}",
+             *((f"{r.ttfa_p50_s:.3f}", f"{r.ttfa_p99_s:.3f}") if audio else ()), f"{r.stalls:,}", f"{r.failed:,}")
+            for r in every]
     widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(head)]
     line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(head), "-+-".join("-" * w for w in widths), *map(line, rows)])

@@ -1,9 +1,11 @@
-"""Replica choice policies compared by the multi-replica replay: ``choose(req, names, loads, now) -> replica``.
+"""Replica choice policies compared by the multi-replica replay: ``choose(names, prompt_len, loads, now, media)
+-> replica``, ``media`` being the digests of the request's encoder inputs in prompt order.
 
 - ``random``: today's M* choice (uniform, seeded);
 - ``round-robin``: replicas in turn;
-- ``affinity``: ``mmcache.routing.AffinityRouter`` (rendezvous hashing of the first page names below a queue
+- ``affinity``: ``mmcache.routing.AffinityRouter`` by text (rendezvous hashing of the first page names below a queue
   threshold, random above it); holds no cache state;
+- ``media-affinity``: the same router keyed by the request's first media digest (its text key when it has none);
 - ``cache-aware``: SGLang router's cache-aware policy with its documented defaults (cache_threshold 0.5,
   balance_abs_threshold 32, balance_rel_threshold 1.5, eviction every 60 s to max_tree_size 2**24). When loads are
   imbalanced (``max - min > 32`` and ``max > 1.5 * min``) it takes the least-loaded replica; otherwise the replica
@@ -29,7 +31,8 @@ class RandomRouter:
     def __init__(self, replicas: int, seed: int = 0):
         self.replicas, self.rng = replicas, random.Random(seed)
 
-    def choose(self, names: Sequence[int], prompt_len: int, loads: Sequence[int], now: float) -> int:
+    def choose(self, names: Sequence[int], prompt_len: int, loads: Sequence[int], now: float,
+               media: Sequence[bytes] = ()) -> int:
         return self.rng.randrange(self.replicas)
 
 
@@ -37,20 +40,20 @@ class RoundRobinRouter:
     def __init__(self, replicas: int):
         self.replicas, self.next = replicas, 0
 
-    def choose(self, names, prompt_len, loads, now) -> int:
+    def choose(self, names, prompt_len, loads, now, media=()) -> int:
         self.next = (self.next + 1) % self.replicas
         return (self.next - 1) % self.replicas
 
 
 class PrefixAffinityRouter:
-    """``AffinityRouter`` behind the replay's interface."""
+    """``AffinityRouter`` behind the replay's interface, keyed by ``key`` ("text" or "media")."""
 
     def __init__(self, replicas: int, threshold: int = DEFAULT_THRESHOLD, key_pages: int = DEFAULT_KEY_PAGES,
-                 seed: int = 0):
-        self.router = AffinityRouter(range(replicas), threshold, key_pages, random.Random(seed))
+                 seed: int = 0, key: str = "text"):
+        self.router = AffinityRouter(range(replicas), threshold, key_pages, random.Random(seed), key=key)
 
-    def choose(self, names, prompt_len, loads, now) -> int:
-        return self.router.choose(names, loads)
+    def choose(self, names, prompt_len, loads, now, media=()) -> int:
+        return self.router.choose(names, loads, media)
 
 
 class CacheAwareRouter:
@@ -64,7 +67,7 @@ class CacheAwareRouter:
         self.trees: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]  # LRU order, newest last
         self.next_eviction = eviction_interval_s
 
-    def choose(self, names, prompt_len, loads, now) -> int:
+    def choose(self, names, prompt_len, loads, now, media=()) -> int:
         if now >= self.next_eviction:
             for tree in self.trees:
                 while len(tree) > self.max_tree_pages:
@@ -100,8 +103,9 @@ def make_router(name: str, replicas: int, page_size: int, *, threshold: int = DE
         return RandomRouter(replicas, seed)
     if name == "round-robin":
         return RoundRobinRouter(replicas)
-    if name == "affinity":
-        return PrefixAffinityRouter(replicas, threshold, key_pages, seed)
+    if name in ("affinity", "media-affinity"):
+        key = "media" if name == "media-affinity" else "text"
+        return PrefixAffinityRouter(replicas, threshold, key_pages, seed, key)
     if name == "cache-aware":
         return CacheAwareRouter(replicas, page_size)
     raise ValueError(f"unknown router {name!r}; expected one of {', '.join(ROUTERS)}")

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Sequence
 
 from workloads.sizes import format_size
-from workloads.sizing.replay import ReplayRun, ServiceModel, replay_trace
+from workloads.sizing.replay import CacheObserver, ReplayRun, ServiceModel, replay_trace
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextTrace
 
@@ -41,15 +41,15 @@ class Sweep:
 
 def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], order: str = "timestamp",
               in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
-              tiers: TierModel = TierModel()) -> Sweep:
+              tiers: TierModel = TierModel(), observer: CacheObserver | None = None) -> Sweep:
     """Replay ``trace`` unbounded (the ceiling), then once per pool size (None = unbounded: the ceiling again);
-    every bounded pool gets ``tiers`` (host tier, store) under it.
+    every bounded pool gets ``tiers`` (host tier, store) under it; ``observer`` samples every replay's cache.
 
     Ctrl-C (KeyboardInterrupt) after the ceiling stops the sweep with the sizes replayed so far and ``interrupted``
     set; every run in a sweep is a complete replay. During the ceiling it propagates: nothing was measured."""
     def one(size):
         return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
-                            service=service, progress=progress, tiers=tiers)
+                            service=service, progress=progress, tiers=tiers, observer=observer)
     ceiling, runs, interrupted = one(None), [], False
     try:
         for size in pool_sizes:

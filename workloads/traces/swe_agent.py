@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from mmcache.errors import TraceError
-from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
+from workloads.traces.text_trace import CallInfo, MediaItem, TextRequest, TextTrace
 from workloads.traces.tokenizer import load_tokenizer
 
 
@@ -40,19 +40,34 @@ def render(role: str, content: str) -> str:
 
 @dataclasses.dataclass(slots=True)
 class Trajectory:
-    """One agent run: per-message token arrays and per-call metadata; ``build`` concatenates a prompt."""
+    """One session of messages (an agent run, a chat, a voice session): per-message token arrays and per-call
+    metadata; ``build`` concatenates a prompt. Call ``i`` sends ``messages[: 2i+2]`` after ``bos``; message
+    ``2i+2`` is its output.
+
+    ``media``: message index -> its media items, offsets counted from the message's first token. ``outputs_resent``:
+    the output message is the generated ids themselves (text), so ``build`` gives them as ``output_ids``; False when
+    the next prompt sends back something other than the ids generated (audio frames as embedded rows), which a page
+    name fixed at generation cannot stand for."""
 
     name: str
     bos: np.ndarray                  # [bos_id], int32
     messages: list[np.ndarray]       # each message's tokens (template framing included), int32
     calls: list[CallInfo]
+    media: dict[int, tuple[MediaItem, ...]] = dataclasses.field(default_factory=dict)
+    outputs_resent: bool = True
 
     def build(self, i: int) -> TextRequest:
         c = self.calls[i]
-        prompt = np.concatenate([self.bos, *self.messages[: 2 * i + 2]])
+        sent = self.messages[: 2 * i + 2]
+        prompt = np.concatenate([self.bos, *sent])
         assert prompt.size == c.prompt_len
+        media, start = [], self.bos.size
+        for k, message in enumerate(sent):
+            media += [dataclasses.replace(m, offset=start + m.offset) for m in self.media.get(k, ())]
+            start += message.size
         return TextRequest(rid=f"{self.name}#{i}", session=self.name, arrival_s=c.arrival_s, token_ids=prompt,
-                           names=None, output_ids=self.messages[2 * i + 2], output_len=c.output_len)
+                           names=None, output_ids=self.messages[2 * i + 2] if self.outputs_resent else None,
+                           output_len=c.output_len, media=tuple(media))
 
 
 def trajectory_files(folder: str | Path) -> tuple[Path, list[Path]]:

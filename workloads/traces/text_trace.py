@@ -11,7 +11,10 @@ Invariants every loader keeps:
 - ``names``, when given, holds one 64-bit name per *full* page of the prompt (``prompt_len // page_size``) and
   equal names mean equal token prefixes;
 - ``output_ids``, when given, has ``output_len`` tokens, and the session's next prompt starts with
-  prompt + output (the agent re-sends its history), so finished output pages can be matched.
+  prompt + output (the agent re-sends its history), so finished output pages can be matched;
+- ``media`` (multimodal traces; empty for text) lists the prompt's media items in prompt order, each a run of
+  ``tokens`` placeholder rows from ``offset`` inside the prompt, named by its 16-byte digest: the marks the page
+  names fold in, and for an item with a ``modality`` the key of its encoder output.
 """
 
 from __future__ import annotations
@@ -23,11 +26,26 @@ import numpy as np
 
 if TYPE_CHECKING:  # the CLI's --help imports this module, and mmcache imports torch
     from mmcache.errors import TraceError
+    from workloads.sizing.service import ServiceModel
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One media item of a prompt: placeholder rows ``offset .. offset + tokens``, its digest, and what it takes to
+    fill them. ``modality`` names the encoder that makes its rows ("image", "audio"), whose output is ``nbytes``
+    bytes; None for rows the request already holds (generated audio frames a voice session sends back), which are
+    named in the chain but never encoded."""
+
+    offset: int
+    tokens: int
+    digest: bytes
+    modality: str | None = None
+    nbytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TextRequest:
-    """One API call of a text workload, ready to admit."""
+    """One API call of a text (or multimodal) workload, ready to admit."""
 
     rid: str
     session: str
@@ -36,10 +54,21 @@ class TextRequest:
     names: list[int] | None         # one per full page of the prompt, or None to let the cache compute them
     output_ids: np.ndarray | None   # int32 generated tokens, or None when the trace does not give them
     output_len: int
+    media: tuple[MediaItem, ...] = ()
 
     @property
     def prompt_len(self) -> int:
         return int(self.token_ids.size)
+
+    @property
+    def marks(self) -> list[tuple[int, bytes]]:
+        """``(offset, digest)`` of every media item: what ``page_names`` and ``PrefixCache.admit`` fold in."""
+        return [(m.offset, m.digest) for m in self.media]
+
+    @property
+    def encoded(self) -> tuple[MediaItem, ...]:
+        """The media items an encoder makes, in prompt order."""
+        return tuple(m for m in self.media if m.modality is not None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,6 +97,7 @@ class TextTrace:
     kind: str                  # "mooncake", "swe-agent", "openai-conversations", "openai-requests", "sharegpt"
     sessions: list[Session]
     page_size: int | None = None
+    first_audio_tokens: int | None = None  # audio output: tokens (frames) before the first audio chunk; None: text
     errors: list[TraceError] = dataclasses.field(default_factory=list)
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # readable records not replayed, by reason
 
@@ -83,3 +113,18 @@ class TextTrace:
     @property
     def prompt_tokens(self) -> int:
         return sum(c.prompt_len for s in self.sessions for c in s.calls)
+
+
+def turn_calls(start_s: float, lengths: Sequence[tuple[int, int]], think_s: float, rng: np.random.Generator,
+               service: ServiceModel | None = None) -> list[CallInfo]:
+    """The calls of a generated session of ``(prompt_len, output_len)`` turns: the first sent at ``start_s``, each
+    next one ``think_s`` (exponential mean, drawn from ``rng``) after the previous one would have ended unserved by
+    any cache under ``service`` (default: the default ``ServiceModel``), so a session's calls stay in causal order."""
+    if service is None:
+        from workloads.sizing.service import ServiceModel
+        service = ServiceModel()
+    calls, t = [], start_s
+    for prompt_len, output_len in lengths:
+        calls.append(CallInfo(t, int(prompt_len), int(output_len)))
+        t += service.duration(prompt_len, output_len) + float(rng.exponential(think_s))
+    return calls
