@@ -40,7 +40,8 @@ from mmcache.encoder_store import EncoderStore  # noqa: E402
 from workloads.fixtures import t5_style_tokenizer  # noqa: E402
 from workloads.registry import data_place  # noqa: E402
 
-WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，JPEG压缩残留，"
+WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，"
+                "最差质量，低质量，JPEG压缩残留，"
                 "丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，手指融合，"
                 "静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 UMT5 = {"base": dict(d_model=768, d_ff=2048, num_layers=12, num_heads=12, d_kv=64),

@@ -20,9 +20,9 @@ import xxhash
 from torch import nn
 
 import digests
-from mmcache.encoder_key import EncoderKey
+from mmcache.encoder_key import EncoderKey, stable_bytes
 from mmcache.encoder_store import EncoderStore, Lookup
-from mmcache.errors import InvalidMedia
+from mmcache.errors import InvalidMedia, InvalidRequest
 
 
 def module_fingerprint(module: nn.Module) -> str:
@@ -71,7 +71,9 @@ class CachedEncoder:
     pipeline on every call); ``encoder.lookup(media)``: the same as a ``Lookup`` that says whether it hit.
 
     Invariants: a hit equals the miss that stored it bit for bit; media that cannot be read or decoded raises
-    ``InvalidMedia`` and stores nothing; outputs come back on ``device`` whether computed or gathered.
+    ``InvalidMedia`` and stores nothing; outputs come back on ``device`` whether computed or gathered. On a store
+    with tiers the fingerprint must have a process-independent form (``mmcache.encoder_key.stable_bytes``), else
+    ``InvalidRequest`` here, at construction.
     """
 
     modality: str
@@ -79,6 +81,9 @@ class CachedEncoder:
 
     def __init__(self, store: EncoderStore | None, fingerprint: str, *, salt: bytes = b"",
                  device: torch.device | str, dtype: torch.dtype):
+        if store is not None and store.tiers is not None and stable_bytes(fingerprint) is None:
+            raise InvalidRequest(f"a store with tiers names outputs outside this process: the fingerprint must be a "
+                                 f"str (or bytes, int, tuple of them), got {type(fingerprint).__name__}")
         self.store, self.fingerprint, self.salt = store, fingerprint, salt
         self.device, self.dtype = torch.device(device), dtype
 

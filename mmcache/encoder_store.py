@@ -17,6 +17,13 @@ out. The pool frees a page when its count reaches 0; this module never frees pag
 cache on the same pool), takes only entries whose pages the store alone owns (count 1), whole entries, and orders them
 with the prefix indexes' pages by recency on the pool's one clock (``_Entry.tick``: the last put, hit or pin).
 
+Tiers: with ``tiers`` (an ``EncoderLowerTier``, ``mmcache.tiers.EncoderTiers``) an entry the pool evicts is handed to
+the tier with its bytes while they are intact (``spill``: write-back to a host tier), every stored value is handed to
+it after the put (``publish``: write-through to a store shared by instances), and a lookup that misses on the device
+asks it (``fetch``: host, then the shared store, outside the lock, one bounded wait per call) before the encoder runs;
+a tier hit is stored on the device again. The tier verifies every entry it hands back against the full key, and the
+store checks ``expect`` on it too; whatever fails, is slow or is down is a miss, never an error.
+
 Locking: the pool's ``cache_lock`` (shared with every other cache on the pool, so eviction across kinds is atomic)
 guards the index, the in-flight table and the counters; it is taken before the pool's page lock, never after. Byte
 copies run outside it: a put writes into pages it alone owns and nobody can see, then publishes them; a hit retains its
@@ -30,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -45,8 +52,7 @@ from mmcache.stats import EncoderCounters, EncoderStoreStats
 logger = logging.getLogger(__name__)
 
 _ALIGN = 16  # byte offset of each tensor within an entry: every dtype view of the gathered bytes is aligned
-_ZERO = {**dict.fromkeys(("queries", "hits", "misses", "bytes_stored", "evictions", "evicted_bytes", "bypasses",
-                          "joins", "collisions"), 0), "time_saved_s": 0.0}
+_ZERO = {f.name: f.default for f in dataclasses.fields(EncoderCounters)}
 
 
 def _check_key(key) -> None:
@@ -86,6 +92,75 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
+def _blob(leaves: list[torch.Tensor], layout: tuple, size: int, device) -> torch.Tensor:
+    """The entry's bytes in its aligned ``layout``, zero-padded to ``size``, as a 1-D uint8 tensor on ``device`` (the
+    one tensor's own bytes, not a copy, when it is alone, on ``device`` and exactly ``size`` bytes)."""
+    if len(leaves) == 1 and leaves[0].numel() * leaves[0].element_size() == size:
+        return _as_bytes(leaves[0]).to(device)
+    blob = torch.zeros(size, dtype=torch.uint8, device=device)
+    for t, (_, _, off) in zip(leaves, layout):
+        blob[off:off + t.numel() * t.element_size()].copy_(_as_bytes(t))
+    return blob
+
+
+def _tensors(buf: torch.Tensor, layout: tuple) -> Iterator[torch.Tensor]:
+    """The tensors of ``layout`` as views of ``buf`` (uint8, the aligned layout)."""
+    return (buf[off:off + dtype.itemsize * math.prod(shape)].view(dtype).view(shape) for shape, dtype, off in layout)
+
+
+def entry_layout(specs) -> tuple[tuple, int]:
+    """``((shape, dtype, byte offset) per tensor, total bytes)`` of an entry whose tensors have ``specs`` (shape,
+    dtype): each tensor starts at a multiple of ``_ALIGN`` bytes, in order, so the layout is a function of the specs
+    alone (what a tier checks an entry read back against)."""
+    layout, nbytes = [], 0
+    for shape, dtype in specs:
+        nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        layout.append((tuple(shape), dtype, nbytes))
+        nbytes += math.prod(shape) * dtype.itemsize
+    return tuple(layout), nbytes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoredBytes:
+    """One entry as bytes, what an ``EncoderLowerTier`` keeps and hands back: ``key``, the tree spec and ``layout``
+    of its tensors (``entry_layout``), ``nbytes``, the encoder seconds it cost (``compute_s``) and ``data``, a 1-D
+    uint8 tensor of exactly ``nbytes`` in the aligned layout."""
+
+    key: EncoderKey
+    tree: Any
+    layout: tuple
+    nbytes: int
+    compute_s: float
+    data: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TierRead:
+    """What ``EncoderLowerTier.fetch`` found for one key: a verified ``entry`` and the tier it came from
+    (``source``: ``"host"`` or ``"shared"``), or neither; ``counts``: the tier counters it advanced (names of
+    ``mmcache.stats.EncoderCounters`` fields: ``host_hits``, ``store_rejected``, ...)."""
+
+    entry: StoredBytes | None = None
+    source: str | None = None
+    counts: dict = dataclasses.field(default_factory=dict)
+
+
+class EncoderLowerTier(Protocol):
+    """Storage below an ``EncoderStore``'s pool (``mmcache.tiers.EncoderTiers``). A tier's failure is a miss:
+    nothing raises into a lookup, and nothing blocks past the tier's own deadline."""
+
+    def spill(self, entries: list[StoredBytes]) -> list[bool]:
+        """The store is evicting ``entries`` (called under the pool's ``cache_lock``): keep what the tier keeps;
+        whether each was written."""
+
+    def publish(self, entry: StoredBytes) -> None:
+        """``entry`` was just stored (no lock held): share it (queued, off the request's path)."""
+
+    def fetch(self, keys: list[EncoderKey], accept: Callable[[EncoderKey, tuple], bool]) -> list[TierRead]:
+        """A ``TierRead`` per key (no lock held, one bounded wait for the whole call): an entry verified against its
+        key in full and by ``accept(key, layout)`` before it is returned."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Entry:
     key: EncoderKey
@@ -111,8 +186,9 @@ class _Flight:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lookup:
     """One ``get_or_compute`` (or one key of ``get_or_compute_many``): a private copy of the value, and where it came
-    from: ``"store"`` (a hit), ``"joined"`` (another caller's concurrent miss on the same key computed it) or
-    ``"computed"`` (``fn`` ran for this caller)."""
+    from: ``"store"`` (a hit), ``"host"`` or ``"shared"`` (a hit in the store's host tier or the store shared by
+    instances, stored on the device again), ``"joined"`` (another caller's concurrent miss on the same key computed
+    it) or ``"computed"`` (``fn`` ran for this caller)."""
 
     value: Any
     source: str
@@ -201,12 +277,14 @@ class EncoderStore:
     ``pool``: a pool with data (any page shape and dtype) or, with ``page_data``, a metadata-only pool whose page ids
     index ``page_data`` along ``page_dim`` (M*'s KV tensor: ``page_dim=1``). Hits come back on the pool's device.
     ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of shapes and a list of dtypes for a
-    tuple/list/dict of tensors; ``None`` in a shape matches any size).
+    tuple/list/dict of tensors; ``None`` in a shape matches any size). ``tiers``: an ``EncoderLowerTier`` under the
+    pool (see the module docstring); its keys' fingerprints must have a stable byte form
+    (``EncoderKey.stable_name``), else ``InvalidRequest`` before anything changes.
     """
 
     def __init__(self, capacity_bytes: int | None = None, page_bytes: int = 65536, device: str | torch.device = "cpu",
                  *, pool: PagePool | None = None, expect: tuple | None = None,
-                 page_data: torch.Tensor | None = None, page_dim: int = 0):
+                 page_data: torch.Tensor | None = None, page_dim: int = 0, tiers: EncoderLowerTier | None = None):
         if pool is None:
             if capacity_bytes is None:
                 raise InvalidRequest("an encoder store needs capacity_bytes or a pool")
@@ -226,6 +304,7 @@ class EncoderStore:
         self.page_bytes = self._bytes.page_bytes
         self.capacity_bytes = pool.num_pages * self.page_bytes
         self.expect = expect
+        self.tiers = tiers
         self._lock = pool.cache_lock
         self._entries: dict[tuple, _Entry] = {}
         self._flights: dict[tuple, _Flight] = {}
@@ -237,20 +316,25 @@ class EncoderStore:
 
     def get(self, key: EncoderKey):
         """A fresh copy of the value stored under ``key``, or None; one query, a hit or a miss (+ a collision when the
-        name matches but the verifying ids do not)."""
-        _check_key(key)
+        name matches but the verifying ids do not). A device miss asks the tiers; their hit is stored again."""
+        self._check(key)
         with self._lock:
             entry = self._lookup(key)
-        return None if entry is None else self._gather(entry)
+        if entry is not None:
+            return self._gather(entry)
+        found = self._from_tiers([key])[0]
+        return None if found is None else found[0]
 
     def get_pinned(self, key: EncoderKey):
         """``(value, pin)``: ``get`` and ``pin`` in one lookup (the owner taken to read the value becomes the pin's);
         None on a miss. Counted as ``get`` counts."""
-        _check_key(key)
+        self._check(key)
         with self._lock:
             entry = self._lookup(key)
         if entry is None:
-            return None
+            found = self._from_tiers([key])[0]
+            pin = None if found is None else self.pin(key)
+            return None if pin is None else (found[0], pin)
         try:
             return self._read(entry), EncoderPin(self, entry)
         except BaseException:
@@ -263,19 +347,19 @@ class EncoderStore:
         Raises ``EncoderOutputError`` before any state changes for non-tensor values, values unlike ``expect``, or a
         shape/dtype unlike the entry stored for the same key and verifying ids. A bypass (larger than the pool, or no
         room because everything left is pinned) stores nothing and drops the replaced entry, so a get never returns
-        anything but the last value put. ``compute_s`` is the encoder time each later hit saves.
+        anything but the last value put. ``compute_s`` is the encoder time each later hit saves. A stored value is
+        handed to the tiers (``publish``) after the put.
         """
-        _check_key(key)
+        self._check(key)
+        return self._put(key, value, compute_s, publish=True)
+
+    def _put(self, key: EncoderKey, value, compute_s: float, publish: bool) -> bool:
+        """``put`` of a checked key; ``publish``: hand the stored value to the tiers (not for a value a tier gave)."""
         leaves: list[torch.Tensor] = []
         tree = _flatten(value, leaves)
         if self.expect is not None:
-            self._check_expect(key, leaves)
-        layout, nbytes = [], 0
-        for t in leaves:
-            nbytes = -(-nbytes // _ALIGN) * _ALIGN
-            layout.append((tuple(t.shape), t.dtype, nbytes))
-            nbytes += t.numel() * t.element_size()
-        layout = tuple(layout)
+            self._check_expect(key, [(tuple(t.shape), t.dtype) for t in leaves])
+        layout, nbytes = entry_layout((t.shape, t.dtype) for t in leaves)
         n = -(-nbytes // self.page_bytes)
         with self._lock:
             self._check_replace(key, tree, layout)
@@ -300,6 +384,9 @@ class EncoderStore:
         except BaseException:
             self.pool.release(pages)
             raise
+        if publish and self.tiers is not None:
+            self.tiers.publish(StoredBytes(key, tree, layout, nbytes, float(compute_s),
+                                           _blob(leaves, layout, nbytes, torch.device("cpu"))))
         return True
 
     def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]) -> Lookup:
@@ -318,16 +405,18 @@ class EncoderStore:
         ``compute_missing(indices)`` (``indices`` into ``keys``, the first use of each led key; it returns their values
         in that order), misses another caller (of either form) is computing joined.
 
-        One query per distinct key (name and verifying ids); a later use of a key in ``keys`` is a copy of the first
-        (``"joined"`` when the first was computed, counted as a join). A name in flight with other verifying ids is
-        computed here, uncoordinated (a collision). ``pin``: each Lookup also holds an ``EncoderPin`` on its entry
-        (None when the value could not be stored), one per use, released by the caller. On any failure (of
-        ``compute_missing``, of a joined computation, of a put) the exception is raised after every owner this call
-        took is dropped; nothing of the failed keys is stored and their joiners get the same exception.
+        With tiers, the misses this call leads ask them first, all in one ``fetch`` (one bounded wait), and only what
+        no tier holds is computed. One query per distinct key (name and verifying ids); a later use of a key in
+        ``keys`` is a copy of the first (``"joined"`` when the first was computed, counted as a join). A name in
+        flight with other verifying ids is computed here, uncoordinated (a collision). ``pin``: each Lookup also holds
+        an ``EncoderPin`` on its entry (None when the value could not be stored), one per use, released by the
+        caller. On any failure (of ``compute_missing``, of a joined computation, of a put) the exception is raised
+        after every owner this call took is dropped; nothing of the failed keys is stored and their joiners get the
+        same exception.
         """
         keys = list(keys)
         for key in keys:
-            _check_key(key)
+            self._check(key)
         firsts, plan = {}, []  # identity -> index of first use; per distinct key: (index, entry, flight, lead)
         with self._lock:
             for i, key in enumerate(keys):
@@ -377,20 +466,27 @@ class EncoderStore:
                 self.pool.release(entry.pages)
 
     def _compute_led(self, keys: list, plan: list, compute_missing: Callable, found: dict) -> None:
-        """Run ``compute_missing`` once over the misses this call leads, store each value, publish it to joiners
-        (no lock held)."""
+        """Resolve the misses this call leads: from the tiers first (one fetch for all of them), then the rest by
+        ONE ``compute_missing``, each value stored; publish each to joiners (no lock held)."""
         led = [(i, flight) for i, entry, flight, lead in plan if lead]
         if not led:
             return
         try:
-            start = time.perf_counter()
-            values = list(compute_missing([i for i, _ in led]))
-            if len(values) != len(led):
-                raise EncoderOutputError(f"compute_missing returned {len(values)} values for {len(led)} keys")
-            share = (time.perf_counter() - start) / len(led)
-            for (i, _), value in zip(led, values):
-                self.put(keys[i], value, compute_s=share)
-                found[i] = (value, "computed")
+            todo = led
+            if self.tiers is not None:
+                for (i, _), got in zip(led, self._from_tiers([keys[i] for i, _ in led])):
+                    if got is not None:
+                        found[i] = got[0], got[1]
+                todo = [(i, flight) for i, flight in led if i not in found]
+            if todo:
+                start = time.perf_counter()
+                values = list(compute_missing([i for i, _ in todo]))
+                if len(values) != len(todo):
+                    raise EncoderOutputError(f"compute_missing returned {len(values)} values for {len(todo)} keys")
+                share = (time.perf_counter() - start) / len(todo)
+                for (i, _), value in zip(todo, values):
+                    self._put(keys[i], value, share, publish=True)
+                    found[i] = (value, "computed")
         except BaseException as exc:
             for _, flight in led:
                 if flight is not None:
@@ -471,6 +567,44 @@ class EncoderStore:
 
     # -- internals (``_lock`` held unless stated) ---------------------------------------------------------------------
 
+    def _check(self, key) -> None:
+        """``InvalidRequest`` unless ``key`` is an EncoderKey this store can file (with tiers: under a stable name)."""
+        _check_key(key)
+        if self.tiers is not None:
+            key.stable_name  # InvalidRequest when the fingerprint has no form outside this process
+
+    def _from_tiers(self, keys: list[EncoderKey]) -> list[tuple[Any, str] | None]:
+        """Per key (each a device miss): ``(value, source)`` of a verified tier hit, stored on the device again, or
+        None (no tier, a miss in every tier, a rejection, a tier down or late). No lock held; counted."""
+        if self.tiers is None:
+            return [None] * len(keys)
+        reads = self.tiers.fetch(keys, self._accepts)
+        out = []
+        for key, read in zip(keys, reads):
+            got = None
+            if read.entry is not None:
+                e = read.entry
+                value = _unflatten(e.tree, _tensors(e.data.to(self._bytes.device), e.layout))
+                try:
+                    self._put(key, value, e.compute_s, publish=False)
+                except EncoderOutputError:  # a concurrent put stored another layout for this key: serve, keep it
+                    pass
+                got = value, read.source
+            with self._lock:
+                self._count(key.modality, time_saved_s=read.entry.compute_s if got else 0.0, **read.counts)
+            out.append(got)
+        return out
+
+    def _accepts(self, key: EncoderKey, layout: tuple) -> bool:
+        """Whether an entry of ``layout`` read from a tier may be stored under ``key`` (``expect``)."""
+        if self.expect is None:
+            return True
+        try:
+            self._check_expect(key, [(s, d) for s, d, _ in layout])
+        except EncoderOutputError:
+            return False
+        return True
+
     def _count(self, modality: str, **deltas) -> None:
         per = self._by_modality.setdefault(modality, dict(_ZERO))
         for name, delta in deltas.items():
@@ -496,11 +630,11 @@ class EncoderStore:
         self._count(key.modality, queries=1, hits=1, time_saved_s=entry.compute_s)
         return entry
 
-    def _check_expect(self, key: EncoderKey, leaves: list[torch.Tensor]) -> None:
+    def _check_expect(self, key: EncoderKey, got: list[tuple]) -> None:
+        """``EncoderOutputError`` unless tensors of ``got`` ((shape, dtype) each) are what ``expect`` allows."""
         shape, dtype = self.expect
         shape = shape(key) if callable(shape) else shape
         want = [(shape, dtype)] if isinstance(dtype, torch.dtype) else list(zip(shape, dtype))
-        got = [(tuple(t.shape), t.dtype) for t in leaves]
         if len(want) != len(got) or any(
                 d != gd or len(s) != len(gs) or any(w is not None and w != g for w, g in zip(s, gs))
                 for (s, d), (gs, gd) in zip(want, got)):
@@ -545,11 +679,16 @@ class EncoderStore:
             self._drop([entry])
 
     def _drop(self, entries: list[_Entry], evicted: bool = False) -> None:
-        """Unindex ``entries`` and release the store's owner on all their pages in one call."""
-        for e in entries:
+        """Unindex ``entries`` and release the store's owner on all their pages in one call; evicted ones are spilled
+        to the tiers first, while their bytes are intact."""
+        spilled = [False] * len(entries)
+        if evicted and self.tiers is not None and entries:
+            spilled = self.tiers.spill([StoredBytes(e.key, e.tree, e.layout, e.nbytes, e.compute_s,
+                                                    self._bytes.read(e.index)[:e.nbytes]) for e in entries])
+        for e, spill in zip(entries, spilled):
             del self._entries[e.key.name]
             self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
-                        evicted_bytes=e.nbytes if evicted else 0)
+                        evicted_bytes=e.nbytes if evicted else 0, host_spilled=int(spill))
         self.pool.release([p for e in entries for p in e.pages])
 
     def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:
@@ -566,18 +705,14 @@ class EncoderStore:
                 last[:blob.numel() - full * pb] = blob[full * pb:]
                 self._bytes.write(index[full:], last)
             return index
-        blob = torch.zeros(len(pages) * pb, dtype=torch.uint8, device=device)  # the aligned layout, whole pages
-        for t, (_, _, off) in zip(leaves, layout):
-            blob[off:off + t.numel() * t.element_size()].copy_(_as_bytes(t))
         if pages:
-            self._bytes.write(index, blob)
+            self._bytes.write(index, _blob(leaves, layout, len(pages) * pb, device))  # whole pages
         return index
 
     def _read(self, entry: _Entry):
         """A fresh copy of ``entry``'s value (no lock held; the caller holds an owner on its pages)."""
         buf = self._bytes.read(entry.index)  # new memory: never aliases a page
-        return _unflatten(entry.tree, (buf[off:off + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
-                                       for shape, dtype, off in entry.layout))
+        return _unflatten(entry.tree, _tensors(buf, entry.layout))
 
     def _gather(self, entry: _Entry):
         """``_read``, then drop the owner ``_lookup`` added (no lock held)."""

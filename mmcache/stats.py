@@ -41,7 +41,11 @@ class PrefixCacheStats(_Snapshot):
 @dataclasses.dataclass(frozen=True, slots=True)
 class EncoderCounters(_Snapshot):
     """One set of ``EncoderStore`` counters (all modalities, or one). ``bytes_stored`` is what is stored now; the
-    rest only grow. ``time_saved_s`` sums the encoder time of the misses whose stored outputs later hits returned."""
+    rest only grow. ``hits``/``misses`` are the device store's; a device miss then asks the tiers, each counting a
+    hit, a miss or a rejection (an entry that failed verification: a miss too), the shared store's MAC failures
+    apart from its other rejections. ``host_spilled`` counts evicted entries written to the host tier.
+    ``time_saved_s`` sums the encoder time of the misses whose stored outputs later hits returned, tier hits
+    included (the time the instance that computed the entry measured)."""
 
     queries: int = 0
     hits: int = 0
@@ -53,6 +57,14 @@ class EncoderCounters(_Snapshot):
     joins: int = 0
     collisions: int = 0
     time_saved_s: float = 0.0
+    host_spilled: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    host_rejected: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
+    store_rejected: int = 0
+    store_mac_failures: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,7 +126,9 @@ class TierStats(_Snapshot):
     ``*_hit_pages`` less those dropped when the device had no room or the chain left the index meanwhile); with the
     device's share (``PrefixCacheStats.hit_tokens / page_size`` less both) they are the hits by tier.
     ``store_wait``: seconds each lookup that asked the store spent in it (its batched reads within the deadline, and
-    verification); lookups that skipped a store marked down are in ``store_skipped``, not here.
+    verification); lookups that skipped a store marked down are in ``store_skipped``, not here. A ``StoreTier`` that
+    an ``EncoderStore``'s tiers share counts their reads too (``store_published_entries``: encoder entries put; their
+    wait is the batched read, verified after it).
     ``to_dict()`` is flat (``host_*`` and ``store_*`` keys), ``store_wait`` as its own dict.
     """
 
@@ -131,6 +145,7 @@ class TierStats(_Snapshot):
     host_collisions: int = 0
     store_up: bool = False
     store_published_pages: int = 0
+    store_published_entries: int = 0
     store_publish_dropped: int = 0
     store_hit_pages: int = 0
     store_gets: int = 0

@@ -14,7 +14,8 @@ from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack
 from mmcache.tiers.store import WAIT_BOUNDS
 
 COUNTERS = ["queries", "hits", "misses", "bytes_stored", "evictions", "evicted_bytes", "bypasses", "joins",
-            "collisions", "time_saved_s"]
+            "collisions", "time_saved_s", "host_spilled", "host_hits", "host_misses", "host_rejected", "store_hits",
+            "store_misses", "store_rejected", "store_mac_failures"]
 
 
 def test_prefix_cache_stats_are_a_frozen_snapshot_with_the_documented_keys():

@@ -267,7 +267,8 @@ class CachedEncoderNode(NodeSubmodule):
         counts, seen = {"store": 0, "computed": 0, "joined": 0}, set()
         for key, got in zip(keys, found):
             ident = (key.name, key.verify_ids)
-            counts[got.source if ident not in seen else "joined"] += 1
+            source = "store" if got.source in ("host", "shared") else got.source  # a tier hit is a hit too
+            counts[source if ident not in seen else "joined"] += 1
             seen.add(ident)
         with self._lock:
             c = self.counters

@@ -4,10 +4,11 @@ Write-back: a page is copied to the host only when the device evicts it (``spill
 the device. Inclusive: a page copied back up stays in the host tier too, so evicting it from the device again costs
 no copy. The tier owns one owner count on each page it holds in its ``HostPagePool``; a lookup that hits pins the
 matched pages (one more owner) until their bytes are copied up, so the tier's own eviction never takes a page that
-is being read. The tier is the one evictable owner of its host pool (``mmcache.reclaim``): its entries are ordered by
-the host pool's clock with the same ``eviction_key`` as the device index, and room is made by the same ``make_room``.
-The tier takes no lock of its own: its one user (``TierStack``, driven under the device pool's ``cache_lock``)
-serializes every call.
+is being read. The tier is an evictable owner of its host pool (``mmcache.reclaim``): its entries are ordered by the
+host pool's clock with the same ``eviction_key`` as the device index, and room is made by the same ``make_room``; an
+``EncoderHostTier`` may share the pool (``mmcache.tiers.encoder_host``), and eviction then chooses across both. Its
+one KV user (``TierStack``) drives it under the device pool's ``cache_lock``; ``put`` and ``match`` also take the host
+pool's (after the device's, never before), which serializes them with an encoder tier on the same host pool.
 """
 
 from __future__ import annotations
@@ -84,67 +85,69 @@ class HostTier:
 
         A name already held with equal ids is only refreshed (no copy); one held with other ids is replaced. Pages
         beyond the tier's free room after dropping its coldest unpinned pages are skipped. Returns pages copied."""
-        if not can_hold(self.pool, src):
-            raise InvalidRequest(f"host tier pages {self.pool!r} cannot hold device pages {src!r}")
-        tick = self.pool.clock.tick()
-        fresh_at, replace = [], []
-        for j, name in enumerate(names):
-            page = self._pages.get(name)
-            if page is not None and self._same(page, tokens[j], media[j], parent_lineages[j], depths[j]):
-                self._tick[page] = tick
-                self.counters["refreshed_pages"] += 1
-            else:
-                if page is not None:
-                    replace.append(page)
-                fresh_at.append(j)
-        self._drop(np.asarray(replace, dtype=np.int64))
-        room = self._free_up_to(len(fresh_at))
-        fresh_at = fresh_at[:room]
-        if not fresh_at:
-            return 0
-        hp = self.pool.alloc(len(fresh_at))
-        copy_pages(src, [src_pages[j] for j in fresh_at], self.pool, hp)
-        for j, page in zip(fresh_at, hp):
-            self._pages[names[j]] = page
-        self._name[hp] = np.array([names[j] for j in fresh_at], dtype=np.uint64)
-        self._tokens[hp] = tokens[fresh_at]
-        self._media[hp] = media[fresh_at]
-        self._plin[hp] = np.array([parent_lineages[j] for j in fresh_at], dtype=_LIN)
-        self._depth[hp] = np.asarray(depths)[fresh_at]
-        self._tick[hp] = tick
-        self._held[hp] = True
-        self.counters["written_pages"] += len(hp)
-        return len(hp)
+        with self.pool.cache_lock:  # shared with an EncoderHostTier on the same host pool
+            if not can_hold(self.pool, src):
+                raise InvalidRequest(f"host tier pages {self.pool!r} cannot hold device pages {src!r}")
+            tick = self.pool.clock.tick()
+            fresh_at, replace = [], []
+            for j, name in enumerate(names):
+                page = self._pages.get(name)
+                if page is not None and self._same(page, tokens[j], media[j], parent_lineages[j], depths[j]):
+                    self._tick[page] = tick
+                    self.counters["refreshed_pages"] += 1
+                else:
+                    if page is not None:
+                        replace.append(page)
+                    fresh_at.append(j)
+            self._drop(np.asarray(replace, dtype=np.int64))
+            room = self._free_up_to(len(fresh_at))
+            fresh_at = fresh_at[:room]
+            if not fresh_at:
+                return 0
+            hp = self.pool.alloc(len(fresh_at))
+            copy_pages(src, [src_pages[j] for j in fresh_at], self.pool, hp)
+            for j, page in zip(fresh_at, hp):
+                self._pages[names[j]] = page
+            self._name[hp] = np.array([names[j] for j in fresh_at], dtype=np.uint64)
+            self._tokens[hp] = tokens[fresh_at]
+            self._media[hp] = media[fresh_at]
+            self._plin[hp] = np.array([parent_lineages[j] for j in fresh_at], dtype=_LIN)
+            self._depth[hp] = np.asarray(depths)[fresh_at]
+            self._tick[hp] = tick
+            self._held[hp] = True
+            self.counters["written_pages"] += len(hp)
+            return len(hp)
 
     def match(self, names, start: int, tokens: np.ndarray, mids: np.ndarray, lineage: RequestLineage) -> list[int]:
         """Host pages for pages ``start, start+1, ...`` of a request, to the first miss or failed verification:
         each entry's tokens, media, depth and parent lineage must equal the request's own. Pins the returned pages
         (one more owner each): the caller releases them once their bytes are copied up."""
-        idx = np.fromiter(map(self._pages.get, names[start:], repeat(-1)), dtype=np.int64,
-                          count=len(names) - start)
-        miss = np.flatnonzero(idx < 0)
-        if miss.size:
-            idx = idx[:miss[0]]
-        if not idx.size:
-            return []
-        k, P = idx.size, self.page_size
-        ok = (self._depth[idx] == np.arange(start, start + k)) & (self._media[idx] == mids[start:start + k]).all(1)
-        ok &= (self._tokens[idx] == tokens[start * P:(start + k) * P].reshape(k, P)).all(1)
-        # the parent lineages last, one hash per page, only as far as the cheap checks pass
-        k = k if ok.all() else int(np.argmin(ok))
-        plin = self._plin[idx[:k]]
-        for i in range(k):
-            if plin[i].tobytes() != lineage.before(start + i):
-                k = i
-                break
-        if k < idx.size:
-            self.counters["collisions"] += 1
-        out = idx[:k].tolist()
-        if out:
-            self.pool.retain(out, distinct=True)
-            self._tick[out] = self.pool.clock.tick()
-            self.counters["hit_pages"] += len(out)
-        return out
+        with self.pool.cache_lock:  # shared with an EncoderHostTier on the same host pool
+            idx = np.fromiter(map(self._pages.get, names[start:], repeat(-1)), dtype=np.int64,
+                              count=len(names) - start)
+            miss = np.flatnonzero(idx < 0)
+            if miss.size:
+                idx = idx[:miss[0]]
+            if not idx.size:
+                return []
+            k, P = idx.size, self.page_size
+            ok = (self._depth[idx] == np.arange(start, start + k)) & (self._media[idx] == mids[start:start + k]).all(1)
+            ok &= (self._tokens[idx] == tokens[start * P:(start + k) * P].reshape(k, P)).all(1)
+            # the parent lineages last, one hash per page, only as far as the cheap checks pass
+            k = k if ok.all() else int(np.argmin(ok))
+            plin = self._plin[idx[:k]]
+            for i in range(k):
+                if plin[i].tobytes() != lineage.before(start + i):
+                    k = i
+                    break
+            if k < idx.size:
+                self.counters["collisions"] += 1
+            out = idx[:k].tolist()
+            if out:
+                self.pool.retain(out, distinct=True)
+                self._tick[out] = self.pool.clock.tick()
+                self.counters["hit_pages"] += len(out)
+            return out
 
     def _same(self, page: int, tokens, mid, parent_lineage: bytes, depth: int) -> bool:
         return bool(self._depth[page] == depth and (self._media[page] == mid).all()

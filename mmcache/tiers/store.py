@@ -181,10 +181,10 @@ class StoreTier:
         self.deadline_s, self.batch_pages = deadline_s, batch_pages
         self._down = False
         self._health = threading.Condition()
-        self.counters = dict.fromkeys(("published_pages", "publish_dropped", "hit_pages", "gets", "batches", "misses",
-                                       "rejected", "mac_failures", "failures", "late", "read_errors", "skipped",
-                                       "probes"), 0)
-        self.wait = WaitHistogram(WAIT_BOUNDS)  # seconds each lookup that asked the store spent in ``match``
+        self.counters = dict.fromkeys(("published_pages", "published_entries", "publish_dropped", "hit_pages", "gets",
+                                       "batches", "misses", "rejected", "mac_failures", "failures", "late",
+                                       "read_errors", "skipped", "probes"), 0)
+        self.wait = WaitHistogram(WAIT_BOUNDS)  # seconds each lookup that asked the store spent reading it
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._prober: threading.Thread | None = None
@@ -231,18 +231,19 @@ class StoreTier:
                     self._down = False
 
     # ----------------------------------------------------------------- publish
-    def publish(self, items: list[tuple[str, bytes]]) -> None:
+    def publish(self, items: list[tuple[str, bytes]], counter: str = "published_pages") -> None:
         """Put ``(key, payload)`` pairs: on the publisher thread with ``publish_async`` (dropped, and counted, when
-        its queue is full or the store is down), else now."""
-        for item in items:
+        its queue is full or the store is down), else now. Each put counts in ``counter`` (``published_pages`` for KV
+        pages, ``published_entries`` for encoder entries)."""
+        for key, payload in items:
             if self._closed:
                 self.counters["publish_dropped"] += 1
                 continue
             if self._queue is None:
-                self._put(*item)
+                self._put(key, payload, counter)
                 continue
             try:
-                self._queue.put_nowait(item)
+                self._queue.put_nowait((key, payload, counter))
             except queue.Full:
                 self.counters["publish_dropped"] += 1
 
@@ -283,7 +284,7 @@ class StoreTier:
             finally:
                 self._queue.task_done()
 
-    def _put(self, key: str, payload: bytes) -> None:
+    def _put(self, key: str, payload: bytes, counter: str) -> None:
         if not self.up:
             self.counters["publish_dropped"] += 1
             return
@@ -292,7 +293,7 @@ class StoreTier:
         except Exception:  # noqa: BLE001 - any store failure is a miss, never a request's error
             ok = False
         if ok:
-            self.counters["published_pages"] += 1
+            self.counters[counter] += 1
         else:
             self._failed()
             self.counters["publish_dropped"] += 1
@@ -318,6 +319,27 @@ class StoreTier:
             self.counters["read_errors"] += 1
         self._failed()
         return None
+
+    def fetch(self, keys: list[str]) -> list[bytes]:
+        """The stored payloads of ``keys`` (b"" for each absent one, and for those not read: the store down, a failed
+        read, the deadline passed), read in batches of ``batch_pages`` within one deadline for the whole call. Takes
+        no lock; verifies nothing: the caller verifies every payload before it uses a byte (encoder entries:
+        ``mmcache.tiers.encoder_entry``)."""
+        out = [b""] * len(keys)
+        if not keys:
+            return out
+        if not self.up or self._closed:
+            self.counters["skipped"] += 1
+            return out
+        started = self._clock()
+        deadline = None if self.deadline_s is None else started + self.deadline_s
+        for j in range(0, len(keys), self.batch_pages):
+            payloads = self._read(keys[j:j + self.batch_pages], deadline)
+            if payloads is None:
+                break
+            out[j:j + len(payloads)] = payloads
+        self.wait.observe(self._clock() - started)
+        return out
 
     def match(self, names, start: int, tokens: np.ndarray, mids: np.ndarray, lineage: RequestLineage,
               want: Expected, limit: int | None = None) -> list[memoryview]:

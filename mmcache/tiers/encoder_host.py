@@ -1,0 +1,106 @@
+"""EncoderHostTier: encoder entries evicted from a device ``EncoderStore``, kept in host pages as their payloads
+(``mmcache.tiers.encoder_entry``), so a hit is verified exactly like a shared-store hit.
+
+Write-back, inclusive, like the KV ``HostTier``: an entry is written only when the device evicts it, and one read back
+up stays here, so evicting it again costs no copy (an entry held under the same name and verifying ids is only
+refreshed). It lives on a ``HostPagePool`` (its pages viewed as bytes, any page shape), whose owner counts and
+recency clock it uses as the KV host tier does, and it is an evictable owner of that pool (``mmcache.reclaim``):
+whole entries, coldest first, by the same ``eviction_key``, room made by the same ``make_room``. So one host pool
+can hold a KV ``HostTier`` and an ``EncoderHostTier`` side by side, and a shortfall of either evicts the coldest
+host pages of both kinds. Every method takes the host pool's ``cache_lock`` (which the KV host tier takes too); it
+is taken after a device pool's lock, never before one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from mmcache.errors import InvalidRequest, OutOfPages
+from mmcache.pool import HostPagePool
+from mmcache.reclaim import eviction_key, make_room
+
+
+@dataclasses.dataclass(eq=False)
+class _HostEntry:
+    pages: list[int]
+    length: int           # payload bytes (the last page is zero-padded)
+    verify_ids: bytes | None
+    tick: int
+
+
+class EncoderHostTier:
+    """Store key (``encoder_entry.entry_key``) -> an entry's payload in pages of ``pool``."""
+
+    def __init__(self, pool: HostPagePool):
+        if pool.data is None or not pool.data.is_contiguous():
+            raise InvalidRequest(f"an encoder host tier needs a host pool with data, got {pool!r}")
+        self.pool = pool
+        self.page_bytes = pool.page_bytes
+        self._bytes = pool.data.view(-1).view(torch.uint8).view(pool.num_pages, self.page_bytes)
+        self._entries: dict[str, _HostEntry] = {}
+        self._owner: dict[int, str] = {}  # page -> the key of the entry holding it
+        pool.register(self)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def holds(self, key: str, verify_ids: bytes | None) -> bool:
+        """Whether the entry under ``key`` is held with these verifying ids; if so it is marked used (a refresh)."""
+        with self.pool.cache_lock:
+            e = self._entries.get(key)
+            if e is None or e.verify_ids != verify_ids:
+                return False
+            e.tick = self.pool.clock.tick()
+            return True
+
+    def put(self, key: str, payload: bytes, verify_ids: bytes | None) -> bool:
+        """Hold ``payload`` under ``key`` (replacing what is there), dropping the coldest host pages first when the
+        pool is short; False, with nothing held under ``key``, when it cannot fit."""
+        n = -(-len(payload) // self.page_bytes)
+        with self.pool.cache_lock:
+            self._drop([key])
+            if n > self.pool.num_pages:
+                return False
+            try:
+                make_room(self.pool, n)
+            except OutOfPages:  # pinned KV host pages hold the rest
+                return False
+            pages = self.pool.alloc(n)
+            blob = torch.zeros(n * self.page_bytes, dtype=torch.uint8)
+            blob.numpy()[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            self._bytes.index_copy_(0, torch.as_tensor(pages), blob.view(n, self.page_bytes))
+            self._entries[key] = _HostEntry(pages, len(payload), verify_ids, self.pool.clock.tick())
+            self._owner.update(dict.fromkeys(pages, key))
+            return True
+
+    def get(self, key: str) -> np.ndarray | None:
+        """A copy of the payload under ``key`` (uint8, fresh memory), marked used; None when not held."""
+        with self.pool.cache_lock:
+            e = self._entries.get(key)
+            if e is None:
+                return None
+            e.tick = self.pool.clock.tick()
+            return self._bytes.index_select(0, torch.as_tensor(e.pages)).view(-1)[:e.length].numpy()
+
+    # -- the host pool's reclaim protocol (``mmcache.reclaim``; called under its ``cache_lock``) -----------------------
+    def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every held page (no hit pins one: a hit copies its payload out under the lock), keyed by its entry's
+        last use on the host pool's clock (depth 0), so keys compare with the KV host tier's."""
+        pages = [p for e in self._entries.values() for p in e.pages]
+        ticks = [e.tick for e in self._entries.values() for _ in e.pages]
+        return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
+
+    def evict(self, pages) -> None:
+        """Drop every entry holding one of ``pages`` (whole entries)."""
+        self._drop({self._owner[p] for p in np.asarray(pages).tolist() if p in self._owner})
+
+    def _drop(self, keys) -> None:
+        for key in keys:
+            e = self._entries.pop(key, None)
+            if e is not None:
+                for p in e.pages:
+                    del self._owner[p]
+                self.pool.release(e.pages)

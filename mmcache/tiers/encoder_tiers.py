@@ -1,0 +1,98 @@
+"""EncoderTiers: the host tier and the shared store under one ``EncoderStore``, as the ``EncoderLowerTier`` the store
+declares (``EncoderStore(..., tiers=EncoderTiers(host=..., store=...))``).
+
+- ``spill`` (from the store's eviction, under its pool's ``cache_lock``): evicted entries are encoded keyless and
+  written to the ``EncoderHostTier`` (write-back on eviction; an entry already held there is only refreshed).
+- ``publish`` (after every put of a computed value): the entry, sealed with the store's key, is queued on the
+  ``StoreTier``'s publisher thread (write-through, so another instance can use it while it is hot here). The
+  ``StoreTier`` is the same one a KV ``TierStack`` may use: one publisher, one deadline, one key, one down/probe
+  state for both kinds of entries.
+- ``fetch`` (a device miss, no device lock held): the host tier under its own pool's lock, then the shared store for
+  what is still missing, in batches within one deadline for the whole call (``StoreTier.fetch``); every payload is
+  verified in full (``encoder_entry.decode``) and by the store's ``accept`` before it is returned.
+
+Nothing here raises into a lookup: a tier that is down, late or holds a bad entry gives a miss, counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from mmcache.encoder_key import EncoderKey
+from mmcache.encoder_store import StoredBytes, TierRead
+from mmcache.tiers import encoder_entry
+from mmcache.tiers.encoder_host import EncoderHostTier
+from mmcache.tiers.store import StoreTier
+
+
+@dataclasses.dataclass
+class EncoderTiers:
+    """An ``EncoderHostTier`` and/or a ``StoreTier`` under one encoder store (either may be None)."""
+
+    host: EncoderHostTier | None = None
+    store: StoreTier | None = None
+
+    def spill(self, entries: list[StoredBytes]) -> list[bool]:
+        """Write each evicted entry to the host tier (keyless: host memory is this process's); whether it was
+        written (False without a host tier, for an entry held already, or one that cannot fit)."""
+        if self.host is None:
+            return [False] * len(entries)
+        out = []
+        for entry in entries:
+            key = encoder_entry.entry_key(entry.key)
+            if self.host.holds(key, entry.key.verify_ids):
+                out.append(False)
+                continue
+            payload = encoder_entry.encode(entry)
+            out.append(payload is not None and self.host.put(key, payload, entry.key.verify_ids))
+        return out
+
+    def publish(self, entry: StoredBytes) -> None:
+        """Queue ``entry`` for the shared store (while it is down: dropped, counted as the publisher counts it); its
+        bytes are read before this returns."""
+        if self.store is None:
+            return
+        if not self.store.up:
+            self.store.counters["publish_dropped"] += 1
+            return
+        payload = encoder_entry.encode(entry, self.store.key)
+        if payload is not None:
+            self.store.publish([(encoder_entry.entry_key(entry.key), payload)], counter="published_entries")
+
+    def fetch(self, keys: list[EncoderKey], accept: Callable[[EncoderKey, tuple], bool]) -> list[TierRead]:
+        """A ``TierRead`` per key: the host tier first, the shared store for the rest (one deadline), each entry
+        verified in full and by ``accept(key, layout)``."""
+        names = [encoder_entry.entry_key(k) for k in keys]
+        found: list[StoredBytes | None] = [None] * len(keys)
+        source: list[str | None] = [None] * len(keys)
+        counts = [dict() for _ in keys]
+        if self.host is not None:
+            for i, (key, name) in enumerate(zip(keys, names)):
+                payload = self.host.get(name)
+                found[i] = self._verified(payload, key, None, accept, counts[i], "host")
+                source[i] = "host" if found[i] is not None else None
+        todo = [i for i in range(len(keys)) if found[i] is None]
+        if self.store is not None and todo:
+            for i, payload in zip(todo, self.store.fetch([names[i] for i in todo])):
+                found[i] = self._verified(payload or None, keys[i], self.store.key, accept, counts[i], "store")
+                source[i] = "shared" if found[i] is not None else None
+        return [TierRead(e, s, c) for e, s, c in zip(found, source, counts)]
+
+    @staticmethod
+    def _verified(payload, key: EncoderKey, mac_key: bytes | None, accept, counts: dict,
+                  tier: str) -> StoredBytes | None:
+        """The entry of ``payload`` if it verifies as ``key``'s and ``accept`` takes it; counts ``<tier>_hits``,
+        ``_misses`` (absent), ``_rejected`` or ``_mac_failures``."""
+        if payload is None:
+            counts[f"{tier}_misses"] = 1
+            return None
+        entry = encoder_entry.decode(payload, key, mac_key)
+        if isinstance(entry, str):
+            counts[f"{tier}_mac_failures" if entry == "mac" else f"{tier}_rejected"] = 1
+            return None
+        if not accept(key, entry.layout):
+            counts[f"{tier}_rejected"] = 1
+            return None
+        counts[f"{tier}_hits"] = 1
+        return entry
