@@ -75,7 +75,7 @@ def snac_config(sampling_rate: int = 24000) -> dict:
     ``torch.randn`` noise scaled by a learned layer, so its audio differs from call to call; without it the audio is
     a function of the codes. M*'s ``SNACDecoderSubmodule`` reads codes modulo 4096 and slices samples 2048:4096 of
     a 4-frame window, so the hop and codebook size stay as in the checkpoint."""
-    return dict(sampling_rate=sampling_rate, encoder_dim=4, encoder_rates=[2, 4, 8, 8], latent_dim=32,
+    return dict(sampling_rate=sampling_rate, encoder_dim=4, encoder_rates=[2, 4, 8, 8], latent_dim=None,
                 decoder_dim=32, decoder_rates=[8, 8, 4, 2], attn_window_size=None, codebook_size=4096,
                 codebook_dim=8, vq_strides=[4, 2, 1], noise=False, depthwise=True)
 
@@ -112,12 +112,14 @@ def orpheus_model(weights: Path, cfg: OrpheusModelConfig = CFG, snac: Path | Non
 class OrpheusEngine:
     """M*'s ``Engine`` loaded with Orpheus's LLM node (and its ``snac_decoder`` node when built with one); ``sub`` is
     the LLM's submodule, ``kv`` its KV resource, ``embedded`` the token count of each call of the LM's embedding
-    (what the forward computed; a forward hook that only reads)."""
+    (what the forward computed; a forward hook that only reads), ``fed`` rid -> the tokens the last ``engine_step``
+    computed for it (what its ``prepare_inputs`` made, after the reuse seam cut a prompt to its uncached suffix)."""
 
     engine: Engine
     sub: object
     kv: object
     embedded: list = dataclasses.field(default_factory=list)
+    fed: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.sub.embed_tokens.register_forward_hook(lambda mod, args, out: self.embedded.append(args[0].numel()))
@@ -165,19 +167,20 @@ def fwd_info(rid: str, walk: str, configs: dict) -> CurrentForwardPassInfo:
                                   resource_configs=configs)
 
 
-def run_batch(engine: Engine, node: str, walk: str, inputs: dict[str, dict], configs: dict) -> tuple[list, dict]:
+def run_batch(engine: Engine, node: str, walk: str, inputs: dict[str, dict], configs: dict) -> ExecutingBatch:
     """One batch of ``node`` on ``walk`` as M*'s worker runs it: ``prepare_inputs``, ``exec_and_postprocess``,
-    ``finalize_batch``. ``inputs``: rid -> the node's input tensors by name. Returns (the batch's request ids, in
-    the order the node ran them; rid -> its outputs)."""
+    ``finalize_batch``. ``inputs``: rid -> the node's input tensors by name. Returns the batch: its ``request_ids``
+    in the order the node ran them, ``inputs`` (what each request's ``prepare_inputs`` made, after the reuse seam's
+    cut) and ``outputs`` (rid -> its outputs)."""
     b = ExecutingBatch(node_name=node, per_request_info={rid: fwd_info(rid, walk, configs) for rid in inputs},
                        per_request_input_tensors=inputs,
                        step_context=StepContext(request_ids=tuple(inputs), graph_walk=walk, slot=0, capture=False))
     engine.prepare_inputs(b)
     if b.failed_requests:
         raise RuntimeError(f"{node} {walk}: prepare_inputs failed for {dict(b.failed_requests)}")
-    out = engine.exec_and_postprocess(b)
+    engine.exec_and_postprocess(b)
     engine.finalize_batch(b)
-    return list(b.request_ids), out
+    return b
 
 
 def engine_step(oe: OrpheusEngine, walk: str, feeds: dict[str, list[int]], sampled) -> dict[str, tuple]:
@@ -185,13 +188,14 @@ def engine_step(oe: OrpheusEngine, walk: str, feeds: dict[str, list[int]], sampl
     Returns rid -> (the token M*'s sampler picked, the logits it was handed, None when the record keeps none);
     ``oe.embedded[-1]`` is the tokens the step computed."""
     calls = len(sampled.tokens)
-    rids, out = run_batch(oe.engine, LLM, walk, {rid: {"text_inputs": [torch.as_tensor(ids, dtype=torch.long)]}
-                                                 for rid, ids in feeds.items()}, greedy())
+    b = run_batch(oe.engine, LLM, walk, {rid: {"text_inputs": [torch.as_tensor(ids, dtype=torch.long)]}
+                                         for rid, ids in feeds.items()}, greedy())
     assert len(sampled.tokens) == calls + 1, "one sampler call per step"
+    oe.fed = {rid: int(inp.input_seq_len) for rid, inp in zip(b.request_ids, b.inputs, strict=True)}
     logits, tokens = (sampled.logits[-1] if sampled.keep_logits else None), sampled.tokens[-1]
     got = {}
-    for i, rid in enumerate(rids):  # the sampler's rows are the batch's requests, in order
-        token = int(out[rid]["new_token"][0])
+    for i, rid in enumerate(b.request_ids):  # the sampler's rows are the batch's requests, in order
+        token = int(b.outputs[rid]["new_token"][0])
         assert token == int(tokens[i]), (rid, token, tokens)
         got[rid] = (token, None if logits is None else logits[i])
     return got
