@@ -27,15 +27,15 @@ replayed over R replicas, each with its prefix cache and encoder store; no model
 Data: ``mmcache data list`` names each public data set the replays read (source, licence, present or not);
 ``mmcache data fetch [NAME ...]`` downloads them into the data folder (``workloads.datasets``).
 
-Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
-``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
-both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per stage). Without
-``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or ../shared/data. With
-``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers' continuous-batching engine
-with N requests in flight, cache off (its sharing off) then on (mmcache under it), every latency measured
-(``workloads.harness.engine_serving``); without it one request is served at a time and queueing is simulated. The M*
-workloads (``MSTAR_WORKLOADS``: ``voice-mstar``) are always served through M*'s own ``Engine``, N in flight (default
-1), M*'s KV resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``).
+Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``voice-mstar``, ``agent-model``,
+``mooncake-model``, ``mixed``) serves its requests through real models with the cache off, then on, on the same
+schedule, and prints both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per
+stage). Without ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or
+../shared/data. With ``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers'
+continuous-batching engine with N requests in flight, cache off (its sharing off) then on (mmcache under it), every
+latency measured (``workloads.harness.engine_serving``); without it one request is served at a time and queueing is
+simulated. The M* workloads (``MSTAR_WORKLOADS``: ``voice-mstar``) are always served through M*'s own ``Engine``, N in
+flight (default 1), M*'s KV resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``).
 
 ``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
 ``mmcache: error: ...``). Output paths are checked before anything runs. Only argparse, the registry and a few
