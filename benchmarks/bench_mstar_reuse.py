@@ -4,11 +4,12 @@
 
 The node is the tests' toy AR model (``tests/mstar_toy_ar.py``: M*'s ``KVManager``/``RopeManager`` under M*'s
 ``Engine``, attention computed densely, one query row at a time, so it is slow per token and every figure here is
-about the cache, not the model), and for MT-Bench also M*'s real Orpheus LLM node (``tests/mstar_orpheus.py``: its
-``OrpheusLLMSubmodule`` and all its resources under M*'s ``Engine``, tiny random weights through M*'s loader, bf16,
-flashinfer's kernels as the tests' torch stand-ins, ``tests/mstar_torch_kernels.py``, whose attention also runs one
-query row at a time). The workloads, each served with reuse off (M*'s own ``KVSpec``) and on (``ReuseKVSpec``, for
-Orpheus through ``enable_reuse``) on the same batch schedule:
+about the cache, not the model), and for MT-Bench also M*'s real Orpheus LLM node
+(``workloads/peers/mstar_orpheus.py``: its ``OrpheusLLMSubmodule`` and all its resources under M*'s ``Engine``, tiny
+random weights through M*'s loader, bf16, flashinfer's kernels as torch stand-ins,
+``workloads/peers/mstar_cpu_kernels.py``, whose attention also runs one query row at a time). The workloads, each
+served with reuse off (M*'s own ``KVSpec``) and on (``ReuseKVSpec``, for Orpheus through ``enable_reuse``) on the
+same batch schedule:
 
 - MT-Bench two-turn conversations (``--data``, default the replays' data folder; an embedded two-turn stand-in
   without it, labelled as such): turn 1 of a batch of ``--batch`` conversations, then their turn 2, which re-sends
@@ -96,8 +97,8 @@ def run_mt_bench_orpheus(reuse, convs, batch: int, decode: int, weights: Path):
     turn-2 TTFTs)."""
     import pytest
 
-    from mstar_orpheus import PrefixReuse, engine_step, greedy, orpheus_engine
-    from mstar_torch_kernels import install
+    from workloads.peers.mstar_cpu_kernels import install
+    from workloads.peers.mstar_orpheus import PrefixReuse, engine_step, greedy, orpheus_engine
 
     def serve(oe, sampled, prompts, arrival):
         for rid in prompts:
@@ -157,7 +158,7 @@ def main() -> None:
 
     import transformers
 
-    from mstar_orpheus import CFG, save_weights
+    from workloads.peers.mstar_orpheus import CFG, save_weights
     logging.getLogger("mstar").setLevel(logging.ERROR)  # "no CUDA, no graph capture", the loader's hub lookup
     transformers.utils.logging.disable_progress_bar()
     label, convs = conversations(args.data, args.conversations)

@@ -4,7 +4,6 @@ tiny random models saved and loaded back through ``workloads.fixtures.saved``, b
 -> ``finalize_batch``, and forward counters (hooks on the HF encoder inside the node, so the node runs unchanged)."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +20,9 @@ def require_mstar():
 
 def install_flashinfer_standin(monkeypatch):
     """Qwen3-Omni's talker.py imports flashinfer at module level; flashinfer has no CPU build."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import flashinfer_standin
+    from workloads.peers.mstar_cpu_kernels import flashinfer_module
     if "flashinfer" not in sys.modules:
-        monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_standin.module())
+        monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_module())
 
 
 def saved_model(folder_root, kind: str, config, cls):

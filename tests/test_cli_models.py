@@ -53,6 +53,24 @@ def test_agent_model_in_flight_serves_through_the_engine(tmp_path, capsys):
     assert on["cache_stats"]["prefix"]["requests_live"] == 0
 
 
+def test_voice_mstar_serves_through_m_star_s_engine(tmp_path, capsys):
+    """``voice-mstar``: both runs through M*'s Engine (Orpheus LLM + SNAC decoder), N in flight; the report names the
+    engine and N, and the generated codes are equal off and on."""
+    from mmcache.mstar.requirement import why_unavailable
+    if why_unavailable():
+        pytest.skip(why_unavailable())
+    out = tmp_path / "voice.json"
+    assert main(["replay", "voice-mstar", "--limit", "3", "--in-flight", "2", "--schedule", "closed:2",
+                 "--max-new-tokens", "4", "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "via M*'s Engine (mstar-ai 0.2.1: Orpheus LLM + SNAC decoder nodes), 2 in flight" in printed
+    assert "generated code ids (greedy) equal cache off / on: 3 of 3 requests" in printed
+    assert "TTFA p99 (ms)" in printed and "TTFT p50 (ms)" in printed
+    doc = json.loads(out.read_text())
+    for r in doc["requests"]["on"] + doc["requests"]["off"]:
+        assert r["tokens"] == 4 * 7 and r["audio_chunks"] >= 1 and r["ttfa_s"] >= r["ttft_s"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["replay", "vlm-caht"], "unknown workload 'vlm-caht'"),
     (["replay", "vlm-chat", "--schedule", "burst:3"], "not a schedule: 'burst:3'"),

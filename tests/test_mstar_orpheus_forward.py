@@ -1,8 +1,9 @@
 """M*'s real Orpheus LLM forward (``OrpheusLLMSubmodule`` over ``OrpheusForCausalLM``, weights loaded by M*'s own
 loader from a local safetensors folder) under M*'s real ``Engine`` on CPU, with reuse turned on by
-``enable_reuse`` and off (M*'s own specs), on the same batch schedule (``tests/mstar_orpheus.py``). Only
-flashinfer's and triton's kernels are torch stand-ins (``tests/mstar_torch_kernels.py``): paged attention reads K/V
-through the KV resource's own page table, so a reused prefix is attended from the pages another request wrote.
+``enable_reuse`` and off (M*'s own specs), on the same batch schedule (``workloads/peers/mstar_orpheus.py``).
+Only flashinfer's and triton's kernels are torch stand-ins (``workloads/peers/mstar_cpu_kernels.py``): paged
+attention reads K/V through the KV resource's own page table, so a reused prefix is attended from the pages another
+request wrote.
 
 - fp32, the forward is transformers' ``LlamaForCausalLM`` on the same weights (the stand-ins and M*'s model agree
   with a dense reference end to end);
@@ -18,8 +19,8 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-import mstar_torch_kernels as kernels  # noqa: E402
-from mstar_orpheus import CFG, LABEL, PrefixReuse, engine_step, greedy, orpheus_engine, save_weights  # noqa: E402
+from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
+from workloads.peers.mstar_orpheus import CFG, LABEL, PrefixReuse, engine_step, greedy, orpheus_engine, save_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 P = 4  # page size

@@ -1,5 +1,5 @@
-"""The torch stand-ins for flashinfer's kernels (``tests/mstar_torch_kernels.py``) against dense references, called
-the way M*'s Orpheus path calls them: paged attention through M*'s own ``FlashInferPrefillWrapper`` /
+"""The torch stand-ins for flashinfer's kernels (``workloads/peers/mstar_cpu_kernels.py``) against dense references,
+called the way M*'s Orpheus path calls them: paged attention through M*'s own ``FlashInferPrefillWrapper`` /
 ``FlashInferDecodeWrapper`` with page tables from M*'s ``build_paged_indptrs`` (two requests sharing prefix pages, in
 scattered page order) vs plain causal softmax attention over each unpaged sequence; RoPE through M*'s
 ``mstar::rope_apply_qk_inplace`` op with Orpheus's llama3.1 parameters vs transformers' llama3 RoPE; the greedy
@@ -13,7 +13,7 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-import mstar_torch_kernels as kernels  # noqa: E402
+from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from mstar.engine.resources.kv.plan import SequenceView, build_paged_indptrs  # noqa: E402
 
 HQ, HKV, D, P = 4, 2, 8, 4  # query heads, KV heads (GQA, groups of 2), head dim, page size
@@ -111,7 +111,7 @@ def llama3_rope_reference(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from mstar_orpheus import llama_config
+    from workloads.peers.mstar_orpheus import llama_config
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](llama_config(), "cpu")
     angle = pos[:, None].float() * inv_freq[None, :]
     emb = torch.cat((angle, angle), dim=-1)[None]
@@ -121,7 +121,7 @@ def llama3_rope_reference(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor):
 
 def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(standins):
     from mstar.engine.resources.position import rope  # noqa: F401  (registers the op)
-    from mstar_orpheus import CFG
+    from workloads.peers.mstar_orpheus import CFG
     pos = torch.tensor([0, 1, 5, 37, 1000, 8191, 8192, 20000, 100000])
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(len(pos), HQ, D, generator=g), torch.randn(len(pos), HKV, D, generator=g)

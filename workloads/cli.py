@@ -27,13 +27,15 @@ replayed over R replicas, each with its prefix cache and encoder store; no model
 Data: ``mmcache data list`` names each public data set the replays read (source, licence, present or not);
 ``mmcache data fetch [NAME ...]`` downloads them into the data folder (``workloads.datasets``).
 
-Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``agent-model``, ``mooncake-model``,
-``mixed``) serves its requests through real models with the cache off, then on, on the same schedule, and prints
-both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per stage). Without
-``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or ../shared/data. With
-``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers' continuous-batching engine
-with N requests in flight, cache off (its sharing off) then on (mmcache under it), every latency measured
-(``workloads.harness.engine_serving``); without it one request is served at a time and queueing is simulated.
+Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``voice-mstar``, ``agent-model``,
+``mooncake-model``, ``mixed``) serves its requests through real models with the cache off, then on, on the same
+schedule, and prints both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per
+stage). Without ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or
+../shared/data. With ``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers'
+continuous-batching engine with N requests in flight, cache off (its sharing off) then on (mmcache under it), every
+latency measured (``workloads.harness.engine_serving``); without it one request is served at a time and queueing is
+simulated. The M* workloads (``MSTAR_WORKLOADS``: ``voice-mstar``) are always served through M*'s own ``Engine``, N in
+flight (default 1), M*'s KV resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``).
 
 ``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
 ``mmcache: error: ...``). Output paths are checked before anything runs. Only argparse, the registry and a few
@@ -74,6 +76,7 @@ MODEL_REPLICA_OPTIONS = ("replicas", "router", "pool_tokens", "affinity_threshol
                          "tpot", "encoder_s", "encoder_bytes", "seed", "page_size", "limit", "data", "json",
                          "no_progress")
 ENGINE_WORKLOADS = ("agent-model", "mooncake-model")  # token-id prompts: what the continuous-batching engine takes
+MSTAR_WORKLOADS = ("voice-mstar",)  # served through M*'s Engine only
 DEFAULT_IN_FLIGHT = 8  # trace replays, round-robin order
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
 
@@ -186,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--in-flight", type=int, metavar="K",
                     help=f"trace replays: live sessions/requests in round-robin order (default {DEFAULT_IN_FLIGHT}); "
                     f"model workloads {' and '.join(ENGINE_WORKLOADS)}: serve through transformers' "
-                    "continuous-batching engine with K requests in flight (cache on: mmcache under it)")
+                    "continuous-batching engine with K requests in flight (cache on: mmcache under it); "
+                    f"{', '.join(MSTAR_WORKLOADS)}: K in flight through M*'s Engine (default 1)")
     rp.add_argument("--limit", type=_positive, metavar="N",
                     help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
                     "workloads: requests, each with a default cap; --replicas on a model workload: sessions, in "
@@ -592,10 +596,13 @@ def model_replay_command(args) -> int:
             return _fail(f"{flag} must be > 0, got {value}")
     if args.in_flight is not None and args.in_flight < 1:
         return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
-    if args.in_flight is not None and args.target not in ENGINE_WORKLOADS:
+    if args.in_flight is not None and args.target not in ENGINE_WORKLOADS + MSTAR_WORKLOADS:
         return _fail(f"--in-flight: {args.target!r} cannot be served through transformers' continuous-batching "
                      f"engine, which takes token ids only (image features, reference audio and diffusion do not go "
-                     f"through it); it serves {', '.join(ENGINE_WORKLOADS)}")
+                     f"through it); it serves {', '.join(ENGINE_WORKLOADS)}; M*'s Engine serves "
+                     f"{', '.join(MSTAR_WORKLOADS)}")
+    if args.target in MSTAR_WORKLOADS and args.in_flight is None:
+        args.in_flight = 1
     if problem := _metrics_problem(args):
         return _fail(problem)
     from workloads.harness.metrics import SLO
@@ -667,9 +674,13 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     from mmcache.errors import MmcacheError
     from workloads.harness.metrics import failure_lines, summary_table
     from workloads.harness.report import report_html, report_json
-    from workloads.harness.engine_serving import compare_engine, engine_label
+    from workloads.harness import engine_serving, mstar_serving
+    from workloads.harness.engine_serving import engine_label
     from workloads.harness.serving import compare
     name = args.target
+    mstar = name in MSTAR_WORKLOADS
+    compare_engine, engine = ((mstar_serving.compare_mstar, mstar_serving.ENGINE) if mstar else
+                              (engine_serving.compare_engine, engine_serving.ENGINE))
     try:
         options = _options(args)
         if name == "mixed":
@@ -684,7 +695,7 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
         where = f" with --model {args.model}" if args.model is not None else ""
         return _fail(f"cannot build workload {name!r}{where}: {str(e).strip().splitlines()[0]}")
     source = "embedded default" if options.data is None else options.data / registry.MODEL_WORKLOADS[name].data_path
-    served = (f"served by {engine_label(schedule, min(args.in_flight, schedule.concurrency or args.in_flight))}"
+    served = (f"served by {engine_label(schedule, min(args.in_flight, schedule.concurrency or args.in_flight), engine)}"
               if args.in_flight
               else f"schedule {schedule}, one request at a time")
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
@@ -704,8 +715,10 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
               f"{on.planned} requests")
     print(summary_table(off, on, slo))
     if args.in_flight:
-        print(f"outputs equal cache off / on: {equal:,} of {len(off.records):,} requests; both runs hold "
-              f"--pool-pages ({options.pool_pages:,}) KV blocks in the engine, cache off keeps nothing in them")
+        what = "generated code ids (greedy)" if mstar else "outputs"
+        print(f"{what} equal cache off / on: {equal:,} of {len(off.records):,} requests; both runs hold "
+              f"--pool-pages ({options.pool_pages:,}) KV {'pages' if mstar else 'blocks'} in the engine, cache off "
+              f"keeps nothing in them")
     else:
         print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
               f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")

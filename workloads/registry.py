@@ -88,6 +88,9 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
     ModelWorkload("voice-clone", "workloads.models.voice_clone:factory", "seedtts/meta.lst",
                   "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)",
                   replica_trace="workloads.traces.voice_sessions:load_voice_sessions"),
+    ModelWorkload("voice-mstar", "workloads.models.voice_mstar:factory", "seedtts/meta.lst",
+                  "TTS requests cloning a few reference voices through M*'s Orpheus (LLM + SNAC decoder) under M*'s "
+                  "Engine, many in flight (Seed-TTS-Eval prompts; tiny random weights)"),
     ModelWorkload("agent-model", "workloads.models.agent:factory", "mini-swe-agent/trajs",
                   "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
     ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",

@@ -1,5 +1,6 @@
 """Serve a text workload through transformers' continuous-batching engine with up to ``in_flight`` requests at once,
-cache off then on, and measure what users would see: nothing here is simulated.
+cache off then on, and measure what users would see: nothing here is simulated. What every engine replay shares
+(``mstar_serving`` too) is here as well: the report label, a finished request's bookkeeping and the off/on comparison.
 
 Engine: ``workloads.peers.transformers_cb.PeerEngine``. Cache off: the engine with its prefix sharing off (it
 computes every prompt token). Cache on: the same engine with mmcache's allocator under it
@@ -28,9 +29,21 @@ ENGINE = "transformers continuous batching (ContinuousBatchingManager)"
 PREFILL_TOKENS = 256  # tokens per engine step (its max_batch_tokens), as in benchmarks/bench_peer_transformers.py
 
 
-def engine_label(schedule: Schedule, in_flight: int) -> str:
+def engine_label(schedule: Schedule, in_flight: int, engine: str = ENGINE) -> str:
     """How a run was served, for the report: the engine, the schedule and the requests in flight."""
-    return f"{schedule} via {ENGINE}, {in_flight} in flight"
+    return f"{schedule} via {engine}, {in_flight} in flight"
+
+
+def record_done(run: RunResult, rec: RequestRecord, stats: dict, observer: Observer | None, bar) -> None:
+    """A request finished: its record, a pool occupancy sample (from ``stats["prefix"]``, when the cache is on), the
+    observer and the progress bar."""
+    run.records.append(rec)
+    if "prefix" in stats:
+        p = stats["prefix"]
+        run.occupancy.append((rec.end_s, p["pages_live"], p["pages_cached"], p["pages_free"]))
+    if observer is not None:
+        observer.observe(run, rec, stats)
+    bar.update(1)
 
 
 def serve_engine_run(workload: TextWorkload, schedule: Schedule, cached: bool, in_flight: int, *,
@@ -66,14 +79,7 @@ def serve_engine_run(workload: TextWorkload, schedule: Schedule, cached: bool, i
                                prompt_pages=req.payload.size // P, hit_pages=out.matched_tokens // P,
                                output_tokens=len(out.output_ids))
         rec = RequestRecord(req.rid, req.session, arrival, start, out.token_s[-1], result, token_s=out.token_s)
-        run.records.append(rec)
-        stats = _stats(engine)
-        if "prefix" in stats:
-            p = stats["prefix"]
-            run.occupancy.append((rec.end_s, p["pages_live"], p["pages_cached"], p["pages_free"]))
-        if observer is not None:
-            observer.observe(run, rec, stats)
-        bar.update(1)
+        record_done(run, rec, _stats(engine), observer, bar)
 
     with engine:
         engine.replay(calls, inflight=limit, arrivals=arrivals, on_done=done)
@@ -88,15 +94,19 @@ def _stats(engine) -> dict:
     return {} if cache is None else {"prefix": cache.stats().to_dict()}
 
 
-def compare_engine(workload_factory: Callable[[], TextWorkload], schedule: Schedule, in_flight: int, *,
-                   observer: Observer | None = None, progress: bool = False) -> tuple[RunResult, RunResult, int]:
+def compare_engine(workload_factory: Callable, schedule: Schedule, in_flight: int, *,
+                   observer: Observer | None = None, progress: bool = False, serve: Callable | None = None,
+                   warm_up: Callable | None = None) -> tuple[RunResult, RunResult, int]:
     """``(off, on, equal)``: cache off, then on, each with a fresh workload and the same schedule and ``in_flight``;
-    ``equal`` counts the requests whose outputs are the same in both runs."""
+    ``equal`` counts the requests whose outputs are the same in both runs. ``serve(workload, schedule, cached,
+    in_flight, observer=, progress=)`` is the engine replay (default ``serve_engine_run``), ``warm_up(workload)``
+    what takes first-call costs off the cache-off run (default ``warm``)."""
+    serve, warm_up = serve or serve_engine_run, warm_up or warm
     a = workload_factory()
-    warm(a)
-    off = serve_engine_run(a, schedule, False, in_flight, observer=observer, progress=progress)
+    warm_up(a)
+    off = serve(a, schedule, False, in_flight, observer=observer, progress=progress)
     b = workload_factory()
-    on = serve_engine_run(b, schedule, True, in_flight, observer=observer, progress=progress)
+    on = serve(b, schedule, True, in_flight, observer=observer, progress=progress)
     return off, on, sum(a.outputs[r] == b.outputs.get(r) for r in a.outputs)
 
 

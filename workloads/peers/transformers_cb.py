@@ -17,7 +17,6 @@ What the driver relies on (transformers 5.24, read in its source):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import re
@@ -25,6 +24,8 @@ import time
 from typing import Sequence
 
 import torch
+
+from workloads.harness.admission import Admission
 
 MATCH_LINE = re.compile(r"Found a prefix match of (\d+) tokens for request (\S+)")
 CB_LOGGER = "ContinuousBatchingLogger"  # continuous_batching/utils.py: the logger every module of the engine uses
@@ -139,41 +140,33 @@ class PeerEngine:
         finished and (with ``arrivals``: seconds after the replay starts, one per call) not before it arrived;
         returns the outcomes in call order and passes each to ``on_done`` as it completes. Any failed request
         raises ``RuntimeError``."""
-        pending = collections.deque(range(len(calls)))
-        running: dict[str, Call] = {}
-        busy: set[str] = set()  # sessions with a call running
+        admission = Admission([c.session for c in calls], arrivals, inflight)
+        running: dict[str, int] = {}  # rid -> the index of its call
         results: dict[str, Outcome] = {}
         t0 = self.replay_started_s = time.perf_counter()
         deadline = time.monotonic() + timeout_s
-        while pending or running:
-            now = time.perf_counter() - t0
-            while len(running) < inflight:
-                k = next((k for k in pending if calls[k].session not in busy
-                          and (arrivals is None or arrivals[k] <= now)), None)
-                if k is None:
-                    break
-                pending.remove(k)
+        while admission or running:
+            for k in admission.take(time.perf_counter() - t0):
                 nxt = calls[k]
                 if nxt.salt and self.mm is not None:
                     self.mm.set_salt(nxt.rid, nxt.salt)
                 self.manager.add_request(list(map(int, nxt.token_ids)), request_id=nxt.rid,
                                          max_new_tokens=self.max_new_tokens, record_timestamps=True)
-                running[nxt.rid] = nxt
-                busy.add(nxt.session)
-            wait, now = 1.0, time.perf_counter() - t0
-            if arrivals is not None and len(running) < inflight:  # wake for the next arrival, if one is to come
-                wait = min([wait] + [max(1e-3, arrivals[k] - now) for k in pending if arrivals[k] > now])
+                running[nxt.rid] = k
+            arrival = admission.wait_s(time.perf_counter() - t0)  # wake for the next arrival, if one is to come
+            wait = 1.0 if arrival is None else min(1.0, max(1e-3, arrival))
             out = self.manager.get_result(timeout=wait)
             if out is None:
-                if arrivals is not None and wait < 1.0:
+                if wait < 1.0:
                     continue  # woke for the next arrival
                 if time.monotonic() > deadline or not self.manager.is_running():
                     raise RuntimeError(f"the peer engine stopped answering ({len(running)} requests running)")
                 continue
             if out.error is not None:
                 raise RuntimeError(f"the peer engine failed request {out.request_id}: {out.error}")
-            call = running.pop(out.request_id)
-            busy.discard(call.session)
+            k = running.pop(out.request_id)
+            admission.finished(k)
+            call = calls[k]
             stamps = tuple(t - out.created_time for t in out.timestamps)
             results[call.rid] = Outcome(call.rid, list(out.generated_tokens), self._log.matched.get(call.rid, 0),
                                         stamps[0], out.created_time, stamps, tuple(out.logprobs or ()))

@@ -1,5 +1,8 @@
-"""Torch stand-ins for exactly the GPU kernels M*'s (mstar-ai 0.2.1) Orpheus LLM forward reaches, so that forward
-runs on CPU with every M* class real. Installed from outside M* (``install(monkeypatch)``), at M*'s own seams:
+"""What makes M* (mstar-ai 0.2.1) run on a CPU, for the tests and the M* replays (``workloads.harness.mstar_serving``):
+torch stand-ins for exactly the GPU kernels M*'s Orpheus LLM forward reaches, so that forward runs on CPU with every
+M* class real, and the import-only ``flashinfer`` (``flashinfer_module``) that lets M*'s modules that import flashinfer
+at module level load. On a GPU none of this is installed: M*'s own flashinfer and triton kernels run. Installed from
+outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a replay), at M*'s own seams:
 
 - **Paged attention**: ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` and ``BatchDecodeWithPagedKVCacheWrapper``.
   M*'s attention resource (``FlashInferManager``, engine/resources/attn/flashinfer.py) builds them through its own
@@ -29,15 +32,35 @@ invariant, fp32 MKL ones are not: the forward runs under bf16 autocast, as M*'s 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import sys
+import types
 
 import torch
 
-import flashinfer_standin
-
 ROPE_OP = "mstar::rope_apply_qk_inplace"
+
+
+class _ImportOnly(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise RuntimeError(f"{self.__name__}.{name}: the CPU stand-in has no such kernel; nothing else runs here")
+
+
+def flashinfer_module(name: str = "flashinfer", **kernels) -> types.ModuleType:
+    """The flashinfer a CPU imports (flashinfer has no CPU build). With no ``kernels`` it is import-only: Qwen3-Omni's
+    ``components/talker.py:18`` imports flashinfer at module level, so ``mstar.model.qwen3_omni.submodules`` (its
+    encoder nodes included) cannot be imported without it, and the encoder nodes never call it. ``kernels``: the
+    attributes it holds (the torch stand-ins below). Any other attribute read raises, so a kernel reached by mistake
+    fails loudly instead of computing something else."""
+    m = _ImportOnly(name)
+    for attr, value in kernels.items():
+        setattr(m, attr, value)
+    return m
 
 
 # -- paged attention --------------------------------------------------------------------------------------------------
@@ -155,10 +178,12 @@ def apply_llama31_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids
 @dataclasses.dataclass
 class Sampled:
     """What the sampling stand-in was handed, one entry per ``sample_tokens`` call: the logits [B, V] (as the LM
-    head produced them, before the penalty) and the tokens it picked, rows in the order M*'s sampler passed them."""
+    head produced them, before the penalty) and the tokens it picked, rows in the order M*'s sampler passed them.
+    ``keep_logits=False`` (a long replay) keeps only the tokens; ``logits`` then stays empty."""
 
     logits: list = dataclasses.field(default_factory=list)
     tokens: list = dataclasses.field(default_factory=list)
+    keep_logits: bool = True
 
 
 def greedy_sample_tokens(record: Sampled):
@@ -176,7 +201,8 @@ def greedy_sample_tokens(record: Sampled):
             penalty = torch.as_tensor(repetition_penalty, dtype=torch.float32).reshape(-1, 1)
             vals = torch.where(seen_token_mask, torch.where(vals > 0, vals / penalty, vals * penalty), vals)
         tokens = vals.argmax(dim=-1).to(torch.int32)
-        record.logits.append(logits.detach().clone())
+        if record.keep_logits:
+            record.logits.append(logits.detach().clone())
         record.tokens.append(tokens.clone())
         return tokens
 
@@ -186,11 +212,9 @@ def greedy_sample_tokens(record: Sampled):
 # -- installing them --------------------------------------------------------------------------------------------------
 def kernels_module():
     """The flashinfer module the stand-ins make: the two paged wrappers and ``rope``; any other attribute raises."""
-    rope = flashinfer_standin.module("flashinfer.rope",
-                                     apply_llama31_rope_pos_ids_inplace=apply_llama31_rope_pos_ids_inplace)
-    return flashinfer_standin.module(BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
-                                     BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
-                                     rope=rope)
+    rope = flashinfer_module("flashinfer.rope", apply_llama31_rope_pos_ids_inplace=apply_llama31_rope_pos_ids_inplace)
+    return flashinfer_module(BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
+                             BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper, rope=rope)
 
 
 _ROPE_ON_CPU = {"registered": False, "module": None}  # the kernels module the last ``install`` put in
@@ -214,16 +238,54 @@ def _register_rope_on_cpu() -> None:
     _ROPE_ON_CPU["registered"] = True
 
 
-def install(monkeypatch) -> Sampled:
-    """Put the stand-ins in for this test (``monkeypatch`` undoes it): ``flashinfer`` in ``sys.modules`` is the
-    kernels module, M*'s RoPE op runs on CPU through it, M*'s sampler draws greedily through the stand-in, and
-    FlashInfer's workspace buffers (unused here) are 1 MiB. Returns what the sampler is handed."""
+def install(patch, keep_logits: bool = True) -> Sampled:
+    """Put the stand-ins in through ``patch`` (a test's ``monkeypatch``, or ``installed``'s undoable patch; either
+    undoes it): ``flashinfer`` in ``sys.modules`` is the kernels module, M*'s RoPE op runs on CPU through it, M*'s
+    sampler draws greedily through the stand-in, and FlashInfer's workspace buffers (unused here) are 1 MiB. Returns
+    what the sampler is handed."""
     module = _ROPE_ON_CPU["module"] = kernels_module()
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    monkeypatch.setenv("MSTAR_WORKSPACE_BUFFER_MB", "1")
+    patch.setitem(sys.modules, "flashinfer", module)
+    patch.setenv("MSTAR_WORKSPACE_BUFFER_MB", "1")
     _register_rope_on_cpu()
     from mstar.engine.resources.sampler import utils as sampler_utils
 
-    record = Sampled()
-    monkeypatch.setattr(sampler_utils, "sample_tokens", greedy_sample_tokens(record))
+    record = Sampled(keep_logits=keep_logits)
+    patch.setattr(sampler_utils, "sample_tokens", greedy_sample_tokens(record))
     return record
+
+
+class _Undo:
+    """``setitem``/``setenv``/``setattr`` as pytest's monkeypatch has them, each undone, last first, by ``undo``."""
+
+    def __init__(self):
+        self._undo = []
+
+    def setitem(self, mapping, key, value):
+        old = mapping.get(key, _MISSING)
+        self._undo.append(lambda: mapping.pop(key, None) if old is _MISSING else mapping.__setitem__(key, old))
+        mapping[key] = value
+
+    def setenv(self, name, value):
+        self.setitem(os.environ, name, value)
+
+    def setattr(self, obj, name, value):
+        old = getattr(obj, name)
+        self._undo.append(lambda: setattr(obj, name, old))
+        setattr(obj, name, value)
+
+    def undo(self):
+        while self._undo:
+            self._undo.pop()()
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def installed(keep_logits: bool = False):
+    """``install`` for the length of a ``with`` block (a replay on a CPU machine); yields the sampler's record."""
+    patch = _Undo()
+    try:
+        yield install(patch, keep_logits)
+    finally:
+        patch.undo()
