@@ -1,0 +1,93 @@
+"""Random schedules through M*'s ``StepRunner`` with mmcache's KV resource on and off (``tests/mstar_toy_ar.py``):
+requests sharing prefixes arrive, prefill, decode alone and in batches, take later walks of ids and walks of
+embeddings no ids describe, and leave, in any interleaving. Reuse on must give the logits of reuse off at every step,
+``torch.equal``: whatever the seam settles lazily (a feed is counted as named only once the stream holds exactly what
+it announced), no page is ever indexed under ids other than those its KV was computed from: after every step, each
+indexed page holds exactly the K/V that a cold prefill of its chain's verifying ids writes (a check that does not
+wait for a later request to hit the page)."""
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from mstar_helpers import require_mstar
+
+require_mstar()
+from mstar_toy_ar import D, LABEL, P, PrefixReuse, ids_feed, node, project, step, weights  # noqa: E402
+
+W = weights()
+PREFIXES = (list(range(3, 15)), list(range(40, 52)))  # three pages each at the toy's page size 4
+OPS = ("new", "new", "new", "decode", "decode all", "text walk", "embeddings walk", "remove")
+
+
+def indexed_pages_hold_the_kv_of_their_ids(kv) -> None:
+    """Every indexed page's K/V equals a cold prefill's of the verifying ids of its chain, from page 0 to it."""
+    index = kv.lifecycle(LABEL).index
+    for page in np.flatnonzero(index.indexed):
+        chain, p = [], int(page)
+        while p >= 0:
+            chain.append(p)
+            p = int(index._parent[p])
+        ids = torch.from_numpy(np.concatenate([index._tokens[q] for q in reversed(chain)]).astype(np.int64))
+        _, k, v = project(W, ids, torch.arange(len(ids)))
+        stored = kv.kv_cache.tensor[0, page]  # [2, page size, heads, head dim]
+        assert torch.equal(stored[0], k[-P:]) and torch.equal(stored[1], v[-P:]), f"page {page} holds other KV"
+
+
+def both(nodes, walk: str, feeds: dict) -> dict:
+    """One step of ``walk`` on both nodes; their logits per request, checked equal."""
+    (ok_on, on), (ok_off, off) = (step(n, walk, feeds) for n in nodes)
+    assert ok_on.ok and ok_off.ok
+    for rid in feeds:
+        assert torch.equal(on[rid], off[rid]), f"{walk} of {rid}: reuse on differs from reuse off"
+    indexed_pages_hold_the_kv_of_their_ids(nodes[0].kv)
+    return on
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_any_schedule_gives_the_logits_of_reuse_off(data):
+    nodes = (node(W, pages=128, reuse=PrefixReuse(model="toy@0")), node(W, pages=128))
+    live: dict[str, int] = {}  # rid -> the token its next decode feeds
+    made = 0
+    for _ in range(data.draw(st.integers(3, 14), label="steps")):
+        op = data.draw(st.sampled_from(OPS), label="op") if live else "new"
+        if op == "new":
+            rid, made = f"r{made}", made + 1
+            prefix = PREFIXES[data.draw(st.integers(0, 1), label="prefix")]
+            prompt = prefix[:data.draw(st.sampled_from((12, 12, 9, 5, 0)), label="shared")]
+            prompt += data.draw(st.lists(st.integers(1, 127), min_size=1, max_size=6), label="own")
+            for n in nodes:
+                n.runner.ingest_request(rid)
+            got = both(nodes, "prefill", {rid: ids_feed(prompt)})
+            live[rid] = int(got[rid].argmax())
+            continue
+        rid = data.draw(st.sampled_from(sorted(live)), label="rid")
+        if op == "remove":
+            for n in nodes:
+                n.runner.remove_request(rid)
+            del live[rid]
+            continue
+        if op == "decode all":
+            feeds = {r: ids_feed([t]) for r, t in live.items()}
+            walk = "decode"
+        elif op == "decode":
+            feeds, walk = {rid: ids_feed([live[rid]])}, "decode"
+        elif op == "text walk":
+            ids = data.draw(st.lists(st.integers(1, 127), min_size=1, max_size=6), label="text")
+            feeds, walk = {rid: ids_feed(ids)}, "prefill"
+        else:
+            rows = data.draw(st.integers(1, 6), label="rows")
+            seed = data.draw(st.integers(0, 9), label="seed")
+            embeds = torch.randn(rows, D, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            feeds, walk = {rid: {"embeds": embeds}}, "embed"
+        got = both(nodes, walk, feeds)
+        for r in feeds:
+            live[r] = int(got[r].argmax())
+    for rid in live:
+        for n in nodes:
+            n.runner.remove_request(rid)
+    on = nodes[0].kv
+    event(f"prompt tokens reused: {'some' if on.stats(LABEL).hit_tokens else 'none'}")
+    assert on.pool.num_free + on.stats(LABEL).pages_cached + 1 == on.pool.num_pages  # + M*'s sink page
