@@ -1,8 +1,9 @@
 """What makes M* (mstar-ai 0.2.1) run on a CPU, for the tests and the M* replays (``workloads.harness.mstar_serving``):
-torch stand-ins for exactly the GPU kernels M*'s Orpheus LLM forward reaches, so that forward runs on CPU with every
-M* class real, and the import-only ``flashinfer`` (``flashinfer_module``) that lets M*'s modules that import flashinfer
-at module level load. On a GPU none of this is installed: M*'s own flashinfer and triton kernels run. Installed from
-outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a replay), at M*'s own seams:
+torch stand-ins for exactly the GPU kernels M*'s Orpheus and Higgs Audio LLM forwards reach, so those forwards run on
+CPU with every M* class real, and the import-only ``flashinfer`` (``flashinfer_module``) that lets M*'s modules that
+import flashinfer at module level load. On a GPU none of this is installed: M*'s own flashinfer and triton kernels run.
+Installed from outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a replay), at M*'s own
+seams:
 
 - **Paged attention**: ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` and ``BatchDecodeWithPagedKVCacheWrapper``.
   M*'s attention resource (``FlashInferManager``, engine/resources/attn/flashinfer.py) builds them through its own
@@ -10,7 +11,8 @@ outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a r
   page table for the step (``PagedIndptrs``: query offsets, page indices, last-page lengths) and ``run``s them on the
   KV resource's layer tensor. The stand-ins keep that plan and read every K/V row through it: a request attends to
   the pages its stream holds, whoever wrote them (a shared prefix page included), never to a copy of the sequence.
-- **RoPE**: ``flashinfer.rope.apply_llama31_rope_pos_ids_inplace``, FlashInfer's llama3.1-scaled RoPE, called by M*'s
+- **RoPE**: ``flashinfer.rope.apply_llama31_rope_pos_ids_inplace``, FlashInfer's llama3.1-scaled RoPE (Orpheus), and
+  ``apply_rope_pos_ids_inplace``, its plain RoPE (Qwen3: M*'s Higgs Audio LLM), called by M*'s
   CUDA kernel of the ``mstar::rope_apply_qk_inplace`` op (position/rope.py) with the positions M*'s ``RopeManager``
   planned. M* registers that op for cuda and xpu only; ``install`` registers the same M* function for CPU, so on CPU
   the op goes through M*'s own dispatch to the flashinfer entry point, which here is the stand-in.
@@ -160,12 +162,36 @@ def apply_llama31_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids
     if interleave:
         raise NotImplementedError("interleaved RoPE: not on M*'s Orpheus path")
     d = rotary_dim or q.shape[-1]
-    e = torch.arange(d, dtype=torch.float32)
-    freq = (1.0 / rope_theta) ** ((2 * (e % (d // 2))) / d)
+    freq = _rope_frequencies(d, rope_theta)
     smooth_a = old_context_len / (2 * math.pi * high_freq_factor - 2 * math.pi * low_freq_factor)
     smooth_b = -1.0 / (high_freq_factor / low_freq_factor - 1.0)
     smooth = (freq * smooth_a + smooth_b).clamp(0.0, 1.0)
-    freq = (1 - smooth) * (freq / rope_scale) + smooth * freq
+    _rotate_halves(q, k, pos_ids, (1 - smooth) * (freq / rope_scale) + smooth * freq)
+
+
+def apply_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
+                               rotary_dim: int | None = None, interleave: bool = False, rope_scale: float = 1,
+                               rope_theta: float = 1e4) -> None:
+    """FlashInfer's plain RoPE (no llama3.1 scaling: Qwen3's, M*'s Higgs Audio LLM), in place on ``q`` and ``k`` at
+    positions ``pos_ids``: the first ``rotary_dim`` dims rotate as halves at ``f = theta^(-2(e mod d/2)/d)``, in fp32,
+    stored back in the input dtype. Only ``rope_scale`` 1 (what M*'s ``PositionConfig`` defaults to): a scaled
+    plain RoPE is on no path the stand-ins serve, so it raises rather than guess FlashInfer's scaling."""
+    if interleave or rope_scale != 1:
+        raise NotImplementedError(f"plain RoPE with interleave={interleave}, rope_scale={rope_scale}: not on a path "
+                                  "the CPU stand-ins serve")
+    d = rotary_dim or q.shape[-1]
+    _rotate_halves(q, k, pos_ids, _rope_frequencies(d, rope_theta))
+
+
+def _rope_frequencies(d: int, rope_theta: float) -> torch.Tensor:
+    """Dim ``e``'s base frequency ``theta^(-2(e mod d/2)/d)``, fp32, [d]."""
+    e = torch.arange(d, dtype=torch.float32)
+    return (1.0 / rope_theta) ** ((2 * (e % (d // 2))) / d)
+
+
+def _rotate_halves(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, freq: torch.Tensor) -> None:
+    """Rotate the first ``freq.numel()`` dims of ``q`` and ``k`` as halves by ``pos * freq``, in fp32, in place."""
+    d = freq.numel()
     angle = pos_ids.to(torch.float32)[:, None] * freq[None, :]  # [n, d]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
     for x in (q, k):
@@ -212,7 +238,8 @@ def greedy_sample_tokens(record: Sampled):
 # -- installing them --------------------------------------------------------------------------------------------------
 def kernels_module():
     """The flashinfer module the stand-ins make: the two paged wrappers and ``rope``; any other attribute raises."""
-    rope = flashinfer_module("flashinfer.rope", apply_llama31_rope_pos_ids_inplace=apply_llama31_rope_pos_ids_inplace)
+    rope = flashinfer_module("flashinfer.rope", apply_llama31_rope_pos_ids_inplace=apply_llama31_rope_pos_ids_inplace,
+                             apply_rope_pos_ids_inplace=apply_rope_pos_ids_inplace)
     return flashinfer_module(BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
                              BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper, rope=rope)
 
