@@ -7,8 +7,11 @@ and off, on the same schedule: Higgs's three prefill walks (text, audio embeddin
   (the text embedded, the audio as given): the stand-ins (plain RoPE included) and M*'s model agree end to end;
 - bf16, a second request sharing the first's text walk (system and user prompt) gets that walk cut to its uncached
   suffix (``input_ids`` and ``input_embeds`` both, once), and every walk's logits are ``torch.equal`` to reuse off;
-- the audio walk is named by nothing (no ``walk_media``): even a request sending the very same audio reuses no page
-  at or after the audio, and the walk after it is computed in full.
+- the audio walk is named by nothing without a ``walk_media``: even a request sending the very same audio reuses no
+  page at or after the audio, and the walk after it is computed in full;
+- with ``mmcache.mstar.higgs.higgs_reuse`` (the audio walk named by its digest) the same audio is reused through the
+  audio walk and the text after it when the first text walk ends at a page boundary, bit-exactly, and other audio
+  never; a text walk ending mid-page stops the match there (a limit of continuing a match into a later walk).
 """
 
 import pytest
@@ -119,3 +122,47 @@ def test_without_id_walks_the_text_walk_is_named_by_nothing(weights, sampled):
     serve(he, sampled, "a", *request, new=1)
     assert serve(he, sampled, "b", *request, new=1)[1] == [18, 4, 5]
     assert he.kv.stats(LABEL).hits == 0
+
+
+def test_the_audio_walk_named_by_its_digest_is_reused_when_the_walks_meet_at_a_page_boundary(weights, sampled):
+    """``mmcache.mstar.higgs``: the audio walk named by a digest of its rows. A text walk of whole pages (16 ids)
+    ends at a page boundary, where the match continues into the audio walk and the text walk after it; other audio
+    is never served the first one's pages."""
+    on, off = higgs_engine(weights, reuse=higgs_reuse(audio=True)), higgs_engine(weights)
+    prompt, post = ids(16, seed=14), ids(7, seed=16)
+    request = (prompt, audio(8, seed=15), post)
+    serve(on, sampled, "a", *request, new=1)
+    got, want = serve(on, sampled, "b", *request, new=2), serve(off, sampled, "b", *request, new=2)
+    assert all_equal(got[0], want[0]) and got[2] == want[2]
+    # each walk keeps the page of its last row to compute: 3 of 4 text pages, 1 of 2 audio pages, 1 of 2 text pages
+    assert got[1] == [16 - 3 * P, 8 - P, 7 - P]
+    assert on.kv.stats(LABEL).hit_tokens == 5 * P
+    other = (prompt, audio(8, seed=17), post)
+    got, want = serve(on, sampled, "c", *other, new=2), serve(off, sampled, "c", *other, new=2)
+    assert all_equal(got[0], want[0]) and got[1] == [16 - 3 * P, 8, 7]
+
+
+def test_a_text_walk_ending_mid_page_stops_the_match_before_the_audio(weights, sampled):
+    """A match continues into a later walk only at a page boundary (``ReuseKVManager.feed``): after a text walk of
+    18 ids the stream's own fifth page holds ids 16-17, so the same audio is computed again (the pages are named, so
+    nothing wrong is served; nothing is saved either)."""
+    on, off = higgs_engine(weights, reuse=higgs_reuse(audio=True)), higgs_engine(weights)
+    request = (ids(18, seed=18), audio(8, seed=19), ids(7, seed=20))
+    serve(on, sampled, "a", *request, new=1)
+    got, want = serve(on, sampled, "b", *request, new=1), serve(off, sampled, "b", *request, new=1)
+    assert all_equal(got[0], want[0]) and got[1] == [18 - 4 * P, 8, 7]
+
+
+def test_the_audio_walk_is_named_by_the_carried_digest_when_it_reaches_the_llm():
+    """``audio_walk_media``: a carried ``audio_digest`` among the walk's inputs names the item; without one, the rows'
+    digest (equal rows, equal digest); a text walk is not described by media."""
+    from mstar.model.submodule_base import ARNodeInputs
+
+    from mmcache.mstar.higgs import audio_walk_media, rows_digest
+    rows = audio(5, seed=21)
+    fed = ARNodeInputs(input_seq_len=5, input_embeds=rows)
+    carried = torch.arange(16, dtype=torch.uint8)
+    assert audio_walk_media(AUDIO_WALK, None, {"audio_digest": [carried]}, fed) == [(0, bytes(range(16)))]
+    assert audio_walk_media(AUDIO_WALK, None, {}, fed) == [(0, rows_digest(rows.clone()))]
+    assert rows_digest(rows) != rows_digest(audio(5, seed=22)) and len(rows_digest(rows)) == 16
+    assert audio_walk_media(TEXT_WALK, None, {}, fed) is None

@@ -34,6 +34,7 @@ from mstar.model.higgs_audio.config import KV_CACHE, ROPE, SAMPLER, HiggsAudioMo
 from mstar.model.higgs_audio.higgs_audio_model import HiggsAudioModel  # noqa: E402
 
 from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from mmcache.mstar.higgs import higgs_reuse as full_reuse  # noqa: E402
 from workloads.peers.mstar_orpheus import run_batch  # noqa: E402
 
 # Qwen3's shape (GQA, per-head QK norm, plain RoPE at theta 1e6), tiny; 2 layers so the layer cursor moves
@@ -113,8 +114,11 @@ class HiggsEngine:
     rows: dict = dataclasses.field(default_factory=dict)
 
 
-def higgs_reuse(**kw) -> PrefixReuse:
-    """Reuse for Higgs's LLM: its text walks are named by their ids (they feed the embedding of exactly those)."""
+def higgs_reuse(audio: bool = False, **kw) -> PrefixReuse:
+    """Reuse for Higgs's LLM: its text walks are named by their ids (they feed the embedding of exactly those); with
+    ``audio``, its audio walk by its media digest too (``mmcache.mstar.higgs.higgs_reuse``)."""
+    if audio:
+        return full_reuse("higgs-tiny@test", **kw)
     return PrefixReuse(model="higgs-tiny@test", id_walks=(TEXT_WALK,), **kw)
 
 
