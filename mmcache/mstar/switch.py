@@ -83,10 +83,10 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             # ids alone describe the step only when no embeddings go in with them (Qwen3-Omni's thinker feeds both:
             # its embeddings carry the media), or when the model declares the embeddings are those of the ids
             # (``PrefixReuse.id_walks``); any other step of embeddings is named by its media marks, if the model says
-            rid, graph_walk = fwd_info.request_id, kwargs.get("graph_walk")
+            rid = fwd_info.request_id
             embeds = getattr(out, "input_embeds", None)
             ids, marks = out.input_ids, ()
-            if embeds is not None and graph_walk not in kv.reuse.id_walks:
+            if embeds is not None and (graph_walk := kwargs.get("graph_walk")) not in kv.reuse.id_walks:
                 describe = kv.reuse.walk_media
                 marks = describe(graph_walk, fwd_info, kwargs.get("inputs"), out) if describe else None
                 ids = None
@@ -96,7 +96,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 position = kv.position_after(rid, label, kv.stored(rid, label))
                 for res in resources.values():
                     if isinstance(res, PositionManager) and key in res.depends_on():
-                        res.admit_retrieve(rid, node_name, graph_walk,
+                        res.admit_retrieve(rid, node_name, kwargs.get("graph_walk"),
                                            PublishedPositionInfo(counters={label: position}))
                 if ids is not None:
                     full_prompts[rid] = ids
