@@ -137,6 +137,28 @@ def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(standins):
     assert not torch.allclose(got_q, q)
 
 
+@pytest.mark.parametrize("llama31", [{}, dict(low_freq_factor=1.0, high_freq_factor=1.0, old_context_len=8192)],
+                         ids=["plain", "llama31-unscaled"])
+def test_plain_rope_through_m_star_s_op_matches_transformers_default_rope(standins, llama31):
+    """Qwen3's RoPE (theta 1e6, no scaling) as M*'s op reaches FlashInfer: plain, and as M*'s Higgs Audio LLM sends
+    it (``ParallelAttention``'s default llama3.1 factors, low = high = 1, which the kernel's clamp makes plain)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from mstar.engine.resources.position import rope  # noqa: F401  (registers the op)
+    theta, pos = 1e6, torch.tensor([0, 1, 5, 37, 1000, 4095])
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(len(pos), HQ, D, generator=g), torch.randn(len(pos), HKV, D, generator=g)
+    got_q, got_k = q.clone(), k.clone()
+    torch.ops.mstar.rope_apply_qk_inplace(got_q, got_k, pos, None, None, False, 1.0, theta, **llama31)
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)  # transformers' "default" RoPE
+    angle = pos[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((angle, angle), dim=-1)[None]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos(), emb.sin())
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got_q, q)
+
+
 def test_m_star_s_rope_op_raises_on_cpu_without_the_standins():
     from mstar.engine.resources.position import rope  # noqa: F401
     kernels._register_rope_on_cpu()

@@ -1,9 +1,10 @@
-"""mmcache inside M* (``mstar-ai`` 0.2.1 from the package index; ``mmcache.mstar.requirement`` says how to install
-it): ``enable_reuse`` (``switch``) turns it on for a model; prefix KV reuse in M*'s KV resource (``kv_resource``:
-``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``,
-keyed by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by
-``salts`` and counters exported by ``encoder_metrics``) and replica affinity in M*'s conductor (``conductor``). The
-names below import M* on first access, after checking its version; the core (``mmcache``) never imports this package.
+"""mmcache inside M* (``mstar-ai`` 0.2.1 from the package index; ``mmcache.mstar.requirement`` says how to install it):
+``enable_reuse`` (``switch``) turns it on for a model; prefix KV reuse in M*'s KV resource (``kv_resource``:
+``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed
+by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by ``salts`` and
+counters exported by ``encoder_metrics``), what names Higgs Audio's walks (``higgs``) and replica affinity in M*'s
+conductor (``conductor``). The names below import M* on first access, after checking its version; the core (``mmcache``)
+never imports this package.
 """
 
 import importlib
@@ -15,7 +16,7 @@ _EXPORTS = {"AffinityConductor": "conductor", "CachedEncoderNode": "encoder_node
             "route_digests": "media_digests", "store_oracle": "decode_skip", "EncoderNodeCollector": "encoder_metrics",
             "route_salt": "salts", "items_for": "encoder_items", "enable_encoder_reuse": "encoder_reuse",
             "enable_reuse": "switch", "PrefixReuse": "kv_resource", "ReuseKVSpec": "kv_resource",
-            "ReuseKVManager": "kv_resource"}
+            "ReuseKVManager": "kv_resource", "higgs_reuse": "higgs"}
 
 __all__ = sorted(_EXPORTS)
 

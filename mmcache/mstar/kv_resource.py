@@ -96,16 +96,21 @@ class PrefixReuse:
     resource and label). ``labels``: the streams the seam names (the label a node's step writes its prompt into).
     ``attention_backend``: part of the fingerprint. ``evict_batch_pages``: least pages one eviction frees (default
     1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
-    ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or None.
-    ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default: the token
-    count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own). ``walk_media(graph_walk,
-    fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step, digest)`` marks of the
-    media items its rows hold (their digests must commit to everything the rows depend on: the media bytes as sent,
-    the preprocessing and the encoder's weights), or None when the rows are not described by media: then the seam
-    names nothing and the stream's indexing stops there. ``shadow``: measure only (phase 1): each label's prompts are
-    named and looked up in a ``ShadowIndex`` (every finished request's pages, unbounded), nothing is shared, cut or
-    indexed, and M* computes what it computes without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse
-    would have saved."""
+    ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
+    None. ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default:
+    the token count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own).
+    ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step,
+    digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend on:
+    the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not described
+    by media: then the seam names nothing and the stream's indexing stops there. ``id_walks``: the graph walks whose
+    ``input_embeds`` are exactly the model's embedding of the ``input_ids`` fed with them (Higgs Audio's
+    ``prefill_text`` embeds its ids only to share a capture with ``prefill_audio``): the seam names such a walk by
+    its ids, as if no embeddings went in, and cuts both to the suffix. That is the invariant this list declares, and
+    nothing checks it: a walk listed here whose embeddings depend on anything but its ids (spliced media, a scale, a
+    soft prompt) is indexed under ids that do not determine its KV, and a later request with the same ids is served
+    that KV. ``shadow``: measure only (phase 1): each label's prompts are named and looked up in a ``ShadowIndex``
+    (every finished request's pages, unbounded), nothing is shared, cut or indexed, and M* computes what it computes
+    without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved."""
 
     model: str
     labels: tuple[str, ...] = ("main",)
@@ -115,6 +120,7 @@ class PrefixReuse:
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
     walk_media: Callable | None = None
+    id_walks: tuple[str, ...] = ()
     shadow: bool = False
 
 

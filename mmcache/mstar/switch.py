@@ -10,9 +10,12 @@ From outside M*, on the model object the engine loads (no M* file changes):
   on its ``prepare_inputs`` and ``declare_step``. ``prepare_inputs`` is where M* hands a node its ids and its
   resources before a step is declared: the seam asks the KV resource what the stream holds (``ReuseKVManager.feed``,
   which matches the first feed), moves the node's position counter past a hit as a cold prefill would (through the
-  position resource's own ``admit_retrieve``, the way M* takes on published positions), and cuts ``input_ids`` to the
-  suffix. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt, hit or not, so sampling is
-  what it was.
+  position resource's own ``admit_retrieve``, the way M* takes on published positions), and cuts what the step feeds
+  (``input_ids``, ``input_embeds``, each once) to the suffix. A step fed ids alone is named by them; a step fed
+  embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that are the embedding
+  of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which stops the stream's
+  indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt, hit or not, so
+  sampling is what it was.
 
 The tenant salt comes from the request's ``model_kwargs["mmcache_salt"]``: ``route_salt`` (``mmcache.mstar.salts``, the
 one salt reader, shared with the encoder nodes) carries it into every pass's ``step_metadata``, where the seam reads
@@ -78,13 +81,14 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             if not (isinstance(kv, ReuseKVManager) and kv.reuses(label)):
                 continue
             # ids alone describe the step only when no embeddings go in with them (Qwen3-Omni's thinker feeds both:
-            # its embeddings carry the media); a step of embeddings is named by its media marks, if the model says
+            # its embeddings carry the media), or when the model declares the embeddings are those of the ids
+            # (``PrefixReuse.id_walks``); any other step of embeddings is named by its media marks, if the model says
             rid = fwd_info.request_id
             embeds = getattr(out, "input_embeds", None)
             ids, marks = out.input_ids, ()
-            if embeds is not None:
+            if embeds is not None and (graph_walk := kwargs.get("graph_walk")) not in kv.reuse.id_walks:
                 describe = kv.reuse.walk_media
-                marks = describe(kwargs.get("graph_walk"), fwd_info, kwargs.get("inputs"), out) if describe else None
+                marks = describe(graph_walk, fwd_info, kwargs.get("inputs"), out) if describe else None
                 ids = None
             salt = request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
             held = kv.feed(rid, label, ids, media=marks or (), salt=salt, length=int(out.input_seq_len))
@@ -96,12 +100,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                                            PublishedPositionInfo(counters={label: position}))
                 if ids is not None:
                     full_prompts[rid] = ids
-                    out.input_ids = ids[held:]
-                if embeds is not None:
-                    out.input_embeds = embeds[held:]
-                    if getattr(out, "input_ids", None) is not None:
-                        out.input_ids = out.input_ids[held:]
-                out.input_seq_len = int(out.input_seq_len) - held
+                cut_to_suffix(out, held)
             else:
                 full_prompts.pop(rid, None)
         return out
@@ -118,3 +117,13 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         return step
 
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
+
+
+def cut_to_suffix(node_inputs, held: int) -> None:
+    """Drop the first ``held`` rows of what a step feeds, each input once: ``input_ids`` and ``input_embeds``
+    (whichever are there; Higgs Audio's text walk feeds both) and ``input_seq_len``."""
+    for name in ("input_ids", "input_embeds"):
+        rows = getattr(node_inputs, name, None)
+        if rows is not None:
+            setattr(node_inputs, name, rows[held:])
+    node_inputs.input_seq_len = int(node_inputs.input_seq_len) - held

@@ -1,8 +1,9 @@
 """What makes M* (mstar-ai 0.2.1) run on a CPU, for the tests and the M* replays (``workloads.harness.mstar_serving``):
-torch stand-ins for exactly the GPU kernels M*'s Orpheus LLM forward reaches, so that forward runs on CPU with every
-M* class real, and the import-only ``flashinfer`` (``flashinfer_module``) that lets M*'s modules that import flashinfer
-at module level load. On a GPU none of this is installed: M*'s own flashinfer and triton kernels run. Installed from
-outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a replay), at M*'s own seams:
+torch stand-ins for exactly the GPU kernels M*'s Orpheus and Higgs Audio LLM forwards reach, so those forwards run on
+CPU with every M* class real, and the import-only ``flashinfer`` (``flashinfer_module``) that lets M*'s modules that
+import flashinfer at module level load. On a GPU none of this is installed: M*'s own flashinfer and triton kernels run.
+Installed from outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a replay), at M*'s own
+seams:
 
 - **Paged attention**: ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` and ``BatchDecodeWithPagedKVCacheWrapper``.
   M*'s attention resource (``FlashInferManager``, engine/resources/attn/flashinfer.py) builds them through its own
@@ -10,7 +11,9 @@ outside M* (``install(patch)`` for a test's monkeypatch, ``installed()`` for a r
   page table for the step (``PagedIndptrs``: query offsets, page indices, last-page lengths) and ``run``s them on the
   KV resource's layer tensor. The stand-ins keep that plan and read every K/V row through it: a request attends to
   the pages its stream holds, whoever wrote them (a shared prefix page included), never to a copy of the sequence.
-- **RoPE**: ``flashinfer.rope.apply_llama31_rope_pos_ids_inplace``, FlashInfer's llama3.1-scaled RoPE, called by M*'s
+- **RoPE**: ``flashinfer.rope.apply_llama31_rope_pos_ids_inplace``, FlashInfer's llama3.1-scaled RoPE (Orpheus; and
+  Higgs Audio's Qwen3, which M*'s attention sends there with factors that make it plain RoPE), and
+  ``apply_rope_pos_ids_inplace``, its plain RoPE, called by M*'s
   CUDA kernel of the ``mstar::rope_apply_qk_inplace`` op (position/rope.py) with the positions M*'s ``RopeManager``
   planned. M* registers that op for cuda and xpu only; ``install`` registers the same M* function for CPU, so on CPU
   the op goes through M*'s own dispatch to the flashinfer entry point, which here is the stand-in.
@@ -153,19 +156,45 @@ def apply_llama31_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids
                                        rope_scale: float = 8, rope_theta: float = 5e5, low_freq_factor: float = 1,
                                        high_freq_factor: float = 4, old_context_len: float = 8192) -> None:
     """FlashInfer's llama3.1 RoPE, in place on ``q`` [n, Hq, D] and ``k`` [n, Hkv, D] at positions ``pos_ids``
-    [n], in FlashInfer's formulation (pos_enc.cuh): the first ``rotary_dim`` dims rotate as halves ("rotate_half"),
-    dim ``e``'s frequency ``f = theta^(-2(e mod d/2)/d)`` is blended towards ``f / rope_scale`` by
-    ``s = clamp(f * a + b, 0, 1)``, ``a = old_context_len / (2 pi (high - low))``, ``b = -1 / (high / low - 1)``;
-    computed in fp32, stored back in the input dtype."""
+    [n], in FlashInfer's formulation (pos_enc.cuh): dim ``e``'s frequency ``f = theta^(-2(e mod d/2)/d)`` is blended
+    towards ``f / rope_scale`` by ``s = clamp(f * a + b, 0, 1)``, ``a = old_context_len / (2 pi (high - low))``,
+    ``b = -1 / (high / low - 1)``, in IEEE float arithmetic as the kernel's host code computes them. M*'s attention
+    calls this with ``low = high = 1`` for a model without llama3.1 scaling (Higgs Audio's Qwen3): then ``a = inf``,
+    ``b = -inf``, ``s`` is NaN and the kernel's clamp (``fminf``/``fmaxf``, which drop a NaN) makes it 1: plain
+    RoPE."""
     if interleave:
-        raise NotImplementedError("interleaved RoPE: not on M*'s Orpheus path")
-    d = rotary_dim or q.shape[-1]
+        raise NotImplementedError("interleaved RoPE: not on a path the CPU stand-ins serve")
+    f32 = torch.float32
+    smooth_a = torch.tensor(old_context_len, dtype=f32) / torch.tensor(
+        2 * math.pi * high_freq_factor - 2 * math.pi * low_freq_factor, dtype=f32)
+    smooth_b = torch.tensor(-1.0, dtype=f32) / torch.tensor(high_freq_factor / low_freq_factor - 1.0, dtype=f32)
+    _rotate_halves(q, k, pos_ids, _frequencies(rotary_dim or q.shape[-1], rope_theta, rope_scale, smooth_a, smooth_b))
+
+
+def apply_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
+                               rotary_dim: int | None = None, interleave: bool = False, rope_scale: float = 1,
+                               rope_theta: float = 1e4) -> None:
+    """FlashInfer's plain RoPE, in place: the kernel above with ``a = b = 0`` (every frequency ``f / rope_scale``)."""
+    if interleave:
+        raise NotImplementedError("interleaved RoPE: not on a path the CPU stand-ins serve")
+    zero = torch.tensor(0.0)
+    _rotate_halves(q, k, pos_ids, _frequencies(rotary_dim or q.shape[-1], rope_theta, rope_scale, zero, zero))
+
+
+def _frequencies(d: int, rope_theta: float, rope_scale: float, smooth_a: torch.Tensor,
+                 smooth_b: torch.Tensor) -> torch.Tensor:
+    """The kernel's per-dim frequency [d], fp32: ``f = theta^(-2(e mod d/2)/d)``, ``s = fmax(0, fmin(1, f a + b))``,
+    ``(1 - s) f / rope_scale + s f``."""
     e = torch.arange(d, dtype=torch.float32)
     freq = (1.0 / rope_theta) ** ((2 * (e % (d // 2))) / d)
-    smooth_a = old_context_len / (2 * math.pi * high_freq_factor - 2 * math.pi * low_freq_factor)
-    smooth_b = -1.0 / (high_freq_factor / low_freq_factor - 1.0)
-    smooth = (freq * smooth_a + smooth_b).clamp(0.0, 1.0)
-    freq = (1 - smooth) * (freq / rope_scale) + smooth * freq
+    smooth = torch.fmax(torch.tensor(0.0), torch.fmin(torch.tensor(1.0), freq * smooth_a + smooth_b))
+    return (1 - smooth) * (freq / rope_scale) + smooth * freq
+
+
+def _rotate_halves(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, freq: torch.Tensor) -> None:
+    """Rotate the first ``freq.numel()`` dims of ``q`` and ``k`` as halves ("rotate_half") by ``pos * freq``, in
+    fp32, stored back in the input dtype."""
+    d = freq.numel()
     angle = pos_ids.to(torch.float32)[:, None] * freq[None, :]  # [n, d]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
     for x in (q, k):
@@ -212,7 +241,8 @@ def greedy_sample_tokens(record: Sampled):
 # -- installing them --------------------------------------------------------------------------------------------------
 def kernels_module():
     """The flashinfer module the stand-ins make: the two paged wrappers and ``rope``; any other attribute raises."""
-    rope = flashinfer_module("flashinfer.rope", apply_llama31_rope_pos_ids_inplace=apply_llama31_rope_pos_ids_inplace)
+    rope = flashinfer_module("flashinfer.rope", apply_llama31_rope_pos_ids_inplace=apply_llama31_rope_pos_ids_inplace,
+                             apply_rope_pos_ids_inplace=apply_rope_pos_ids_inplace)
     return flashinfer_module(BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
                              BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper, rope=rope)
 

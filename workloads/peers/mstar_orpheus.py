@@ -162,17 +162,20 @@ def greedy(repetition_penalty: float = 1.3) -> dict:
                                        ignore_eos=True)}
 
 
-def fwd_info(rid: str, walk: str, configs: dict) -> CurrentForwardPassInfo:
+def fwd_info(rid: str, walk: str, configs: dict, step_metadata: dict | None = None) -> CurrentForwardPassInfo:
     return CurrentForwardPassInfo(request_id=rid, graph_walk=walk, fwd_index=0, random_seed=0, max_tokens=1 << 20,
-                                  resource_configs=configs)
+                                  resource_configs=configs, step_metadata=dict(step_metadata or {}))
 
 
-def run_batch(engine: Engine, node: str, walk: str, inputs: dict[str, dict], configs: dict) -> ExecutingBatch:
+def run_batch(engine: Engine, node: str, walk: str, inputs: dict[str, dict], configs: dict,
+              step_metadata: dict | None = None) -> ExecutingBatch:
     """One batch of ``node`` on ``walk`` as M*'s worker runs it: ``prepare_inputs``, ``exec_and_postprocess``,
-    ``finalize_batch``. ``inputs``: rid -> the node's input tensors by name. Returns the batch: its ``request_ids``
+    ``finalize_batch``. ``inputs``: rid -> the node's input tensors by name; ``step_metadata``: what the conductor
+    sends every request of the step (Higgs Audio's ``is_last_prefill``). Returns the batch: its ``request_ids``
     in the order the node ran them, ``inputs`` (what each request's ``prepare_inputs`` made, after the reuse seam's
     cut) and ``outputs`` (rid -> its outputs)."""
-    b = ExecutingBatch(node_name=node, per_request_info={rid: fwd_info(rid, walk, configs) for rid in inputs},
+    b = ExecutingBatch(node_name=node,
+                       per_request_info={rid: fwd_info(rid, walk, configs, step_metadata) for rid in inputs},
                        per_request_input_tensors=inputs,
                        step_context=StepContext(request_ids=tuple(inputs), graph_walk=walk, slot=0, capture=False))
     engine.prepare_inputs(b)
