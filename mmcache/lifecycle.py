@@ -164,12 +164,12 @@ class PrefixLifecycle:
         return NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, vocab_limit=self.vocab_size,
                                  what=what)
 
-    def match(self, prompt: NamedPrompt) -> tuple[Claim, Match]:
-        """Retain the longest verified prefix of ``prompt``'s full pages (never the page of its last token): device
-        pages, then pages a lower tier verified and copied up; under a group agreement, the group's minimum, so no
-        rank keeps a page another did not match. Counted once, after the agreement. ``RefusedByGroup`` (nothing
-        held) when another rank could not admit the request."""
-        limit = prompt.matchable
+    def match(self, prompt: NamedPrompt, rows_left: int = 1) -> tuple[Claim, Match]:
+        """Retain the longest verified prefix of ``prompt``'s full pages that leaves at least ``rows_left`` tokens to
+        compute (never the page of its last token): device pages, then pages a lower tier verified and copied up;
+        under a group agreement, the group's minimum, so no rank keeps a page another did not match. Counted once,
+        after the agreement. ``RefusedByGroup`` (nothing held) when another rank could not admit the request."""
+        limit = max(0, (prompt.tokens.size - max(1, rows_left)) // self.page_size)
         mids = prompt.media_ids(limit)
         with self.lock:
             salt_id = self.index.salt_id(prompt.salt)
@@ -219,14 +219,14 @@ class PrefixLifecycle:
             self.index.touch(idx)
             return idx
 
-    def extend_match(self, claim: Claim, tokens: np.ndarray) -> list[int]:
-        """Continue ``claim``'s match into ``tokens`` (int32 ids fed right after the chain, whose names are not yet
-        computed; media marks of theirs added to ``claim`` first): the verified cached pages that follow, never the
-        page of the last token, retained, agreed over the group and counted as hit tokens; ``claim``'s chain and
-        names grow by them. Only at a page boundary with every earlier position indexed (``len(claim.names) ==
-        claim.indexed``); else nothing."""
+    def extend_match(self, claim: Claim, tokens: np.ndarray, rows_left: int = 1) -> list[int]:
+        """Continue ``claim``'s match into ``tokens`` (int32 ids of the positions right after the chain, whose names
+        are not yet computed; media marks of theirs added to ``claim`` first): the verified cached pages that follow,
+        leaving at least ``rows_left`` of ``tokens`` to compute (never the page of the last token), retained, agreed
+        over the group and counted as hit tokens; ``claim``'s chain and names grow by them. Only with every earlier
+        position indexed (``len(claim.names) == claim.indexed``); else nothing."""
         P = self.page_size
-        m = (tokens.size - 1) // P
+        m = (tokens.size - max(1, rows_left)) // P
         if not claim.open or m <= 0 or len(claim.names) != claim.indexed:
             return []
         with self.lock:

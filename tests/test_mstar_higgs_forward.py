@@ -142,15 +142,16 @@ def test_the_audio_walk_named_by_its_digest_is_reused_when_the_walks_meet_at_a_p
     assert all_equal(got[0], want[0]) and got[1] == [16 - 3 * P, 8, 7]
 
 
-def test_a_text_walk_ending_mid_page_stops_the_match_before_the_audio(weights, sampled):
-    """A match continues into a later walk only at a page boundary (``ReuseKVManager.feed``): after a text walk of
-    18 ids the stream's own fifth page holds ids 16-17, so the same audio is computed again (the pages are named, so
-    nothing wrong is served; nothing is saved either)."""
+def test_a_walk_starting_mid_page_continues_the_match_through_the_audio(weights, sampled):
+    """A match continues into a later walk that starts inside a page (``ReuseKVManager.feed``): after a text walk of
+    18 ids the stream's own fifth page holds ids 16-17; the lookup covers that page from its start, and the cached
+    page found for it stands in for the stream's own. The same audio and the text after it are then reused, leaving
+    two rows of each walk to compute (a prefill is never cut to one row), logits equal to reuse off."""
     on, off = higgs_engine(weights, reuse=higgs_reuse(audio=True)), higgs_engine(weights)
     request = (ids(18, seed=18), audio(8, seed=19), ids(7, seed=20))
     serve(on, sampled, "a", *request, new=1)
     got, want = serve(on, sampled, "b", *request, new=1), serve(off, sampled, "b", *request, new=1)
-    assert all_equal(got[0], want[0]) and got[1] == [18 - 4 * P, 8, 7]
+    assert all_equal(got[0], want[0]) and got[1] == [18 - 4 * P, 2, 5]
 
 
 def test_the_audio_walk_is_named_by_the_carried_digest_when_it_reaches_the_llm():

@@ -119,3 +119,15 @@ def test_a_request_admitted_while_another_decodes_shares_its_committed_pages(wei
         for rid in step_on:
             assert step_on[rid][0] == step_off[rid][0] and torch.equal(step_on[rid][1], step_off[rid][1])
     assert on.kv.stats(LABEL).hit_tokens == 4 * P
+
+
+def test_a_prompt_cached_but_its_last_token_is_cut_to_two_rows_not_one(weights, sampled):
+    """The same 17-token prompt twice: 4 pages of 4 could be reused, leaving one row, but a prefill step of one row a
+    request is what M*'s attention takes for a decode step, whose plan Orpheus's ``select_last_hidden`` cannot read
+    (it raised). The cut leaves two rows: 3 pages reused, 5 tokens computed, logits equal to reuse off."""
+    on, off = engines(weights)
+    prompt = ids(4 * P + 1, seed=6)
+    serve(on, sampled, "a", prompt, new=1)
+    got, want = serve(on, sampled, "b", prompt, new=2), serve(off, sampled, "b", prompt, new=2)
+    assert got[2] == P + 1 and want[2] == 4 * P + 1
+    assert got[0] == want[0] and all_equal(got[1], want[1])

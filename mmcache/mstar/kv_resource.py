@@ -12,14 +12,15 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
 - One ``PrefixLifecycle`` per reused label (labels never share pages). ``feed`` (called by the seam in the node's
   ``prepare_inputs``, ``mmcache.mstar.switch``) names what a step is about to write: the first feed of a stream is
   matched, its verified prefix becomes the stream's first pages and ``stored_len``, and the seam cuts the input to
-  the suffix; a later feed at a page boundary with everything before it indexed continues the match (a chunked
-  prefill). ``commit`` then indexes every full page whose positions were all announced through ``feed``, prompt and
-  generated tokens alike, as it is written: a walk the seam did not name (embeddings, a remote retrieve) stops the
-  stream's indexing at its first position, so a page is never indexed under ids other than those its KV was
-  computed from. A retried step (after ``AllocationFailed``) feeds the prompt again and is cut at what is held.
-  A feed's positions count as named once the stream holds exactly them, settled at the stream's next feed or, for a
-  feed that fills a page, at its commit: a decode step costs one ``feed`` per request, and the pages that fill in a
-  step are indexed in one ``PrefixLifecycle.commit_many``.
+  the suffix; a later feed with everything before its page indexed continues the match (a chunked prefill, a walk
+  after another, from inside a page too: the cached page found for that page stands in for the stream's own). A feed
+  of several ids is never cut to one row (``_ROWS_LEFT``). ``commit`` then indexes every full page whose positions
+  were all announced through ``feed``, prompt and generated tokens alike, as it is written: a walk the seam did not
+  name (embeddings, a remote retrieve) stops the stream's indexing at its first position, so a page is never indexed
+  under ids other than those its KV was computed from. A retried step (after ``AllocationFailed``) feeds the prompt
+  again and is cut at what is held. A feed's positions count as named once the stream holds exactly them, settled at
+  the stream's next feed or, for a feed that fills a page, at its commit: a decode step costs one ``feed`` per
+  request, and the pages that fill in a step are indexed in one ``PrefixLifecycle.commit_many``.
 - The methods that assumed one owner per page count owners: ``reset_request(free=False)`` gives up a stream's pages
   when another owner holds one (M* would rewind onto them and overwrite shared KV), ``reclaimable`` and the offload's
   freed count count only the pages a request alone holds.
@@ -52,6 +53,13 @@ from mstar.engine.resources.kv.cache import PageAllocator  # noqa: E402
 from mstar.engine.resources.kv.config import KVSpec  # noqa: E402
 from mstar.engine.resources.kv.manager import KVManager  # noqa: E402
 from mstar.engine.resources.kv.plan import SINK_PAGE  # noqa: E402
+
+
+# A step cut to one row for every request looks like a decode step to M*'s attention resource (it picks its decode
+# wrapper when the last query offset equals the batch size, attn/flashinfer.py:168), whose plan has no query offsets
+# for ``select_last_hidden`` (Orpheus, Higgs Audio, Qwen3-Omni and Whisper call it on every prefill walk): a feed of
+# several ids is never cut to fewer than two.
+_ROWS_LEFT = 2
 
 
 class CountedPageAllocator(PageAllocator):
@@ -223,8 +231,8 @@ class ReuseKVManager(KVManager):
         """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream now
         holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
         stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
-        after ``AllocationFailed``) is cut at what the stream holds; a later feed that starts at a page boundary with
-        everything before it indexed continues the match (a prompt prefilled in chunks, a walk after a reused one);
+        after ``AllocationFailed``) is cut at what the stream holds; a later feed with everything before its page
+        indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``);
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks, and
         one with no marks names nothing, which stops the stream's indexing there."""
@@ -337,17 +345,29 @@ class ReuseKVManager(KVManager):
             named.covered = False
 
     def _continue(self, named: _Named, held: int, token_ids) -> int:
-        """Continue ``named``'s match into a feed at ``held``: how many of its ids cached pages now hold."""
-        P, stream = self.config.page_size, named.stream
-        if not (named.covered and held == named.named == named.claim.indexed * P
-                and len(stream.page_indices) == held // P):
+        """Continue ``named``'s match into a feed at ``held``: how many of its ids cached pages now hold. The feed may
+        start inside a page (a walk after a prompt that did not end on a page boundary): the lookup then covers that
+        page from its start, with the ids already written on it, and a cached page found for it replaces the
+        stream's own (the cached page holds the same KV for those positions: its verifying ids say so)."""
+        P, stream, claim = self.config.page_size, named.stream, named.claim
+        base = claim.indexed * P  # positions before ``base`` are indexed; ``held - base`` more are on the own page
+        own = held > base
+        if not (named.covered and held == named.named and base <= held < base + P
+                and len(stream.page_indices) == claim.indexed + own):
             return 0
         ids = as_tokens(token_ids)
-        pages = named.life.extend_match(named.claim, ids)
+        written = self._named_ids(named, base, held) if own else ids[:0]
+        if written is None:
+            return 0
+        pages = named.life.extend_match(claim, np.concatenate((written, ids)) if own else ids, _ROWS_LEFT)
         if not pages:
             return 0
-        k = len(pages) * P
+        k = base + len(pages) * P - held  # of this feed's ids, what the cached pages hold
         with self._lock:
+            if own:  # the cached page stands in for the stream's own, whose positions it holds the same way
+                self._arena.release(stream.page_indices[-1:])
+                stream.page_indices[-1:] = pages[:1]
+                pages = pages[1:]
             stream.page_indices += pages
             stream.stored_len += k
             stream.generation += 1
@@ -356,6 +376,17 @@ class ReuseKVManager(KVManager):
             named.due = (named.named // P + 1) * P
         return k
 
+    def _named_ids(self, named: _Named, lo: int, hi: int) -> np.ndarray | None:
+        """The ids named for positions ``lo..hi-1`` (the prompt's, then those fed after it); None when a fed id is
+        no token id (the stream's naming then stops)."""
+        n = named.prompt_len
+        if hi <= n:
+            return named.claim.prompt.tokens[lo:hi]
+        if not self._flush(named):
+            return None
+        head = named.claim.prompt.tokens[lo:n] if lo < n else named.generated[:0]
+        return np.concatenate((head, named.generated[max(lo - n, 0):hi - n]))
+
     def stored(self, rid: str, label: str) -> int:
         """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""
         return self._streams[rid][label].stored_len
@@ -363,7 +394,7 @@ class ReuseKVManager(KVManager):
     def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes) -> int:
         life = self.lifecycle(label)
         prompt = life.name(ids, media, salt, what=f"request {rid!r} label {label!r}")
-        claim, match = life.match(prompt)  # outside the lock: a group agreement may wait for other ranks
+        claim, match = life.match(prompt, _ROWS_LEFT)  # outside the lock: a group agreement may wait for other ranks
         if match.fetch is not None:
             match.fetch.wait()  # pages copied up from a tier: read none before they arrived
         k = len(match.pages) * self.config.page_size
@@ -413,15 +444,23 @@ class ReuseKVManager(KVManager):
     def _written(self, named: _Named) -> Written | None:
         """``named``'s pages to index: its stream's pages, what is written, its ids after the prompt (the chunks fed
         since the last page filled joined to the int32 ``generated``), what its names cover."""
+        if not self._flush(named):
+            return None
+        stream = named.stream
+        return Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
+
+    @staticmethod
+    def _flush(named: _Named) -> bool:
+        """Join the chunks fed since the last flush to the int32 ``generated``; False (and nothing from here on is
+        named) when a fed id is no token id."""
         fed = [i for chunk in named.chunks for i in (chunk.tolist() if hasattr(chunk, "tolist") else chunk)]
         named.chunks = []
         try:
             named.generated = np.concatenate((named.generated, as_tokens(fed))) if fed else named.generated
-        except InvalidRequest:  # a fed id that is no token id: nothing from here on is named
+        except InvalidRequest:
             named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
-            return None
-        stream = named.stream
-        return Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
+            return False
+        return True
 
     def reset_request(self, rid: str, free: bool = False):
         self._forget(rid, finished=False)  # first: the chain is touched while the stream still holds it
