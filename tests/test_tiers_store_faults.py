@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from mooncake_master import MooncakeMaster
+from tier_traffic import complete
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
@@ -35,13 +36,7 @@ def serve_once(cache, rid, tokens, commit=True):
     if not commit:
         cache.abort(rid)
         return took, state.matched_tokens
-    if state.fetch is not None:
-        state.fetch.wait()
-    s = cache.grow(rid, len(tokens))
-    for j, p in enumerate(s.page_indices[state.matched_tokens // P:]):
-        cache.pool.data[p] = float(j + 1)
-    cache.mark_computed(rid, len(tokens))
-    cache.finish(rid)
+    complete(cache, rid, tokens, state)
     return took, state.matched_tokens
 
 

@@ -21,9 +21,14 @@ def prompts(n: int, pages: int = 3, seed: int = 5) -> list[list[int]]:
 
 
 def serve(cache: PrefixCache, rid: str, tokens: list[int]):
-    """One request: admit, wait for the copy-up, write what missed (one value per page), commit, finish. Returns the
-    admission's state."""
+    """One request: admit, then ``complete`` it. Returns the admission's state."""
     state = cache.admit(rid, tokens)
+    complete(cache, rid, tokens, state)
+    return state
+
+
+def complete(cache: PrefixCache, rid: str, tokens: list[int], state) -> None:
+    """An admitted request: wait for the copy-up, write what missed (one value per page), commit, finish."""
     if state.fetch is not None:
         state.fetch.wait()
     s = cache.grow(rid, len(tokens))
@@ -31,7 +36,6 @@ def serve(cache: PrefixCache, rid: str, tokens: list[int]):
         cache.pool.data[p] = float(j + 1)
     cache.mark_computed(rid, len(tokens))
     cache.finish(rid)
-    return state
 
 
 class TieredCache:

@@ -25,17 +25,14 @@ import torch
 from mmcache.mstar.requirement import require_mstar
 
 require_mstar()
-from mstar.communication.tensors import LocalTransferEngine  # noqa: E402
-from mstar.distributed.communication import CommGroup, WorkerParallelGroups  # noqa: E402
 from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.resources import SamplingReqConfig  # noqa: E402
-from mstar.engine.resources.kv.transfer import TransferEngineInfo  # noqa: E402
 from mstar.model.higgs_audio.config import KV_CACHE, ROPE, SAMPLER, HiggsAudioModelConfig  # noqa: E402
 from mstar.model.higgs_audio.higgs_audio_model import HiggsAudioModel  # noqa: E402
 
 from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
 from mmcache.mstar.higgs import higgs_reuse as full_reuse  # noqa: E402
-from workloads.peers.mstar_orpheus import run_batch  # noqa: E402
+from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 
 # Qwen3's shape (GQA, per-head QK norm, plain RoPE at theta 1e6), tiny; 2 layers so the layer cursor moves
 CFG = HiggsAudioModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -130,19 +127,9 @@ def higgs_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int = 6
     model = higgs_model(weights, cfg)
     if reuse is not None:
         model = enable_reuse(model, reuse, nodes={LLM: LABEL}, kv_keys={KV_CACHE}, encoders=False)
-    specs = model.get_node_resources()
-    for spec in specs:
-        if spec.resource_key == KV_CACHE:
-            spec.apply_yaml_overrides(max_num_pages=pages, page_size=page_size)
-        if spec.resource_key == ROPE and dtype == torch.float32:
-            spec.config.rope_dtype = torch.float32  # M*'s RopeManager rotates fp32 in bf16 unless told
-    autocast = None if dtype == torch.float32 else dtype
-    sub = model.get_submodule(LLM, device="cpu", tp_group=CommGroup.trivial(), autocast_dtype=autocast)
-    engine = Engine(autocast_dtype=autocast)
-    engine.load_model({LLM: sub}, specs=specs,
-                      parallel_groups=WorkerParallelGroups(num_workers=1, global_rank=0), device=torch.device("cpu"),
-                      transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")), kv_cache_type=dtype)
-    engine.warmup()
+    engine, nodes = cpu_engine(model, [LLM], pages=pages, page_size=page_size, dtype=dtype, kv_key=KV_CACHE,
+                               rope_key=ROPE)
+    sub = nodes[LLM]
     return HiggsEngine(engine, sub, sub.node_resources[KV_CACHE])
 
 

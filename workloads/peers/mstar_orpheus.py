@@ -138,22 +138,34 @@ def orpheus_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int =
     model = orpheus_model(weights, cfg, snac)
     if reuse is not None:
         model = enable_reuse(model, reuse, nodes={LLM: LABEL}, kv_keys={KV_CACHE}, encoders=False)
+    engine, nodes = cpu_engine(model, [LLM] + ([SNAC_NODE] if snac is not None else []), pages=pages,
+                               page_size=page_size, dtype=dtype)
+    return OrpheusEngine(engine, nodes[LLM], nodes[LLM].node_resources[KV_CACHE])
+
+
+def cpu_engine(model, node_names: list[str], *, pages: int, page_size: int, dtype: torch.dtype,
+               kv_key: str = KV_CACHE, rope_key: str = ROPE) -> tuple[Engine, dict]:
+    """M*'s ``Engine`` over ``model`` on this CPU, as M*'s worker builds one: the model's specs with the KV spec sized
+    by the deployment's overrides (``pages`` x ``page_size``) and, for an fp32 run, RoPE in fp32 (M*'s ``RopeManager``
+    rotates fp32 in bf16 unless its config names ``rope_dtype``); the submodules named (the first, the LM, under
+    ``dtype``'s autocast with a trivial TP group); ``load_model`` and ``warmup``. Returns the engine and its
+    submodules by name."""
     specs = model.get_node_resources()
     for spec in specs:
-        if spec.resource_key == KV_CACHE:
+        if spec.resource_key == kv_key:
             spec.apply_yaml_overrides(max_num_pages=pages, page_size=page_size)
-        if spec.resource_key == ROPE and dtype == torch.float32:
+        if spec.resource_key == rope_key and dtype == torch.float32:
             spec.config.rope_dtype = torch.float32
     autocast = None if dtype == torch.float32 else dtype
-    nodes = {LLM: model.get_submodule(LLM, device="cpu", tp_group=CommGroup.trivial(), autocast_dtype=autocast)}
-    if snac is not None:
-        nodes[SNAC_NODE] = model.get_submodule(SNAC_NODE, device="cpu")
+    lm, *rest = node_names
+    nodes = {lm: model.get_submodule(lm, device="cpu", tp_group=CommGroup.trivial(), autocast_dtype=autocast)}
+    nodes.update({name: model.get_submodule(name, device="cpu") for name in rest})
     engine = Engine(autocast_dtype=autocast)
     engine.load_model(nodes, specs=specs,
                       parallel_groups=WorkerParallelGroups(num_workers=1, global_rank=0), device=torch.device("cpu"),
                       transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")), kv_cache_type=dtype)
     engine.warmup()
-    return OrpheusEngine(engine, nodes[LLM], nodes[LLM].node_resources[KV_CACHE])
+    return engine, nodes
 
 
 def greedy(repetition_penalty: float = 1.3) -> dict:
