@@ -70,6 +70,15 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     """Put the seam on one node's submodule (see the module docstring)."""
     prepare, declare = submodule.prepare_inputs, submodule.declare_step
     full_prompts: dict[str, torch.Tensor] = {}  # rid -> the ids before the cut, for the repetition penalty
+    reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
+
+    def kv_resources(resources: dict) -> tuple:
+        """The (key, KV resource) pairs of ``resources`` that name ``label``; found once per resources dict (the
+        engine hands a node the same one every step), not by a type check of every resource at every step."""
+        if reusing[0] is not resources or reusing[1] != len(resources):
+            reusing[:] = resources, len(resources), tuple(
+                (k, r) for k, r in resources.items() if isinstance(r, ReuseKVManager) and r.reuses(label))
+        return reusing[2]
 
     @functools.wraps(prepare)
     def prepare_inputs(*args, **kwargs):
@@ -77,9 +86,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         resources, fwd_info = kwargs.get("resources"), kwargs.get("fwd_info")
         if out is None or not resources or fwd_info is None or not hasattr(out, "input_ids"):
             return out
-        for key, kv in resources.items():
-            if not (isinstance(kv, ReuseKVManager) and kv.reuses(label)):
-                continue
+        for key, kv in kv_resources(resources):
             # ids alone describe the step only when no embeddings go in with them (Qwen3-Omni's thinker feeds both:
             # its embeddings carry the media), or when the model declares the embeddings are those of the ids
             # (``PrefixReuse.id_walks``); any other step of embeddings is named by its media marks, if the model says
@@ -90,8 +97,9 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 describe = kv.reuse.walk_media
                 marks = describe(graph_walk, fwd_info, kwargs.get("inputs"), out) if describe else None
                 ids = None
-            salt = request_salt(getattr(fwd_info, "step_metadata", None), "step_metadata")
-            held = kv.feed(rid, label, ids, media=marks or (), salt=salt, length=int(out.input_seq_len))
+            metadata = getattr(fwd_info, "step_metadata", None)
+            salt = request_salt(metadata, "step_metadata") if metadata else b""
+            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len))
             if held:
                 position = kv.position_after(rid, label, kv.stored(rid, label))
                 for res in resources.values():
