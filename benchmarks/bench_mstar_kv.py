@@ -8,6 +8,10 @@ M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the counte
 the seam's ``feed`` of each request's token, and commit-as-written indexing the pages that fill). The forward is not
 run: what is timed is the resource's own work. ms per step, best of repeats, spread = max/min over repeats; rows are
 interleaved repeat by repeat so load on the machine hits every row alike.
+
+A second table times the seam itself (``mmcache.mstar.switch``): a node's ``prepare_inputs`` for one decode token,
+bare and with the seam on it (which calls ``feed``), on the toy AR node of the tests (``tests/mstar_toy_ar.py``), per
+request, best of repeats.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the toy AR node
 from mmcache.mstar.requirement import why_unavailable  # noqa: E402
 
 SKIP = why_unavailable()
@@ -74,6 +79,25 @@ def once(kind: str, requests: int, page: int, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
+def seam_us(reuse: bool, requests: int, repeats: int) -> float:
+    """Microseconds per request of a decode step's ``prepare_inputs`` on the toy node, with or without the seam."""
+    from mstar_toy_ar import KV, ROPE, fwd_info, ids_feed, node, step, weights
+
+    n = node(weights(), pages=requests * 4, reuse=PrefixReuse(model="bench") if reuse else None)
+    rids = [f"r{i}" for i in range(requests)]
+    for i, rid in enumerate(rids):
+        n.runner.ingest_request(rid)
+        step(n, "prefill", {rid: ids_feed(range(1 + i, 9 + i))})
+    resources, infos, feed = {KV: n.kv, ROPE: n.rope}, {rid: fwd_info(rid) for rid in rids}, ids_feed([5])
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for rid in rids:
+            n.sub.prepare_inputs(graph_walk="decode", fwd_info=infos[rid], inputs=feed, resources=resources)
+        best = min(best, time.perf_counter() - t)
+    return best / requests * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=256)
@@ -98,6 +122,10 @@ def main() -> None:
         print(f"{names[k]:<36} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
     print(f"({args.requests} requests per step, page {args.page}, {args.steps} decode steps after a {PROMPT}-token "
           f"prefill, best of {args.repeats}; {sys.platform}, {torch.get_num_threads()} threads)")
+    bare, seam = (seam_us(r, 64, 10 * args.repeats) for r in (False, True))
+    print(f"\n{'prepare_inputs, one decode token (toy node)':<44} | {'us/request':>10} | {'vs bare':>7}")
+    print(f"{'bare':<44} | {bare:10.2f} | {1:7.2f}")
+    print(f"{'with the seam (feed included)':<44} | {seam:10.2f} | {seam / bare:7.2f}")
 
 
 if __name__ == "__main__":
