@@ -321,9 +321,12 @@ class PrefixLifecycle:
 
     def touch(self, claim: Claim) -> None:
         """The request is done with its chain: mark it used now (one tick for the whole chain), so its pages rank by
-        their last use as they become evictable. Pages indexed while it ran took their parent's tick."""
+        their last use as they become evictable. Pages indexed while it ran took their parent's tick. A chain whose
+        last page left the index meanwhile is not touched: its page ids may stand for other chains' pages now (the
+        index is closed under parents, so the last page's serial vouches for the whole chain)."""
         with self.lock:
-            self.index.touch(claim.chain)
+            if claim.chain and self.index.serial(claim.chain[-1]) == claim.parent_serial:
+                self.index.touch(claim.chain)
 
     def discard(self, claim: Claim) -> int:
         """Unindex every page ``claim``'s request indexed, with the descendants other requests indexed under them

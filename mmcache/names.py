@@ -128,8 +128,6 @@ def media_by_page(media: Iterable, page_size: int, num_tokens: int) -> dict[int,
 def media_ids(blobs: dict[int, bytes], pages: range) -> np.ndarray:
     """The 128-bit media verifying id of each page in ``pages`` (zero where the page holds no media)."""
     out = np.zeros((len(pages), 2), dtype=np.uint64)
-    if not blobs:
-        return out
     for p, blob in blobs.items():
         if p in pages:
             out[p - pages.start] = np.frombuffer(xxhash.xxh3_128_digest(blob), dtype=np.uint64)

@@ -223,6 +223,8 @@ class PrefixCache:
             rec = self._get(rid)
             if discard and rec.claim is not None:
                 self.lifecycle.discard(rec.claim)
+            elif rec.claim is not None:
+                self.lifecycle.touch(rec.claim)
             self.lifecycle.release(rec.pages)
             self._end(rid)
 
