@@ -26,6 +26,8 @@ import numpy as np
 from mmcache.pool import PagePool
 from mmcache.reclaim import eviction_key
 
+_NO_PAGES = np.zeros(0, dtype=np.int64)
+_NO_PAGES.flags.writeable = False
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
 
@@ -139,6 +141,8 @@ class PrefixIndex:
         ``parent``: the indexed page the first name continues (-1: the chain starts here); ``tokens`` and ``mids``
         start at the first name's page.
         """
+        if not len(names) or names[0] not in self._pages:  # a miss at the first page (a new prompt): no arrays built
+            return _NO_PAGES
         # Probing past the first miss in C is cheaper than stopping there in a Python loop.
         idx = np.fromiter(map(self._pages.get, names, repeat(-1)), dtype=np.int64, count=len(names))
         miss = np.flatnonzero(idx < 0)
