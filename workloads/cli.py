@@ -699,7 +699,7 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
               if args.in_flight
               else f"schedule {schedule}, one request at a time")
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
-          f"{options.max_new_tokens} new tokens per request, {served} (loaded in "
+          f"{options.max_new_tokens} new {registry.MODEL_WORKLOADS[name].output_unit} per request, {served} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
     if args.in_flight:
         off, on, equal = compare_engine(make, schedule, args.in_flight, observer=exporter, progress=progress)

@@ -65,6 +65,7 @@ class ModelWorkload:
     description: str
     aliases: tuple[str, ...] = ()
     replica_trace: str = ""    # "module:function" of its replica-replay trace; "" for none
+    output_unit: str = "tokens"  # what ``--max-new-tokens`` counts for it
 
 
 WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
@@ -87,10 +88,11 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
                   "multi-turn questions about short clips made from MMMU images (tiny LLaVA-NeXT-Video)"),
     ModelWorkload("voice-clone", "workloads.models.voice_clone:factory", "seedtts/meta.lst",
                   "TTS requests cloning a few reference voices (Seed-TTS-Eval prompts)",
-                  replica_trace="workloads.traces.voice_sessions:load_voice_sessions"),
+                  replica_trace="workloads.traces.voice_sessions:load_voice_sessions", output_unit="audio frames"),
     ModelWorkload("voice-mstar", "workloads.models.voice_mstar:factory", "seedtts/meta.lst",
                   "TTS requests cloning a few reference voices through M*'s Orpheus (LLM + SNAC decoder) under M*'s "
-                  "Engine, many in flight (Seed-TTS-Eval prompts; tiny random weights)"),
+                  "Engine, many in flight (Seed-TTS-Eval prompts; tiny random weights)",
+                  output_unit="SNAC frames (7 codes each)"),
     ModelWorkload("agent-model", "workloads.models.agent:factory", "mini-swe-agent/trajs",
                   "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
     ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",
