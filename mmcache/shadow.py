@@ -128,14 +128,6 @@ class ShadowIndex:
                 self._table.setdefault(name, (parent, live.salt_id, tokens.tobytes(), mid.tobytes()))
                 parent = name
 
-    def prompt_tokens(self, rid: Hashable) -> int:
-        """The prompt length of live request ``rid``."""
-        with self._lock:
-            live = self._live.get(rid)
-            if live is None:
-                raise UnknownRequest(f"request {rid!r} is not live in the shadow index")
-            return int(live.prompt.tokens.size)
-
     def abort(self, rid: Hashable) -> None:
         with self._lock:
             self._pop(rid)

@@ -423,15 +423,8 @@ def replay_command(args, defaults: dict) -> int:
     if problem := _replica_problem(args, defaults):
         return _fail(problem)
     progress = _progress(args)
-    try:
-        exporter, port = _metrics_exporter(args)
-    except OSError as e:
-        return _fail(f"--metrics-port {args.metrics_port}: {e}")
-    try:
-        return _trace_replay(args, defaults, fmt, path, progress, exporter, port)
-    finally:
-        if exporter is not None:
-            exporter.close()
+    return _with_metrics(args, lambda exporter, port: _trace_replay(args, defaults, fmt, path, progress, exporter,
+                                                                    port))
 
 
 def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter, port) -> int:
@@ -644,30 +637,29 @@ def _metrics_problem(args) -> str | None:
     return None
 
 
-def _metrics_exporter(args, **kw):
-    """``(exporter, bound port)`` serving ``--metrics-port`` on loopback (``Exporter(**kw)``), ``(None, None)``
-    without it; OSError when the port cannot be bound. Called before the slow part loads, so a scraper sees every
-    series at 0 before the first request."""
+def _with_metrics(args, run, **kw) -> int:
+    """``run(exporter, bound port)`` with ``--metrics-port`` served on loopback (``Exporter(**kw)``; ``None, None``
+    without it), closed after; a port that cannot be bound fails before anything runs. The exporter starts before
+    the slow part loads, so a scraper sees every series at 0 before the first request."""
     if args.metrics_port is None:
-        return None, None
+        return run(None, None)
     from workloads.harness.prometheus import Exporter
     exporter = Exporter(**kw)
-    port = exporter.serve(args.metrics_port)
+    try:
+        port = exporter.serve(args.metrics_port)
+    except OSError as e:
+        return _fail(f"--metrics-port {args.metrics_port}: {e}")
     print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
-    return exporter, port
+    try:
+        return run(exporter, port)
+    finally:
+        exporter.close()
 
 
 def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
     started = time.perf_counter()
-    try:
-        exporter, port = _metrics_exporter(args, slo=slo)
-    except OSError as e:
-        return _fail(f"--metrics-port {args.metrics_port}: {e}")
-    try:
-        return _replay_and_report(args, schedule, slo, progress, started, exporter, port)
-    finally:
-        if exporter is not None:
-            exporter.close()
+    return _with_metrics(args, lambda exporter, port: _replay_and_report(args, schedule, slo, progress, started,
+                                                                         exporter, port), slo=slo)
 
 
 def _replay_and_report(args, schedule, slo, progress: bool, started: float, exporter, port) -> int:

@@ -190,7 +190,8 @@ class ReuseKVManager(KVManager):
         self._reused = labels if reuse is not None and not reuse.shadow else frozenset()
         self._shadowed = labels - self._reused
         self._shadows: dict[str, ShadowIndex] = {}
-        self._shadow_fed: dict[tuple[str, str], dict[int, np.ndarray] | None] = {}  # position -> ids fed there
+        # (rid, label) -> (prompt length, position -> ids fed there; None after a walk no ids describe)
+        self._shadow_fed: dict[tuple[str, str], tuple[int, dict[int, np.ndarray] | None]] = {}
         self._agreement = None
         if joint_comm_group is not None and joint_comm_group.world_size > 1:
             if joint_comm_group.sp_group.world_size > 1:
@@ -265,26 +266,31 @@ class ReuseKVManager(KVManager):
         return cut
 
     def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
-        """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex``; later feeds are kept
-        by the position they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
+        """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex`` (named outside the
+        pool's lock); later feeds are kept by the position they write (a retried step overwrites its own) until a walk
+        no ids describe. Cuts nothing."""
         key = (rid, label)
-        with self._lock:
-            stream = self._ensure_label(rid, label)
-            held = stream.stored_len
-            if key not in self._shadow_fed:
-                if token_ids is None or held:
-                    return 0  # embeddings, or a stream filled another way: nothing of it is measured
-                self.shadow_index(label).admit(rid, token_ids, media, salt)
-                self._shadow_fed[key] = {}
-                return 0
-            fed = self._shadow_fed[key]
-            if fed is None or held < self._shadows[label].prompt_tokens(rid):
-                return 0  # a retried prefill, or after an unnamed walk
+        seen = self._shadow_fed.get(key)
+        if seen is None:
             if token_ids is None:
-                self._shadow_fed[key] = None
-            else:
-                fed[held] = as_tokens(token_ids)
+                return 0  # embeddings: nothing of this stream is measured
+            with self._lock:
+                held = self._ensure_label(rid, label).stored_len
+            if held:
+                return 0  # a stream filled another way
+            ids = as_tokens(token_ids)
+            self.shadow_index(label).admit(rid, ids, media, salt)
+            self._shadow_fed[key] = (int(ids.size), {})
             return 0
+        prompt_len, fed = seen
+        held = self._streams[rid][label].stored_len
+        if fed is None or held < prompt_len:
+            return 0  # after an unnamed walk, or a retried prefill
+        if token_ids is None:
+            self._shadow_fed[key] = (prompt_len, None)
+        else:
+            fed[held] = as_tokens(token_ids)
+        return 0
 
     def shadow_index(self, label: str) -> ShadowIndex:
         """``label``'s shadow table (made on first use)."""
@@ -300,11 +306,11 @@ class ReuseKVManager(KVManager):
     def _end_shadow(self, rid: str, finished: bool) -> None:
         """``rid`` left (``finished``: its pages of prompt + what was fed after it go into the table) or was reset."""
         for key in [k for k in self._shadow_fed if k[0] == rid]:
-            fed, shadow = self._shadow_fed.pop(key), self._shadows[key[1]]
+            (at, fed), shadow = self._shadow_fed.pop(key), self._shadows[key[1]]
             if not finished:
                 shadow.abort(rid)
                 continue
-            out, at = [], shadow.prompt_tokens(rid)
+            out = []
             while fed and at in fed:
                 out.append(fed[at])
                 at += out[-1].size
