@@ -12,7 +12,8 @@ from mstar_helpers import require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
-    LABEL, P, PrefixReuse, dense_logits, ids_feed, node, serve, step, weights,
+    KV, LABEL, P, KVStep, PrefixReuse, Segment, StepContext, SubmoduleStep, dense_logits, ids_feed, node, serve, step,
+    weights,
 )
 
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
@@ -56,6 +57,37 @@ def test_a_second_request_shares_pages_the_first_committed_while_it_still_runs()
     want = serve(node(W), "b", system + [2], 3)
     assert out == want[0] and equal(logits, want[1])
     on.runner.remove_request("a")
+
+
+def kv_step(n, rids, span: int) -> None:
+    """One step of the KV resource alone (admit, plan, commit; no forward), as M*'s ``StepRunner`` runs it."""
+    s = SubmoduleStep(segments=[Segment(rid, LABEL, span) for rid in rids], steps={KV: KVStep()})
+    s.set_ctx(StepContext(request_ids=rids, graph_walk="decode", slot=0, capture=False))
+    assert n.runner.admit(s).ok
+    n.runner.plan(s)
+    n.runner.commit(s)
+
+
+def test_pages_that_fill_in_one_step_are_named_together_and_a_bad_id_stops_only_its_own_stream():
+    on = node(W, reuse=REUSE)
+    kv, prompts = on.kv, {"a": list(range(100, 100 + P)), "b": list(range(200, 200 + P))}
+    for rid, prompt in prompts.items():
+        on.runner.ingest_request(rid)
+        assert kv.feed(rid, LABEL, torch.tensor(prompt)) == 0
+    kv_step(on, ["a", "b"], P)
+    fed = {"a": [], "b": []}
+    for t in range(P):  # both streams fill their second page in the same step: one join of both streams' ids
+        for rid in fed:
+            tok = torch.tensor([7.5]) if rid == "b" and t == 1 else torch.tensor([7 + t])  # 7.5: no token id
+            fed[rid].append(7 + t)
+            kv.feed(rid, LABEL, tok)
+        kv_step(on, ["a", "b"], 1)
+    assert kv.stats(LABEL).pages_cached == 3                    # a's two pages and b's prompt page
+    for rid, want in (("a", 2 * P), ("b", P)):                  # a later request with the same ids matches that much
+        on.runner.ingest_request(rid + "2")
+        assert kv.feed(rid + "2", LABEL, torch.tensor(prompts[rid] + fed[rid] + [1, 2])) == want
+    for rid in ("a", "b", "a2", "b2"):
+        on.runner.remove_request(rid)
 
 
 def test_a_walk_the_names_do_not_cover_is_never_indexed():

@@ -62,6 +62,21 @@ from mstar.engine.resources.kv.plan import SINK_PAGE  # noqa: E402
 _ROWS_LEFT = 2
 
 
+def _joined_tokens(chunks: list) -> np.ndarray:
+    """The ids of ``chunks`` (what consecutive feeds fed: tensors, arrays or lists, one step's ids each) as one int32
+    array; ``InvalidRequest`` when one is not a flat sequence of token ids. Chunks of one kind are joined by one
+    call of their library (one device copy for tensors), mixed ones id by id."""
+    first = chunks[0]
+    try:
+        if isinstance(first, torch.Tensor):
+            return as_tokens(torch.cat(chunks))
+        if isinstance(first, np.ndarray):
+            return as_tokens(np.concatenate(chunks))
+    except (RuntimeError, TypeError, ValueError):  # chunks no library call joins: the general path says what is wrong
+        pass
+    return as_tokens([i for c in chunks for i in (c.tolist() if hasattr(c, "tolist") else c)])
+
+
 class CountedPageAllocator(PageAllocator):
     """M*'s ``PageAllocator`` interface over a ``PagePool``: ``try_allocate`` takes pages with one owner each,
     evicting cold cached pages of the pool first; ``free`` drops one owner per page (the pool frees a page when its
@@ -388,7 +403,7 @@ class ReuseKVManager(KVManager):
         n = named.prompt_len
         if hi <= n:
             return named.claim.prompt.tokens[lo:hi]
-        if not self._flush(named):
+        if not self._flush((named,))[0]:
             return None
         head = named.claim.prompt.tokens[lo:n] if lo < n else named.generated[:0]
         return np.concatenate((head, named.generated[max(lo - n, 0):hi - n]))
@@ -430,8 +445,9 @@ class ReuseKVManager(KVManager):
 
     def _commit_due(self) -> None:
         """Index the pages that filled: of the streams whose announced feed reaches a page end (``_due``), those
-        whose feed is now written; one ``commit_many`` per label. A stream whose step has not committed yet stays."""
-        P, written = self.config.page_size, {}
+        whose feed is now written; their fed ids joined at once (``_flush``), then one ``commit_many`` per label. A
+        stream whose step has not committed yet stays."""
+        P, ready = self.config.page_size, []
         for named in list(self._due):
             stream = named.stream
             self._settle(named, stream.stored_len, unwritten_stays=True)
@@ -439,34 +455,46 @@ class ReuseKVManager(KVManager):
                 continue
             del self._due[named]
             if named.covered and min(stream.stored_len, named.named) >= named.due:
-                item = self._written(named)
-                if item is not None:
-                    written.setdefault(named.life, []).append((named, item))
+                ready.append(named)
+        written = {}
+        for named, ok in zip(ready, self._flush(ready)):
+            if ok:
+                stream = named.stream
+                item = Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
+                written.setdefault(named.life, []).append((named, item))
         for life, items in written.items():
             life.commit_many([item for _, item in items])
             for named, _ in items:
                 named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
 
-    def _written(self, named: _Named) -> Written | None:
-        """``named``'s pages to index: its stream's pages, what is written, its ids after the prompt (the chunks fed
-        since the last page filled joined to the int32 ``generated``), what its names cover."""
-        if not self._flush(named):
-            return None
-        stream = named.stream
-        return Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
-
     @staticmethod
-    def _flush(named: _Named) -> bool:
-        """Join the chunks fed since the last flush to the int32 ``generated``; False (and nothing from here on is
-        named) when a fed id is no token id."""
-        fed = [i for chunk in named.chunks for i in (chunk.tolist() if hasattr(chunk, "tolist") else chunk)]
-        named.chunks = []
-        try:
-            named.generated = np.concatenate((named.generated, as_tokens(fed))) if fed else named.generated
-        except InvalidRequest:
-            named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
-            return False
-        return True
+    def _flush(streams: Sequence[_Named]) -> list[bool]:
+        """Join each stream's chunks fed since its last flush to its int32 ``generated`` (which then holds the ids of
+        positions ``prompt_len..named-1``): every stream's chunks in one join (one device copy for a decode step's
+        tensors), split by what each stream's names cover; a stream whose chunks do not join so is joined alone. Per
+        stream: False (and nothing of it from here on is named) when a fed id is no token id."""
+        todo = [named for named in streams if named.chunks]
+        if len(todo) > 1:
+            sizes = [named.named - named.prompt_len - named.generated.size for named in todo]
+            try:
+                joined = _joined_tokens([chunk for named in todo for chunk in named.chunks])
+            except InvalidRequest:
+                joined = None
+            if joined is not None and joined.size == sum(sizes):
+                for named, part in zip(todo, np.split(joined, np.cumsum(sizes[:-1]))):
+                    named.generated, named.chunks = np.concatenate((named.generated, part)), []
+        out = []
+        for named in streams:
+            chunks, named.chunks = named.chunks, []
+            if chunks:
+                try:
+                    named.generated = np.concatenate((named.generated, _joined_tokens(chunks)))
+                except InvalidRequest:
+                    named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
+                    out.append(False)
+                    continue
+            out.append(True)
+        return out
 
     def reset_request(self, rid: str, free: bool = False):
         self._forget(rid, finished=False)  # first: the chain is touched while the stream still holds it
