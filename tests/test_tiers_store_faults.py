@@ -12,9 +12,9 @@ import torch
 from mooncake_master import MooncakeMaster
 from tier_traffic import complete
 
-from mmcache import Fingerprint, PagePool, PrefixCache
+from mmcache import Fingerprint, HostPagePool, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
-from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
+from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack, mooncake, stack
 
 P = 4
 WHY = mooncake.available()
@@ -186,5 +186,55 @@ def test_a_prefix_committed_while_the_store_is_read_keeps_the_index_closed_under
         for page in np.flatnonzero(index.indexed):
             assert v.parent[page] == -1 or index.indexed[v.parent[page]]
         assert len(index) == 8
+    finally:
+        store.close()
+
+
+class PendingCopy:
+    """Stands in for the CUDA event of an asynchronous host-to-device copy (``stack._copy_up`` on CUDA): the copy is
+    made at once, and the event says it landed only once waited on."""
+
+    def __init__(self):
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def test_pages_a_hit_gives_up_are_freed_only_after_its_copy_up_lands(monkeypatch):
+    def copy_up(src, src_pages, dst, dst_pages):
+        stack.copy_pages(src, src_pages, dst, dst_pages)
+        return PendingCopy()
+
+    monkeypatch.setattr(stack, "_copy_up", copy_up)
+    shared, fp = RacingStore(), Fingerprint(model="race-host", page_size=P)
+    base = prompts(1, pages=6)[0]
+    writer = PrefixCache(PagePool(32, (P,), torch.float32), fp,
+                         tiers=TierStack(fp, store=StoreTier(shared, publish_async=False, deadline_s=None)))
+    serve_once(writer, "w", base)                                 # the store holds base's 6 pages
+    pool = PagePool(16, (P,), torch.float32)
+    store = StoreTier(shared, deadline_s=1.0, publish_async=False)
+    b = PrefixCache(pool, fp, evict_batch_pages=1,
+                    tiers=TierStack(fp, host=HostTier(HostPagePool.like(pool, 8), P), store=store))
+    try:
+        serve_once(b, "a", base[:4 * P + 1])                      # 4 pages on b's device...
+        serve_once(b, "o", prompts(1, pages=15)[0][1:])           # ...evicted to b's host tier by an unrelated one
+
+        def commit_meanwhile():  # while "b" reads pages 4-5 from the store, "x" takes the same prefix (from the host)
+            store._down = True
+            serve_once(b, "x", base)
+            store._down = False
+        shared.during_read = commit_meanwhile
+        state = b.admit("b", base)
+        assert state.matched_tokens == 6 * P and state.fetch is not None and not state.fetch.ready
+        assert all(b.index.indexed[p] for p in state.page_indices)  # b holds x's indexed pages, not its own copies
+        fresh, free = state.fetch.host_pages + state.fetch.store_pages, pool.num_free
+        assert fresh >= 2 and state.fetch.host_pages >= 1
+        state.fetch.wait()
+        assert pool.num_free == free + fresh                      # b's fresh pages, freed once the copy landed
+        b.finish("b")
     finally:
         store.close()

@@ -158,18 +158,24 @@ class TierStack:
         P = index.page_size
         _, walked, _ = index.insert(pages, list(names[:m]), tokens[:m * P].reshape(m, P), mids[:m], salt_id,
                                     media=media)  # index's own owners
+        dropped: list[int] = []
         if walked != pages:  # another request indexed equal pages while the store was read (or a name collided):
             swap = [q for q in range(len(walked)) if walked[q] != pages[q]]  # hold the indexed pages instead, so
             pool.retain([walked[q] for q in swap], distinct=True)            # the claim's chain is what is indexed
-            pool.release([pages[q] for q in swap] + pages[len(walked):])
+            dropped = [pages[q] for q in swap] + pages[len(walked):]
             pages = walked
         served = len(pages) - len(idx)  # host hits first, then the store's
         self.adopted["host"] += min(len(host), served)
         self.adopted["store"] += served - min(len(host), served)
-        release = (lambda: self.host.pool.release(host)) if host else None
-        if event is None and release is not None:
-            release()
-            release = None
+
+        def release() -> None:
+            """Once the copy-up has landed: the host pages read, and the fresh pages the hit did not keep (freed
+            before, a page could be handed to another request while an asynchronous copy still wrote into it)."""
+            if host:
+                self.host.pool.release(host)
+            if dropped:
+                pool.release(dropped)
+
         return pages, PageFetch(len(host), len(store), event, release)
 
     # ----------------------------------------------------------------- device -> store (write-through on index)
