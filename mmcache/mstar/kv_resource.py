@@ -250,19 +250,20 @@ class ReuseKVManager(KVManager):
         after ``AllocationFailed``) is cut at what the stream holds; a later feed with everything before its page
         indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``);
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
-        items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks, and
-        one with no marks names nothing, which stops the stream's indexing there."""
+        items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks (a
+        stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
+        stops the stream's indexing there."""
         if label not in self._reused:
             return self._shadow_feed(rid, label, token_ids, media, salt) if label in self._shadowed else 0
+        if token_ids is None and media and length:
+            token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
         if named is None:
             return self._first_feed(rid, label, token_ids, media, salt)
         held = named.stream.stored_len
         self._settle(named, held)  # what the previous feed announced is written now, or was not
         if token_ids is None:
-            if not media or not length:
-                return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
-            token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
+            return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
         n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
         cut = 0
         if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
