@@ -11,7 +11,9 @@ Only flashinfer's and triton's kernels are torch stand-ins.
   ``torch.equal`` to reuse off;
 - another speaker shares only the page before the speaker row; on auto language (9 rows) one page is reused, as two
   rows are always left to compute;
-- the decode frames are named by nothing: no page holding a frame is indexed.
+- the decode frames are named by nothing: no page holding a frame is indexed;
+- a request prefilled while another with the same speaker decodes shares its pages, and the two decode in one batch
+  bit-exactly.
 """
 
 import pytest
@@ -123,3 +125,35 @@ def test_the_prefill_is_named_row_by_row_and_decode_by_nothing():
     assert [o for o, _ in marks] == list(range(9)) and marks[4][1] == rows_digest(rows[4].clone())
     assert len({d for _, d in marks}) == 9
     assert prefill_rows_media(DECODE, None, {}, ARNodeInputs(input_seq_len=1, input_embeds=rows[:1])) is None
+
+
+def test_a_request_prefilled_while_another_decodes_shares_its_pages_in_one_decode_batch(checkpoint, sampled):
+    """b is prefilled while a is decoding (a's prefill pages committed), then both decode in one batch: b attends to
+    a's pages, and every step's codes and logits equal reuse off."""
+    on, off = talker_engine(checkpoint, reuse=qwen3_tts_reuse("qwen3-tts-tiny@test")), talker_engine(checkpoint)
+    runs = {}
+    for name, te in (("on", on), ("off", off)):
+        steps = []
+        te.engine.add_request("a", greedy(te.model))
+        steps.append(walk(te, PREFILL, {"a": (text(6, seed=7), VIVIAN, ENGLISH)}, sampled))
+        steps.append(walk(te, DECODE, {"a": steps[-1]["a"][2]}, sampled))
+        te.engine.add_request("b", greedy(te.model))
+        steps.append(walk(te, PREFILL, {"b": (text(4, seed=8), VIVIAN, ENGLISH)}, sampled))
+        fed_b = te.fed["b"]
+        if name == "on":
+            held_a, held_b = (te.kv._streams[r][LABEL].page_indices for r in ("a", "b"))
+            assert held_b[:2] == held_a[:2] and not set(held_b[2:]) & set(held_a)
+            assert (te.kv.pool.counts[held_a[:2]] >= 2).all()
+        last = {"a": steps[1]["a"][2], "b": steps[2]["b"][2]}
+        for _ in range(3):
+            steps.append(walk(te, DECODE, last, sampled))
+            last = {rid: got[2] for rid, got in steps[-1].items()}
+        for rid in ("a", "b"):
+            te.engine.remove_request(rid)
+        runs[name] = steps, fed_b
+    (got, fed_on), (want, fed_off) = runs["on"], runs["off"]
+    assert fed_off == 10 and fed_on == 10 - 2 * P
+    for step_on, step_off in zip(got, want, strict=True):
+        assert step_on.keys() == step_off.keys()
+        for rid in step_on:
+            assert torch.equal(step_on[rid][0], step_off[rid][0]) and torch.equal(step_on[rid][1], step_off[rid][1])

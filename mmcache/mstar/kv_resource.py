@@ -125,7 +125,10 @@ class PrefixReuse:
     ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step,
     digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend on:
     the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not described
-    by media: then the seam names nothing and the stream's indexing stops there. ``id_walks``: the graph walks whose
+    by media: then the seam names nothing and the stream's indexing stops there. A mark enters the names of its page
+    and, through the chain, of every later page, never of an earlier one: where a walk's attention is bidirectional
+    (Pi0.5's prefill) every position's KV depends on the whole walk, and one mark at its first row must name all of
+    it (``mmcache.mstar.pi05``). ``id_walks``: the graph walks whose
     ``input_embeds`` are exactly the model's embedding of the ``input_ids`` fed with them (Higgs Audio's
     ``prefill_text`` embeds its ids only to share a capture with ``prefill_audio``): the seam names such a walk by
     its ids, as if no embeddings went in, and cuts both to the suffix. That is the invariant this list declares, and
