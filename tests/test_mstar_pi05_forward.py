@@ -139,3 +139,20 @@ def test_the_prefill_is_one_item_and_action_gen_names_nothing():
     assert prefill_walk_media(PREFILL, None, {}, ARNodeInputs(input_seq_len=12, input_embeds=rows)) == [
         (0, rows_digest(rows.clone()))]
     assert prefill_walk_media(ACTION, None, {}, ARNodeInputs(input_seq_len=4)) is None
+
+
+def test_a_carried_image_digest_names_the_prefill_with_its_text():
+    """When the data worker's ``image_digest`` reaches the LLM node, it and the text ids name the walk (not the rows):
+    other text or other images give another name, equal ones the same."""
+    from mstar.model.submodule_base import ARNodeInputs
+    fed = ARNodeInputs(input_seq_len=19, input_embeds=torch.zeros(19, CFG["hidden_size"]))
+
+    def name(image: int, text):
+        inputs = {"image_digest": [torch.full((16,), image, dtype=torch.uint8)], "text_inputs": [text]}
+        [(offset, digest)] = prefill_walk_media(PREFILL, None, inputs, fed)
+        assert offset == 0 and len(digest) == 16
+        return digest
+
+    text = ids(7, seed=12)
+    assert name(1, text) == name(1, text.clone())
+    assert len({name(1, text), name(2, text), name(1, ids(7, seed=13))}) == 3
