@@ -13,7 +13,8 @@ Only flashinfer's and triton's kernels are torch stand-ins.
   rows are always left to compute;
 - the decode frames are named by nothing: no page holding a frame is indexed;
 - a request prefilled while another with the same speaker decodes shares its pages, and the two decode in one batch
-  bit-exactly.
+  bit-exactly;
+- in shadow mode the prefill is measured (the pages reuse on would match) and nothing changes.
 """
 
 import pytest
@@ -157,3 +158,19 @@ def test_a_request_prefilled_while_another_decodes_shares_its_pages_in_one_decod
         assert step_on.keys() == step_off.keys()
         for rid in step_on:
             assert torch.equal(step_on[rid][0], step_off[rid][0]) and torch.equal(step_on[rid][1], step_off[rid][1])
+
+
+def test_shadow_mode_measures_the_prefill_pages_and_changes_nothing(checkpoint, sampled):
+    """``shadow=True``: the prefill is named by its rows' marks and looked up, nothing is cut or cached, the logits
+    are reuse off's, and the shadow matches what reuse on matches on the same schedule."""
+    shadow = talker_engine(checkpoint, reuse=qwen3_tts_reuse("qwen3-tts-tiny@test", shadow=True))
+    on, off = talker_engine(checkpoint, reuse=qwen3_tts_reuse("qwen3-tts-tiny@test")), talker_engine(checkpoint)
+    runs = {}
+    for name, te in (("shadow", shadow), ("on", on), ("off", off)):
+        runs[name] = [serve(te, sampled, rid, text(5, seed=9 + i), speaker, ENGLISH, frames=2)
+                      for i, (rid, speaker) in enumerate((("a", VIVIAN), ("b", VIVIAN), ("c", RYAN)))]
+    for got, want in zip(runs["shadow"], runs["off"], strict=True):
+        assert all_equal(got[0], want[0]) and all_equal(got[1], want[1]) and got[2] == want[2] == 10
+    assert shadow.kv.stats(LABEL).hit_tokens == 0
+    s = shadow.kv.shadow_stats(LABEL)
+    assert s.requests == 3 and s.matched_pages * P == on.kv.stats(LABEL).hit_tokens == 2 * P + P

@@ -257,7 +257,7 @@ class ReuseKVManager(KVManager):
         stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
         stops the stream's indexing there."""
         if label not in self._reused:
-            return self._shadow_feed(rid, label, token_ids, media, salt) if label in self._shadowed else 0
+            return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._shadowed else 0
         if token_ids is None and media and length:
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
@@ -284,15 +284,17 @@ class ReuseKVManager(KVManager):
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
 
-    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
         """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex`` (named outside the
-        pool's lock); later feeds are kept by the position they write (a retried step overwrites its own) until a walk
-        no ids describe. Cuts nothing."""
+        pool's lock; a walk of embeddings by its marks, as ``feed`` names it); later feeds are kept by the position
+        they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
         key = (rid, label)
         seen = self._shadow_fed.get(key)
         if seen is None:
             if token_ids is None:
-                return 0  # embeddings: nothing of this stream is measured
+                if not media or not length:
+                    return 0  # embeddings no marks describe: nothing of this stream is measured
+                token_ids = np.zeros(int(length), dtype=np.int32)
             with self._lock:
                 held = self._ensure_label(rid, label).stored_len
             if held:
