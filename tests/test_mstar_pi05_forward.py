@@ -65,14 +65,13 @@ def test_every_weight_is_loaded_from_the_checkpoint(checkpoint):
     none is left as ``to_empty``'s uninitialized memory."""
     from safetensors.torch import load_file
 
-    from workloads.peers.mstar_pi05 import UNFUSED, lerobot_name
+    from workloads.peers.mstar_checkpoint import hub_parts
+    from workloads.peers.mstar_pi05 import lerobot_name
     saved, sub = load_file(str(checkpoint / "model.safetensors")), pi05_engine(checkpoint).sub
     names = [n for n, _ in sub.named_parameters()]
     assert len(names) == 40  # 2 PaliGemma and 2 action-expert layers, embeddings, projections, time MLP
     for name, param in sub.named_parameters():
-        fused = next((f for f in UNFUSED if f in name), None)
-        parts = [name.replace(fused, part) for part in UNFUSED[fused]] if fused else [name]
-        want = torch.cat([saved[lerobot_name(n)] for n in parts])
+        want = torch.cat([saved[lerobot_name(n)] for n in hub_parts(name)])
         assert torch.equal(param.detach(), want.to(param.dtype)), name
 
 

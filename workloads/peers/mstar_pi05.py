@@ -31,7 +31,7 @@ from mstar.model.pi05.pi05_model import Pi05Model, _Pi05LLMWeightContainer  # no
 
 from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
-from workloads.peers.mstar_qwen3_tts import UNFUSED  # noqa: E402
+from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
 
 LLM, LABEL = "LLM", "main"  # the node and the label its steps write
 PREFILL, ACTION = "prefill", "action_gen"
@@ -61,9 +61,9 @@ def lerobot_name(name: str) -> str:
 
 
 def save_checkpoint(folder: Path) -> Path:
-    """A tiny random lerobot-layout ``model.safetensors`` in a folder under ``folder``, under the repo's seeding rule
-    (``workloads.fixtures.saved``): weights N(0, 0.2), norm weights N(0, 0.1) (Gemma's norms scale by 1 + w),
-    biases N(0, 0.02); q/k/v and gate/up split as the checkpoint has them."""
+    """A tiny random lerobot-layout ``model.safetensors`` in a folder under ``folder`` (tensors by
+    ``workloads.peers.mstar_checkpoint.random_hub_tensors``, Gemma's norms around 0 as they scale by 1 + w), under
+    the repo's seeding rule (``workloads.fixtures.saved``)."""
     import json
 
     from mstar.model.pi05.components.action_expert import Pi05ActionExpert, Pi05TimeMLP
@@ -80,19 +80,9 @@ def save_checkpoint(folder: Path) -> Path:
                 torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), Pi05PaliGemmaExpert(cfg),
                 Pi05ActionExpert(cfg), torch.nn.Linear(cfg.action_dim, cfg.action_hidden_size),
                 torch.nn.Linear(cfg.action_hidden_size, cfg.action_dim), Pi05TimeMLP(cfg.action_hidden_size))
-        g, state = torch.Generator().manual_seed(0), {}
-        for name, p in container.named_parameters():
-            for fused, parts in UNFUSED.items():
-                if fused in name:
-                    q, kv = cfg.num_qo_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-                    rows = (q, kv, kv) if len(parts) == 3 else (p.shape[0] // 2,) * 2
-                    pieces = [(name.replace(fused, part), (r, *p.shape[1:])) for part, r in zip(parts, rows)]
-                    break
-            else:
-                pieces = [(name, tuple(p.shape))]
-            for ours, shape in pieces:
-                scale = 0.02 if ours.endswith(".bias") else 0.1 if ours.endswith("norm.weight") else 0.2
-                state[lerobot_name(ours)] = (scale * torch.randn(shape, generator=g)).contiguous()
+        heads = (cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim)
+        tensors = random_hub_tensors(container, heads, torch.Generator().manual_seed(0), norm_offset=0.0)
+        state = {lerobot_name(k): v for k, v in tensors.items()}
         save_file(state, str(f / "model.safetensors"))
 
     return fixtures.saved(folder, "pi05", json.dumps(CFG, sort_keys=True), save)

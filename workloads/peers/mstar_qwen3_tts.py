@@ -33,6 +33,7 @@ from mstar.model.qwen3_tts.config import TALKER_KV, TALKER_POS, Qwen3TTSModelCon
 from mstar.model.qwen3_tts.qwen3_tts_model import Qwen3TTSModel  # noqa: E402
 
 from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 
 TALKER, LABEL = "Talker", "main"  # the node and the label its steps write
@@ -49,38 +50,10 @@ TALKER_CONFIG = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_h
                                                 hidden_size=32, intermediate_size=64, head_dim=16, vocab_size=2048,
                                                 num_code_groups=4, max_position_embeddings=64))
 CONFIG_JSON = {"tts_model_type": "custom_voice", "talker_config": TALKER_CONFIG}
-UNFUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
-
-
-def hub_tensors(module: torch.nn.Module, prefix: str, heads: tuple[int, int, int], g: torch.Generator) -> dict:
-    """Random tensors for every parameter of M*'s ``module`` under the hub checkpoint's names (``prefix`` + name,
-    fused projections split back: q/k/v by ``heads`` = (query heads, KV heads, head dim), gate/up in halves):
-    weights N(0, 0.2), norm scales 1 + N(0, 0.1), biases N(0, 0.02)."""
-    hq, hkv, d = heads
-    out = {}
-    for name, p in module.named_parameters():
-        for fused, parts in UNFUSED.items():
-            if fused in name:
-                rows = (hq * d, hkv * d, hkv * d) if len(parts) == 3 else (p.shape[0] // 2,) * 2
-                pieces = [(name.replace(fused, part), (r, *p.shape[1:])) for part, r in zip(parts, rows)]
-                break
-        else:
-            pieces = [(name, tuple(p.shape))]
-        for hub_name, shape in pieces:
-            if "norm" in hub_name:
-                value = 1 + 0.1 * torch.randn(shape, generator=g)
-            elif hub_name.endswith(".bias"):
-                value = 0.02 * torch.randn(shape, generator=g)
-            else:
-                value = 0.2 * torch.randn(shape, generator=g)
-            out[prefix + hub_name] = value.contiguous()
-    return out
-
-
 def save_checkpoint(folder: Path) -> Path:
-    """A tiny random Qwen3-TTS CustomVoice checkpoint (``config.json`` + ``model.safetensors``) in a folder under
-    ``folder``, under the repo's seeding rule (``workloads.fixtures.saved``: the same folder name, the same
-    weights)."""
+    """A tiny random Qwen3-TTS CustomVoice checkpoint (``config.json`` + ``model.safetensors``, tensors by
+    ``workloads.peers.mstar_checkpoint.random_hub_tensors``) in a folder under ``folder``, under the repo's seeding
+    rule (``workloads.fixtures.saved``: the same folder name, the same weights)."""
     from mstar.model.qwen3_tts.components.talker import Qwen3TTSCodePredictor, Qwen3TTSTalkerModel
     from safetensors.torch import save_file
 
@@ -95,9 +68,10 @@ def save_checkpoint(folder: Path) -> Path:
         with torch.device("meta"):
             talker, predictor = Qwen3TTSTalkerModel(cfg), Qwen3TTSCodePredictor(cfg)
         g = torch.Generator().manual_seed(0)
-        state = hub_tensors(talker, "talker.", (t.num_attention_heads, t.num_key_value_heads, t.head_dim), g)
-        state.update(hub_tensors(predictor, "talker.code_predictor.",
-                                 (cp.num_attention_heads, cp.num_key_value_heads, cp.head_dim), g))
+        state = {"talker." + k: v for k, v in random_hub_tensors(
+            talker, (t.num_attention_heads, t.num_key_value_heads, t.head_dim), g).items()}
+        state.update({"talker.code_predictor." + k: v for k, v in random_hub_tensors(
+            predictor, (cp.num_attention_heads, cp.num_key_value_heads, cp.head_dim), g).items()})
         save_file(state, str(f / "model.safetensors"))
 
     return fixtures.saved(folder, "qwen3-tts", text, save)
