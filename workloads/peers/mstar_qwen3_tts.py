@@ -50,6 +50,8 @@ TALKER_CONFIG = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_h
                                                 hidden_size=32, intermediate_size=64, head_dim=16, vocab_size=2048,
                                                 num_code_groups=4, max_position_embeddings=64))
 CONFIG_JSON = {"tts_model_type": "custom_voice", "talker_config": TALKER_CONFIG}
+
+
 def save_checkpoint(folder: Path) -> Path:
     """A tiny random Qwen3-TTS CustomVoice checkpoint (``config.json`` + ``model.safetensors``, tensors by
     ``workloads.peers.mstar_checkpoint.random_hub_tensors``) in a folder under ``folder``, under the repo's seeding
