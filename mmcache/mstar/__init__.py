@@ -3,8 +3,8 @@
 ``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed
 by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by ``salts`` and
 counters exported by ``encoder_metrics``), what names the embedding walks of Higgs Audio (``higgs``), Qwen3-TTS
-(``qwen3_tts``) and Pi0.5 (``pi05``), and replica affinity in M*'s conductor (``conductor``). The names below import M* on first access, after checking its version; the core (``mmcache``)
-never imports this package.
+(``qwen3_tts``) and Pi0.5 (``pi05``), and replica affinity in M*'s conductor (``conductor``). The names below
+import M* on first access, after checking its version; the core (``mmcache``) never imports this package.
 """
 
 import importlib

@@ -26,8 +26,8 @@ no ``position_after``. What it is worth: at most the prefill's rows before the f
 whole pages, and a step keeps two rows to compute: at page size 4, 2 pages when a language is set, 1 on auto; at 8,
 1 and none; at 16 or more, none, and M*'s default page size is 128 (``KVConfig.page_size``, kv/config.py:30; its
 qwen3tts.yaml keeps it). Equal text shares no more than equal speaker and language: the text's first token is the
-prefill's last row, always computed. The CodePredictor's KV is a frame-local scratch tensor (not a resource), overwritten
-every frame: nothing to reuse across requests.
+prefill's last row, always computed. The CodePredictor's KV is a frame-local scratch tensor (not a resource),
+overwritten every frame: nothing to reuse across requests. The Codec node has no KV.
 """
 
 from __future__ import annotations
