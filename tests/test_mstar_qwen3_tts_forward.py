@@ -95,12 +95,16 @@ def test_the_same_speaker_reuses_the_pages_before_the_text_bit_exactly(checkpoin
 
 
 def test_another_speaker_shares_only_the_pages_before_the_speaker_row(checkpoint, sampled):
+    """And another language setting only those before its row: auto (nothink at row 3) shares nothing."""
     on, off = talker_engine(checkpoint, reuse=qwen3_tts_reuse("qwen3-tts-tiny@test")), talker_engine(checkpoint)
     words = text(6, seed=4)
     serve(on, sampled, "a", words, VIVIAN, ENGLISH, frames=2)
     got, want = (serve(e, sampled, "b", words, RYAN, ENGLISH, frames=2) for e in (on, off))
     assert all_equal(got[0], want[0]) and all_equal(got[1], want[1])
     assert got[2] == 10 - P  # row 7 holds the speaker: page 1 differs, page 0 (role rows and think) is shared
+    assert on.kv.stats(LABEL).hit_tokens == P
+    got, want = (serve(e, sampled, "c", words, VIVIAN, AUTO, frames=2) for e in (on, off))
+    assert all_equal(got[0], want[0]) and got[2] == 9  # auto language: row 3 is nothink, page 0 differs
     assert on.kv.stats(LABEL).hit_tokens == P
 
 
