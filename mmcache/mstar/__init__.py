@@ -2,9 +2,9 @@
 ``enable_reuse`` (``switch``) turns it on for a model; prefix KV reuse in M*'s KV resource (``kv_resource``:
 ``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed
 by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by ``salts`` and
-counters exported by ``encoder_metrics``), what names Higgs Audio's walks (``higgs``) and replica affinity in M*'s
-conductor (``conductor``). The names below import M* on first access, after checking its version; the core (``mmcache``)
-never imports this package.
+counters exported by ``encoder_metrics``), what names the embedding walks of Higgs Audio (``higgs``), Qwen3-TTS
+(``qwen3_tts``) and Pi0.5 (``pi05``), and replica affinity in M*'s conductor (``conductor``). The names below
+import M* on first access, after checking its version; the core (``mmcache``) never imports this package.
 """
 
 import importlib
@@ -16,7 +16,8 @@ _EXPORTS = {"AffinityConductor": "conductor", "CachedEncoderNode": "encoder_node
             "route_digests": "media_digests", "store_oracle": "decode_skip", "EncoderNodeCollector": "encoder_metrics",
             "route_salt": "salts", "items_for": "encoder_items", "enable_encoder_reuse": "encoder_reuse",
             "enable_reuse": "switch", "PrefixReuse": "kv_resource", "ReuseKVSpec": "kv_resource",
-            "ReuseKVManager": "kv_resource", "higgs_reuse": "higgs"}
+            "ReuseKVManager": "kv_resource", "higgs_reuse": "higgs", "qwen3_tts_reuse": "qwen3_tts",
+            "pi05_reuse": "pi05"}
 
 __all__ = sorted(_EXPORTS)
 

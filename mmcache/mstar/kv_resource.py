@@ -125,7 +125,10 @@ class PrefixReuse:
     ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step,
     digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend on:
     the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not described
-    by media: then the seam names nothing and the stream's indexing stops there. ``id_walks``: the graph walks whose
+    by media: then the seam names nothing and the stream's indexing stops there. A mark enters the names of its page
+    and, through the chain, of every later page, never of an earlier one: where a walk's attention is bidirectional
+    (Pi0.5's prefill) every position's KV depends on the whole walk, and one mark at its first row must name all of
+    it (``mmcache.mstar.pi05``). ``id_walks``: the graph walks whose
     ``input_embeds`` are exactly the model's embedding of the ``input_ids`` fed with them (Higgs Audio's
     ``prefill_text`` embeds its ids only to share a capture with ``prefill_audio``): the seam names such a walk by
     its ids, as if no embeddings went in, and cuts both to the suffix. That is the invariant this list declares, and
@@ -250,19 +253,20 @@ class ReuseKVManager(KVManager):
         after ``AllocationFailed``) is cut at what the stream holds; a later feed with everything before its page
         indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``);
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
-        items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks, and
-        one with no marks names nothing, which stops the stream's indexing there."""
+        items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks (a
+        stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
+        stops the stream's indexing there."""
         if label not in self._reused:
-            return self._shadow_feed(rid, label, token_ids, media, salt) if label in self._shadowed else 0
+            return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._shadowed else 0
+        if token_ids is None and media and length:
+            token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
         if named is None:
             return self._first_feed(rid, label, token_ids, media, salt)
         held = named.stream.stored_len
         self._settle(named, held)  # what the previous feed announced is written now, or was not
         if token_ids is None:
-            if not media or not length:
-                return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
-            token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
+            return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
         n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
         cut = 0
         if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
@@ -280,15 +284,17 @@ class ReuseKVManager(KVManager):
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
 
-    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
         """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex`` (named outside the
-        pool's lock); later feeds are kept by the position they write (a retried step overwrites its own) until a walk
-        no ids describe. Cuts nothing."""
+        pool's lock; a walk of embeddings by its marks, as ``feed`` names it); later feeds are kept by the position
+        they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
         key = (rid, label)
         seen = self._shadow_fed.get(key)
         if seen is None:
             if token_ids is None:
-                return 0  # embeddings: nothing of this stream is measured
+                if not media or not length:
+                    return 0  # embeddings no marks describe: nothing of this stream is measured
+                token_ids = np.zeros(int(length), dtype=np.int32)
             with self._lock:
                 held = self._ensure_label(rid, label).stored_len
             if held:
