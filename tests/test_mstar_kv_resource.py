@@ -126,6 +126,10 @@ def test_the_retry_after_an_allocation_failure_feeds_only_what_is_not_held():
     assert outcome.ok and stream.stored_len == 21               # not 12 + 21: the held prefix was not fed again
     want = serve(node(W), "b", prompt + [50] * 8, 0)
     assert torch.equal(got["b"], want[1][0])
+    on.runner.remove_request("b")                               # the retried prompt was named as it was written:
+    before = on.kv.stats(LABEL).hit_tokens                      # its pages after the matched ones are indexed too
+    serve(on, "c", prompt + [50] * 8, 0)
+    assert on.kv.stats(LABEL).hit_tokens - before == 4 * P
 
 
 def test_cached_pages_are_evicted_before_allocation_fails_and_encoder_outputs_share_the_pool():

@@ -268,7 +268,7 @@ class ReuseKVManager(KVManager):
         if token_ids is None:
             return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
         n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
-        cut = 0
+        cut, start = 0, held  # start: the first position the step writes
         if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
             cut, token_ids = held, named.claim.prompt.tokens[held:]  # the prefill again: only what is not held is fed
         else:
@@ -277,9 +277,9 @@ class ReuseKVManager(KVManager):
                 named.media_upto = held + n
             if held >= named.prompt_len and n > 1:
                 cut = self._continue(named, held, token_ids)
-                token_ids = token_ids[cut:] if cut else token_ids
-        named.pending = (held + cut, token_ids, n - cut)
-        if named.covered and held + n >= named.due:
+                token_ids, start = (token_ids[cut:] if cut else token_ids), held + cut
+        named.pending = (start, token_ids, n - cut)
+        if named.covered and start + n - cut >= named.due:
             with self._lock:
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
