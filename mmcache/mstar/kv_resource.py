@@ -121,7 +121,17 @@ class PrefixReuse:
     1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
     ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
     None. ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default:
-    the token count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own).
+    the token count, as RoPE counts, where M*'s ``RopeManager`` plans a step's positions from the counter).
+    ``position_advance(graph_walk, node_inputs, rows)``: for a node that computes its step's positions itself in
+    ``prepare_inputs``, from the counter as it stands at the walk's start (Qwen3-Omni's thinker, MRoPE), how far the
+    counter moves past the ``rows`` leading rows of the step the stream holds already. Given, the seam leaves the
+    counter alone before the step and adds that to the step's declared advance: the commit leaves the counter where a
+    cold prefill leaves it, and a step retried after ``AllocationFailed`` reads the counter its walk started at.
+    ``cut(node_inputs, rows)``: drops the first ``rows`` rows of everything a step feeds per row (default
+    ``mmcache.mstar.switch.cut_to_suffix``: ``input_ids``, ``input_embeds``; a model whose inputs carry more per row,
+    positions or masks, gives its own). ``needs_every_row(graph_walk, fwd_info)``: True for a step whose outputs carry
+    something for every fed row that the KV does not hold (Qwen3-Omni's thinker streams each row's hidden states to
+    its talker when audio output is asked): such a step is named and indexed, never cut.
     ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step,
     digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend on:
     the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not described
@@ -145,6 +155,9 @@ class PrefixReuse:
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
+    position_advance: Callable[[str, object, int], int] | None = None
+    cut: Callable[[object, int], None] | None = None
+    needs_every_row: Callable[[str, object], bool] | None = None
     walk_media: Callable | None = None
     id_walks: tuple[str, ...] = ()
     shadow: bool = False
@@ -246,7 +259,7 @@ class ReuseKVManager(KVManager):
         return life
 
     def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"",
-             length: int | None = None) -> int:
+             length: int | None = None, may_cut: bool = True) -> int:
         """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream now
         holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
         stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
@@ -255,14 +268,15 @@ class ReuseKVManager(KVManager):
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks (a
         stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
-        stops the stream's indexing there."""
+        stops the stream's indexing there. ``may_cut=False``: the step is computed in full
+        (``PrefixReuse.needs_every_row``): named and indexed, nothing matched, returns 0."""
         if label not in self._reused:
             return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._shadowed else 0
         if token_ids is None and media and length:
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
         if named is None:
-            return self._first_feed(rid, label, token_ids, media, salt)
+            return self._first_feed(rid, label, token_ids, media, salt, may_cut)
         held = named.stream.stored_len
         self._settle(named, held)  # what the previous feed announced is written now, or was not
         if token_ids is None:
@@ -275,7 +289,7 @@ class ReuseKVManager(KVManager):
             if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
                 named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
                 named.media_upto = held + n
-            if held >= named.prompt_len and n > 1:
+            if may_cut and held >= named.prompt_len and n > 1:
                 cut = self._continue(named, held, token_ids)
                 token_ids, start = (token_ids[cut:] if cut else token_ids), held + cut
         named.pending = (start, token_ids, n - cut)
@@ -337,7 +351,7 @@ class ReuseKVManager(KVManager):
                 at += out[-1].size
             shadow.finish(rid, np.concatenate(out) if out else ())
 
-    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, may_cut: bool) -> int:
         if token_ids is None:
             return 0
         ids = as_tokens(token_ids)
@@ -346,7 +360,7 @@ class ReuseKVManager(KVManager):
             filled = stream.stored_len or stream.page_indices
         if filled or not ids.size:
             return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
-        return self._match(rid, label, ids, media, salt)
+        return self._match(rid, label, ids, media, salt, _ROWS_LEFT if may_cut else int(ids.size))
 
     @staticmethod
     def _settle(named: _Named, held: int, unwritten_stays: bool = False) -> None:
@@ -418,10 +432,10 @@ class ReuseKVManager(KVManager):
         """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""
         return self._streams[rid][label].stored_len
 
-    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes) -> int:
+    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes, rows_left: int) -> int:
         life = self.lifecycle(label)
         prompt = life.name(ids, media, salt, what=f"request {rid!r} label {label!r}")
-        claim, match = life.match(prompt, _ROWS_LEFT)  # outside the lock: a group agreement may wait for other ranks
+        claim, match = life.match(prompt, rows_left)  # outside the lock: a group agreement may wait for other ranks
         if match.fetch is not None:
             match.fetch.wait()  # pages copied up from a tier: read none before they arrived
         k = len(match.pages) * self.config.page_size
