@@ -16,7 +16,8 @@ Only flashinfer's paged attention and the sampler are torch stand-ins; the think
 - a request asking for audio output streams every row to the talker: nothing of it is cut, and its pages serve a
   later text-only request;
 - batches of several requests (M*'s ``forward_batched``), cut and uncut side by side, equal reuse off;
-- a media walk's name: the carried digest, else everything it is fed (rows, deepstack rows), and its grid.
+- a media walk's name: the carried digest, else everything it is fed (rows, deepstack rows), and its grid;
+- a next turn re-sending the generated reply as text reuses it (the decode walk is named by the token it embeds).
 """
 
 import pytest
@@ -253,3 +254,17 @@ def test_a_media_walk_is_named_by_the_carried_digest_or_everything_it_is_fed():
     assert named != other_grid and named != media(q.VISION, None, grid, other_deepstack)
     assert media(q.VISION, None, {**grid, "image_digest": [carried]}, fed) != named
     assert media(q.TEXT, None, {}, fed) is None and media(q.DECODE, None, {}, fed) is None
+
+
+def test_a_next_turn_reuses_the_tokens_the_thinker_generated(weights, sampled):
+    """``thinker_decode`` embeds the sampled token without feeding its id; named by the id it reads
+    (``PrefixReuse.walk_ids``), its pages are indexed as they fill, so a next turn whose prompt re-sends the reply as
+    text reuses it: 4 pages of 10 prompt ids and 8 generated ones, where the prompt alone would give 2."""
+    on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
+    prompt = ids(10, 32)
+    first = serve(on, sampled, "a", [(q.TEXT, prompt)], new=8)
+    assert same(first, serve(off, sampled, "a", [(q.TEXT, prompt)], new=8))
+    reply = torch.tensor([s[0] for s in first[:8]])  # the tokens fed back by the 8 decode steps
+    turn = [(q.TEXT, torch.cat((prompt, reply, ids(6, 33))))]
+    got, want = serve(on, sampled, "b", turn), serve(off, sampled, "b", turn)
+    assert same(got, want) and fed(got) == [24 - 4 * P]

@@ -144,9 +144,12 @@ class PrefixReuse:
     its ids, as if no embeddings went in, and cuts both to the suffix. That is the invariant this list declares, and
     nothing checks it: a walk listed here whose embeddings depend on anything but its ids (spliced media, a scale, a
     soft prompt) is indexed under ids that do not determine its KV, and a later request with the same ids is served
-    that KV. ``shadow``: measure only (phase 1): each label's prompts are named and looked up in a ``ShadowIndex``
-    (every finished request's pages, unbounded), nothing is shared, cut or indexed, and M* computes what it computes
-    without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved."""
+    that KV. ``walk_ids(graph_walk, inputs)``: for an ``id_walks`` walk whose node inputs carry the embeddings
+    without their ids (Qwen3-Omni's ``thinker_decode`` embeds the sampled token it reads from its graph inputs), those
+    ids from the walk's graph inputs, or None (the walk then names nothing). ``shadow``: measure only (phase 1):
+    each label's prompts are named and looked up in a ``ShadowIndex`` (every finished request's pages, unbounded),
+    nothing is shared, cut or indexed, and M* computes what it computes without mmcache;
+    ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved."""
 
     model: str
     labels: tuple[str, ...] = ("main",)
@@ -160,6 +163,7 @@ class PrefixReuse:
     needs_every_row: Callable[[str, object], bool] | None = None
     walk_media: Callable | None = None
     id_walks: tuple[str, ...] = ()
+    walk_ids: Callable | None = None
     shadow: bool = False
 
 

@@ -7,6 +7,10 @@ submodules.py:376-538):
 
 - ``prefill_text``: ``input_ids`` and ``input_embeds = embed_tokens(input_ids)``: an id walk
   (``PrefixReuse.id_walks``), named by its ids;
+- ``thinker_decode``: ``input_embeds = embed_tokens(token)`` of the sampled token it reads from its graph input
+  ``text_inputs``, without ``input_ids``, at the counter's position on all three axes (a text row): an id walk too,
+  its id read from that input (``decode_ids``, ``PrefixReuse.walk_ids``), so generated tokens are indexed as their
+  pages fill and a next turn re-sending them as text reuses them;
 - ``prefill_audio``: ``<|audio_bos|>``, the audio encoder's rows, ``<|audio_eos|>`` as embeddings, no ids: one media
   item at the walk's first row;
 - ``prefill_vision``: ``<|vision_bos|>``, the vision encoder's rows, ``<|vision_eos|>``, plus the encoder's deepstack
@@ -34,8 +38,7 @@ a function of the walks before it (ids, audio lengths, grids), all of which the 
 The talker and code2wav nodes are fed hidden states, not prompts: nothing of theirs is reused. And when audio output
 is asked, each thinker prefill walk streams every row's hidden states to the talker (``thinker_states``), which KV
 does not hold: such a walk is computed in full (``streams_rows_to_talker``), named and indexed for later text-only
-requests. ``thinker_decode`` feeds the token's embedding without its id: it names nothing, so generated tokens are
-not indexed.
+requests.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from mmcache.mstar.higgs import rows_digest
 from mmcache.mstar.kv_resource import PrefixReuse
 from mmcache.mstar.switch import cut_to_suffix
 
-TEXT_WALK, AUDIO_WALK, VISION_WALK = "prefill_text", "prefill_audio", "prefill_vision"
+TEXT_WALK, AUDIO_WALK, VISION_WALK, DECODE_WALK = "prefill_text", "prefill_audio", "prefill_vision", "thinker_decode"
 _MEDIA_WALKS = {AUDIO_WALK: ("audio",), VISION_WALK: ("image", "video")}
 
 
@@ -92,7 +95,7 @@ def cut_thinker_inputs(node_inputs, rows: int) -> None:
     cut_to_suffix(node_inputs, rows)
     if node_inputs.custom_pos_ids is not None:
         node_inputs.custom_pos_ids = node_inputs.custom_pos_ids[:, rows:]
-    extra = node_inputs.tensor_inputs
+    extra = node_inputs.tensor_inputs or {}
     if extra.get("masks_for_talker") is not None:
         extra["masks_for_talker"] = extra["masks_for_talker"][:, rows:]
     if extra.get("deepstack"):
@@ -106,19 +109,27 @@ def thinker_position_advance(graph_walk, node_inputs, rows: int) -> int:
     return 0 if graph_walk == VISION_WALK else rows
 
 
+def decode_ids(graph_walk, inputs):
+    """``PrefixReuse.walk_ids`` for the thinker: the token ``thinker_decode`` embeds (its ``text_inputs``); None for
+    any other walk."""
+    token = _first(inputs, "text_inputs") if graph_walk == DECODE_WALK else None
+    return None if token is None else token.reshape(-1)
+
+
 def streams_rows_to_talker(graph_walk, fwd_info) -> bool:
     """``PrefixReuse.needs_every_row`` for the thinker: a prefill walk of a request that asks for audio output
     (``step_metadata["audio_output"]``, True unless the conductor says otherwise, as ``ThinkerSubmodule.forward``
     reads it) sends every row's hidden states to the talker."""
     metadata = getattr(fwd_info, "step_metadata", None) or {}
-    return graph_walk != "thinker_decode" and bool(metadata.get("audio_output", True))
+    return graph_walk != DECODE_WALK and bool(metadata.get("audio_output", True))
 
 
 def qwen3_omni_reuse(model: str, **options) -> PrefixReuse:
     """``PrefixReuse`` for Qwen3-Omni's thinker node (``enable_reuse(..., nodes={"Thinker": "main"},
-    kv_keys={THINKER_KV})``): its text walks named by their ids, its audio and vision walks by their media digests,
-    cut with their positions, the MRoPE counter moved as a cold prefill moves it, and walks that stream rows to the
-    talker computed in full. ``model``: the Qwen3-Omni checkpoint (repository@revision), which holds the encoders'
-    weights too."""
-    return PrefixReuse(model=model, id_walks=(TEXT_WALK,), walk_media=thinker_walk_media, cut=cut_thinker_inputs,
+    kv_keys={THINKER_KV})``): its text and decode walks named by their ids, its audio and vision walks by their media
+    digests, cut with their positions, the MRoPE counter moved as a cold prefill moves it, and walks that stream rows
+    to the talker computed in full. ``model``: the Qwen3-Omni checkpoint (repository@revision), which holds the
+    encoders' weights too."""
+    return PrefixReuse(model=model, id_walks=(TEXT_WALK, DECODE_WALK), walk_ids=decode_ids,
+                       walk_media=thinker_walk_media, cut=cut_thinker_inputs,
                        position_advance=thinker_position_advance, needs_every_row=streams_rows_to_talker, **options)

@@ -95,17 +95,18 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         for key, kv in kv_resources(resources):
             # ids alone describe the step only when no embeddings go in with them (embeddings may carry anything), or
             # when the model declares the embeddings are those of the ids (``PrefixReuse.id_walks``: Higgs Audio's and
-            # Qwen3-Omni's text walks); any other step of embeddings is named by its media marks, if the model says
-            rid = fwd_info.request_id
-            embeds = getattr(out, "input_embeds", None)
+            # Qwen3-Omni's text walks; ids its node inputs lack come from ``walk_ids``); any other step of embeddings
+            # is named by its media marks, if the model says
+            rid, r, graph_walk = fwd_info.request_id, kv.reuse, kwargs.get("graph_walk")
             ids, marks = out.input_ids, ()
-            if embeds is not None and (graph_walk := kwargs.get("graph_walk")) not in kv.reuse.id_walks:
-                describe = kv.reuse.walk_media
-                marks = describe(graph_walk, fwd_info, kwargs.get("inputs"), out) if describe else None
-                ids = None
+            if getattr(out, "input_embeds", None) is not None:
+                if graph_walk not in r.id_walks:
+                    marks = r.walk_media(graph_walk, fwd_info, kwargs.get("inputs"), out) if r.walk_media else None
+                    ids = None
+                elif ids is None and r.walk_ids is not None:
+                    ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
             metadata = getattr(fwd_info, "step_metadata", None)
             salt = request_salt(metadata, "step_metadata") if metadata else b""
-            r, graph_walk = kv.reuse, kwargs.get("graph_walk")
             whole = r.needs_every_row is not None and r.needs_every_row(graph_walk, fwd_info)
             held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), may_cut=not whole)
             advances.pop(rid, None)
