@@ -253,6 +253,10 @@ def test_a_media_walk_is_named_by_the_carried_digest_or_everything_it_is_fed():
     assert named == media(q.VISION, None, grid, fed) and len(named[0][1]) == 16
     assert named != other_grid and named != media(q.VISION, None, grid, other_deepstack)
     assert media(q.VISION, None, {**grid, "image_digest": [carried]}, fed) != named
+    # a video walk (seconds per grid step given) is named by the video's carried digest, never an image's
+    video = {**grid, "video_second_per_grid": [torch.tensor([2.0])], "image_digest": [carried]}
+    assert media(q.VISION, None, video, fed) == media(q.VISION, None, {**video, "image_digest": []}, fed)
+    assert media(q.VISION, None, {**video, "video_digest": [carried]}, fed) != media(q.VISION, None, video, fed)
     assert media(q.TEXT, None, {}, fed) is None and media(q.DECODE, None, {}, fed) is None
 
 

@@ -54,7 +54,6 @@ from mmcache.mstar.kv_resource import PrefixReuse
 from mmcache.mstar.switch import cut_to_suffix
 
 TEXT_WALK, AUDIO_WALK, VISION_WALK, DECODE_WALK = "prefill_text", "prefill_audio", "prefill_vision", "thinker_decode"
-_MEDIA_WALKS = {AUDIO_WALK: ("audio",), VISION_WALK: ("image", "video")}
 
 
 def vision_digest(item: bytes, grid_thw, seconds_per_grid) -> bytes:
@@ -71,15 +70,26 @@ def _first(inputs, name):
     return found[0] if found else None
 
 
+def walk_modality(graph_walk, inputs) -> str | None:
+    """The modality of a media walk: ``audio``; ``video`` for a vision walk given seconds per grid step (M* sends
+    ``video_second_per_grid`` only with a video, qwen3_omni_model.py:793-797), else ``image``; None for any other
+    walk."""
+    if graph_walk == AUDIO_WALK:
+        return "audio"
+    if graph_walk == VISION_WALK:
+        return "video" if _first(inputs, "video_second_per_grid") is not None else "image"
+    return None
+
+
 def thinker_walk_media(graph_walk, fwd_info, inputs, node_inputs):
     """``PrefixReuse.walk_media`` for the thinker: a media walk is one item at offset 0, named by the carried digest
-    of its modality if the walk's inputs hold one, else by its fed rows (embeddings; for vision also the deepstack
-    rows); a vision item's name commits to its grid too. Any other walk of embeddings (``thinker_decode``) is not
-    described (None)."""
-    modalities = _MEDIA_WALKS.get(graph_walk)
-    if modalities is None or getattr(node_inputs, "input_embeds", None) is None:
+    of its own modality (``walk_modality``: a video walk is never named by an image's digest) if the walk's inputs
+    hold one, else by its fed rows (embeddings; for vision also the deepstack rows); a vision item's name commits to
+    its grid too. Any other walk is not described (None; text and decode are id walks)."""
+    modality = walk_modality(graph_walk, inputs)
+    if modality is None or getattr(node_inputs, "input_embeds", None) is None:
         return None
-    digest = next((d for m in modalities if (d := carried_digest(inputs or {}, m)) is not None), None)
+    digest = carried_digest(inputs or {}, modality)
     if digest is None:
         deepstack = (node_inputs.tensor_inputs or {}).get("deepstack") or []
         digest = rows_digest(torch.cat([node_inputs.input_embeds, *deepstack]))
