@@ -201,6 +201,7 @@ class _Named:
     generated: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     media_upto: int = 0  # positions whose media marks are registered
     pending: tuple | None = None
+    continued: tuple | None = None  # (start, rows cut, rows fed) of the last feed a continued match cut
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
 
 
@@ -268,7 +269,8 @@ class ReuseKVManager(KVManager):
         holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
         stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
         after ``AllocationFailed``) is cut at what the stream holds; a later feed with everything before its page
-        indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``);
+        indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``), and fed
+        again after ``AllocationFailed`` is cut as it was;
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks (a
         stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
@@ -282,6 +284,7 @@ class ReuseKVManager(KVManager):
         if named is None:
             return self._first_feed(rid, label, token_ids, media, salt, may_cut)
         held = named.stream.stored_len
+        pending, continued, named.continued = named.pending, named.continued, None
         self._settle(named, held)  # what the previous feed announced is written now, or was not
         if token_ids is None:
             return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
@@ -289,6 +292,12 @@ class ReuseKVManager(KVManager):
         cut, start = 0, held  # start: the first position the step writes
         if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
             cut, token_ids = held, named.claim.prompt.tokens[held:]  # the prefill again: only what is not held is fed
+        elif (continued is not None and pending is not None and pending[0] == held
+              and continued[0] + continued[1] == held and continued[2] == n):
+            # the feed a continued match cut, fed again (its step was refused before it wrote, AllocationFailed):
+            # the stream still holds the cached pages found for it, so the same rows are cut, none looked up again
+            cut, named.continued = continued[1], continued
+            token_ids = token_ids[cut:]
         else:
             if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
                 named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
@@ -296,6 +305,7 @@ class ReuseKVManager(KVManager):
             if may_cut and held >= named.prompt_len and n > 1:
                 cut = self._continue(named, held, token_ids)
                 token_ids, start = (token_ids[cut:] if cut else token_ids), held + cut
+                named.continued = (held, cut, n) if cut else None
         named.pending = (start, token_ids, n - cut)
         if named.covered and start + n - cut >= named.due:
             with self._lock:
