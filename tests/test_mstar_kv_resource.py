@@ -1,8 +1,8 @@
 """mmcache's KV resource inside M* 0.2.1 (``ReuseKVManager`` from a ``ReuseKVSpec``), built by M*'s
 ``build_resource`` and driven by M*'s ``StepRunner`` with M*'s ``RopeManager``, a tiny AR node whose only stand-in is
 attention (``tests/mstar_toy_ar.py``, checked against a dense reference here). Reuse on vs off on the same schedule:
-logits torch.equal. The two ways the old seam served wrong KV are regression tests: a prompt fed in several walks,
-and the retry after an allocation failure."""
+logits torch.equal. The ways the old seam served wrong KV are regression tests: a prompt fed in several walks, the
+retry after an allocation failure, and the retry of a chunk whose match was continued."""
 
 import numpy as np
 import pytest
@@ -126,6 +126,10 @@ def test_the_retry_after_an_allocation_failure_feeds_only_what_is_not_held():
     assert outcome.ok and stream.stored_len == 21               # not 12 + 21: the held prefix was not fed again
     want = serve(node(W), "b", prompt + [50] * 8, 0)
     assert torch.equal(got["b"], want[1][0])
+    on.runner.remove_request("b")                               # the retried prompt was named as it was written:
+    before = on.kv.stats(LABEL).hit_tokens                      # its pages after the matched ones are indexed too
+    serve(on, "c", prompt + [50] * 8, 0)
+    assert on.kv.stats(LABEL).hit_tokens - before == 4 * P
 
 
 def test_cached_pages_are_evicted_before_allocation_fails_and_encoder_outputs_share_the_pool():
@@ -244,6 +248,31 @@ def test_a_prompt_prefilled_in_chunks_is_matched_chunk_by_chunk():
     got, want = run(on, "b"), run(off, "b")
     assert equal(got, want)
     assert on.kv.stats(LABEL).hit_tokens == 4 + 4           # each 8-token chunk: its full pages but its last token's
+
+
+def test_a_continued_chunk_retried_after_an_allocation_failure_is_cut_as_before():
+    """A chunk whose continued match took a cached page in ``prepare_inputs`` and whose admit then failed is fed
+    again by M*'s worker: the stream still holds that page, so the same ids are cut (not looked up again from past
+    it, which fed the chunk's first ids at the wrong positions), and logits equal reuse off on the same chunks."""
+    on, off = node(W, pages=9, reuse=REUSE), node(W, pages=9)
+    chunks = [list(range(1, 9)), list(range(20, 28)), [5, 6, 7]]
+    on.runner.ingest_request("a")                               # a stays live: its 5 pages are held, none evictable
+    for c in chunks:
+        step(on, "prefill", {"a": ids_feed(c)})
+    off.runner.ingest_request("b")
+    want = [step(off, "prefill", {"b": ids_feed(c)})[1]["b"] for c in chunks]
+    on.runner.ingest_request("b")
+    got = [step(on, "prefill", {"b": ids_feed(chunks[0])})[1]["b"]]  # 1 page shared, 1 taken: 2 free
+    on.runner.ingest_request("hog")
+    step(on, "prefill", {"hog": ids_feed(range(30, 38))})      # the last 2 free pages
+    outcome, _ = step(on, "prefill", {"b": ids_feed(chunks[1])})  # a's page for ids 8-11 found, none for 12-15
+    assert not outcome.ok and type(outcome.reason).__name__ == "AllocationFailed"
+    on.runner.remove_request("hog")
+    for c in chunks[1:]:
+        outcome, out = step(on, "prefill", {"b": ids_feed(c)})
+        assert outcome.ok
+        got.append(out["b"])
+    assert equal(got, want) and on.kv._streams["b"][LABEL].stored_len == 19
 
 
 def _media_walk_reuse():

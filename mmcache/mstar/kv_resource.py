@@ -121,7 +121,17 @@ class PrefixReuse:
     1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
     ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
     None. ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default:
-    the token count, as RoPE counts; a model whose positions advance otherwise, MRoPE, gives its own).
+    the token count, as RoPE counts, where M*'s ``RopeManager`` plans a step's positions from the counter).
+    ``position_advance(graph_walk, node_inputs, rows)``: for a node that computes its step's positions itself in
+    ``prepare_inputs``, from the counter as it stands at the walk's start (Qwen3-Omni's thinker, MRoPE), how far the
+    counter moves past the ``rows`` leading rows of the step the stream holds already. Given, the seam leaves the
+    counter alone before the step and adds that to the step's declared advance: the commit leaves the counter where a
+    cold prefill leaves it, and a step retried after ``AllocationFailed`` reads the counter its walk started at.
+    ``cut(node_inputs, rows)``: drops the first ``rows`` rows of everything a step feeds per row (default
+    ``mmcache.mstar.switch.cut_to_suffix``: ``input_ids``, ``input_embeds``; a model whose inputs carry more per row,
+    positions or masks, gives its own). ``needs_every_row(graph_walk, fwd_info)``: True for a step whose outputs carry
+    something for every fed row that the KV does not hold (Qwen3-Omni's thinker streams each row's hidden states to
+    its talker when audio output is asked): such a step is named and indexed, never cut.
     ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step,
     digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend on:
     the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not described
@@ -134,9 +144,12 @@ class PrefixReuse:
     its ids, as if no embeddings went in, and cuts both to the suffix. That is the invariant this list declares, and
     nothing checks it: a walk listed here whose embeddings depend on anything but its ids (spliced media, a scale, a
     soft prompt) is indexed under ids that do not determine its KV, and a later request with the same ids is served
-    that KV. ``shadow``: measure only (phase 1): each label's prompts are named and looked up in a ``ShadowIndex``
-    (every finished request's pages, unbounded), nothing is shared, cut or indexed, and M* computes what it computes
-    without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved."""
+    that KV. ``walk_ids(graph_walk, inputs)``: for an ``id_walks`` walk whose node inputs carry the embeddings
+    without their ids (Qwen3-Omni's ``thinker_decode`` embeds the sampled token it reads from its graph inputs), those
+    ids from the walk's graph inputs, or None (the walk then names nothing). ``shadow``: measure only (phase 1):
+    each label's prompts are named and looked up in a ``ShadowIndex`` (every finished request's pages, unbounded),
+    nothing is shared, cut or indexed, and M* computes what it computes without mmcache;
+    ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved."""
 
     model: str
     labels: tuple[str, ...] = ("main",)
@@ -145,8 +158,12 @@ class PrefixReuse:
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
+    position_advance: Callable[[str, object, int], int] | None = None
+    cut: Callable[[object, int], None] | None = None
+    needs_every_row: Callable[[str, object], bool] | None = None
     walk_media: Callable | None = None
     id_walks: tuple[str, ...] = ()
+    walk_ids: Callable | None = None
     shadow: bool = False
 
 
@@ -184,6 +201,7 @@ class _Named:
     generated: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     media_upto: int = 0  # positions whose media marks are registered
     pending: tuple | None = None
+    continued: tuple | None = None  # (start, rows cut, rows fed) of the last feed a continued match cut
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
 
 
@@ -246,40 +264,50 @@ class ReuseKVManager(KVManager):
         return life
 
     def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"",
-             length: int | None = None) -> int:
+             length: int | None = None, may_cut: bool = True) -> int:
         """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream now
         holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
         stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
         after ``AllocationFailed``) is cut at what the stream holds; a later feed with everything before its page
-        indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``);
+        indexed continues the match (a prompt prefilled in chunks, a walk after a reused one, ``_continue``), and fed
+        again after ``AllocationFailed`` is cut as it was;
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks (a
         stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
-        stops the stream's indexing there."""
+        stops the stream's indexing there. ``may_cut=False``: the step is computed in full
+        (``PrefixReuse.needs_every_row``): named and indexed, nothing matched, returns 0."""
         if label not in self._reused:
             return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._shadowed else 0
         if token_ids is None and media and length:
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
         if named is None:
-            return self._first_feed(rid, label, token_ids, media, salt)
+            return self._first_feed(rid, label, token_ids, media, salt, may_cut)
         held = named.stream.stored_len
+        pending, continued, named.continued = named.pending, named.continued, None
         self._settle(named, held)  # what the previous feed announced is written now, or was not
         if token_ids is None:
             return 0  # nothing announced: the write stops the names (settled at the next feed or commit)
         n = token_ids.shape[0] if hasattr(token_ids, "shape") else len(token_ids)
-        cut = 0
+        cut, start = 0, held  # start: the first position the step writes
         if held < named.prompt_len == n and np.array_equal(as_tokens(token_ids), named.claim.prompt.tokens):
             cut, token_ids = held, named.claim.prompt.tokens[held:]  # the prefill again: only what is not held is fed
+        elif (continued is not None and pending is not None and pending[0] == held
+              and continued[0] + continued[1] == held and continued[2] == n):
+            # the feed a continued match cut, fed again (its step was refused before it wrote, AllocationFailed):
+            # the stream still holds the cached pages found for it, so the same rows are cut, none looked up again
+            cut, named.continued = continued[1], continued
+            token_ids = token_ids[cut:]
         else:
             if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
                 named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
                 named.media_upto = held + n
-            if held >= named.prompt_len and n > 1:
+            if may_cut and held >= named.prompt_len and n > 1:
                 cut = self._continue(named, held, token_ids)
-                token_ids = token_ids[cut:] if cut else token_ids
-        named.pending = (held + cut, token_ids, n - cut)
-        if named.covered and held + n >= named.due:
+                token_ids, start = (token_ids[cut:] if cut else token_ids), held + cut
+                named.continued = (held, cut, n) if cut else None
+        named.pending = (start, token_ids, n - cut)
+        if named.covered and start + n - cut >= named.due:
             with self._lock:
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
@@ -337,7 +365,7 @@ class ReuseKVManager(KVManager):
                 at += out[-1].size
             shadow.finish(rid, np.concatenate(out) if out else ())
 
-    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes) -> int:
+    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, may_cut: bool) -> int:
         if token_ids is None:
             return 0
         ids = as_tokens(token_ids)
@@ -346,7 +374,7 @@ class ReuseKVManager(KVManager):
             filled = stream.stored_len or stream.page_indices
         if filled or not ids.size:
             return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
-        return self._match(rid, label, ids, media, salt)
+        return self._match(rid, label, ids, media, salt, _ROWS_LEFT if may_cut else int(ids.size))
 
     @staticmethod
     def _settle(named: _Named, held: int, unwritten_stays: bool = False) -> None:
@@ -418,10 +446,10 @@ class ReuseKVManager(KVManager):
         """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""
         return self._streams[rid][label].stored_len
 
-    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes) -> int:
+    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes, rows_left: int) -> int:
         life = self.lifecycle(label)
         prompt = life.name(ids, media, salt, what=f"request {rid!r} label {label!r}")
-        claim, match = life.match(prompt, _ROWS_LEFT)  # outside the lock: a group agreement may wait for other ranks
+        claim, match = life.match(prompt, rows_left)  # outside the lock: a group agreement may wait for other ranks
         if match.fetch is not None:
             match.fetch.wait()  # pages copied up from a tier: read none before they arrived
         k = len(match.pages) * self.config.page_size

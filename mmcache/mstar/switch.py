@@ -10,12 +10,15 @@ From outside M*, on the model object the engine loads (no M* file changes):
   on its ``prepare_inputs`` and ``declare_step``. ``prepare_inputs`` is where M* hands a node its ids and its
   resources before a step is declared: the seam asks the KV resource what the stream holds (``ReuseKVManager.feed``,
   which matches the first feed), moves the node's position counter past a hit as a cold prefill would (through the
-  position resource's own ``admit_retrieve``, the way M* takes on published positions), and cuts what the step feeds
-  (``input_ids``, ``input_embeds``, each once) to the suffix. A step fed ids alone is named by them; a step fed
-  embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that are the embedding
-  of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which stops the stream's
-  indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt, hit or not, so
-  sampling is what it was.
+  position resource's own ``admit_retrieve``, the way M* takes on published positions; or, for a node that computes
+  its positions in ``prepare_inputs``, ``PrefixReuse.position_advance``, through the step's declared advance), and
+  cuts what the step feeds (``input_ids``, ``input_embeds``, each once, or what ``PrefixReuse.cut`` cuts) to the
+  suffix; a step that ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
+  them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
+  are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
+  stops the stream's indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt,
+  hit or not, so sampling is what it was, and adds the held rows' advance to the step's declared position advance
+  where ``position_advance`` says so.
 
 The tenant salt comes from the request's ``model_kwargs["mmcache_salt"]``: ``route_salt`` (``mmcache.mstar.salts``, the
 one salt reader, shared with the encoder nodes) carries it into every pass's ``step_metadata``, where the seam reads
@@ -24,6 +27,7 @@ it. With reuse off (no ``enable_reuse``) M* runs as it ships.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Mapping
 
@@ -36,6 +40,7 @@ from mmcache.mstar.salts import request_salt, route_salt
 
 require_mstar()
 from mstar.engine.resources.kv.config import KVSpec  # noqa: E402
+from mstar.engine.resources.position.config import PositionStep  # noqa: E402
 from mstar.engine.resources.position.manager import PositionManager, PublishedPositionInfo  # noqa: E402
 from mstar.engine.resources.sampler.config import SamplerStep  # noqa: E402
 
@@ -70,6 +75,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     """Put the seam on one node's submodule (see the module docstring)."""
     prepare, declare = submodule.prepare_inputs, submodule.declare_step
     full_prompts: dict[str, torch.Tensor] = {}  # rid -> the ids before the cut, for the repetition penalty
+    advances: dict[str, tuple[str, set, int]] = {}  # rid -> (label, position resource keys, advance past held rows)
     reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
 
     def kv_resources(resources: dict) -> tuple:
@@ -87,28 +93,36 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         if out is None or not resources or fwd_info is None or not hasattr(out, "input_ids"):
             return out
         for key, kv in kv_resources(resources):
-            # ids alone describe the step only when no embeddings go in with them (Qwen3-Omni's thinker feeds both:
-            # its embeddings carry the media), or when the model declares the embeddings are those of the ids
-            # (``PrefixReuse.id_walks``); any other step of embeddings is named by its media marks, if the model says
-            rid = fwd_info.request_id
-            embeds = getattr(out, "input_embeds", None)
+            # ids alone describe the step only when no embeddings go in with them (embeddings may carry anything), or
+            # when the model declares the embeddings are those of the ids (``PrefixReuse.id_walks``: Higgs Audio's and
+            # Qwen3-Omni's text walks; ids its node inputs lack come from ``walk_ids``); any other step of embeddings
+            # is named by its media marks, if the model says
+            rid, r, graph_walk = fwd_info.request_id, kv.reuse, kwargs.get("graph_walk")
             ids, marks = out.input_ids, ()
-            if embeds is not None and (graph_walk := kwargs.get("graph_walk")) not in kv.reuse.id_walks:
-                describe = kv.reuse.walk_media
-                marks = describe(graph_walk, fwd_info, kwargs.get("inputs"), out) if describe else None
-                ids = None
+            if getattr(out, "input_embeds", None) is not None:
+                if graph_walk not in r.id_walks:
+                    marks = r.walk_media(graph_walk, fwd_info, kwargs.get("inputs"), out) if r.walk_media else None
+                    ids = None
+                elif ids is None and r.walk_ids is not None:
+                    ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
             metadata = getattr(fwd_info, "step_metadata", None)
             salt = request_salt(metadata, "step_metadata") if metadata else b""
-            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len))
+            whole = r.needs_every_row is not None and r.needs_every_row(graph_walk, fwd_info)
+            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), may_cut=not whole)
+            advances.pop(rid, None)
             if held:
-                position = kv.position_after(rid, label, kv.stored(rid, label))
-                for res in resources.values():
-                    if isinstance(res, PositionManager) and key in res.depends_on():
-                        res.admit_retrieve(rid, node_name, kwargs.get("graph_walk"),
-                                           PublishedPositionInfo(counters={label: position}))
+                positions = {k for k, res in resources.items()
+                             if isinstance(res, PositionManager) and key in res.depends_on()}
+                if r.position_advance is not None:  # the commit moves the counter: see ``PrefixReuse``
+                    advances[rid] = label, positions, int(r.position_advance(graph_walk, out, held))
+                else:
+                    position = kv.position_after(rid, label, kv.stored(rid, label))
+                    for k in positions:
+                        resources[k].admit_retrieve(rid, node_name, graph_walk,
+                                                    PublishedPositionInfo(counters={label: position}))
                 if ids is not None:
                     full_prompts[rid] = ids
-                cut_to_suffix(out, held)
+                (r.cut or cut_to_suffix)(out, held)
             else:
                 full_prompts.pop(rid, None)
         return out
@@ -122,9 +136,29 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     for rid in list(sub.prefill_tracked_tokens):
                         if rid in full_prompts:
                             sub.prefill_tracked_tokens[rid] = full_prompts.pop(rid)
+        if step is not None and advances:
+            add_held_advance(step, advances)
         return step
 
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
+
+
+def add_held_advance(step, advances: dict[str, tuple[str, set, int]]) -> None:
+    """Add each cut request's advance past its held rows (``advances``: rid -> (label, position resource keys,
+    advance), taken) to the advance of its segment of that label in ``step``'s ``PositionStep`` for those keys. A
+    step declaring no advance moves the counter by each segment's span (M*'s linear counter, the default scheme),
+    which the sum starts from."""
+    none = ("", (), 0)
+    for key, sub in list(step.steps.items()):
+        if not isinstance(sub, PositionStep) or not sub.segments:
+            continue
+        base = sub.advance if sub.advance is not None else tuple(seg.span for seg in sub.segments)
+        extra = [add if seg.label == label and key in keys else 0
+                 for seg in sub.segments for label, keys, add in (advances.get(seg.request_id, none),)]
+        if any(extra):
+            step.steps[key] = dataclasses.replace(sub, advance=tuple(a + e for a, e in zip(base, extra, strict=True)))
+    for rid in [seg.request_id for seg in step.segments or ()]:
+        advances.pop(rid, None)
 
 
 def cut_to_suffix(node_inputs, held: int) -> None:

@@ -1,0 +1,241 @@
+"""M*'s real Qwen3-Omni thinker node (mstar-ai 0.2.1, ``ThinkerSubmodule`` over ``Qwen3OmniThinkerModel``: MoE and
+dense layers, QK-norm, interleaved 3D MRoPE, deepstack) under M*'s real ``Engine`` on CPU, for the tests.
+
+Importing anything of ``mstar.model.qwen3_omni`` needs a ``flashinfer`` module (components/talker.py:18 imports it
+at module level), so this harness imports M*'s Qwen3-Omni classes only inside its functions: call them after
+``workloads.peers.mstar_cpu_kernels.install`` (a test's monkeypatch), which puts the CPU stand-ins there. The
+thinker's path reaches only the paged-attention wrappers and the sampler among them: its MRoPE is M*'s own torch
+(``components/rope.py``: ``compute_3d_cos_sin``, ``apply_interleaved_mrope``), not flashinfer's RoPE. (The talker's
+code predictor calls ``flashinfer.rope.apply_rope_pos_ids``, talker.py:435; the talker is not built here.)
+
+The weights: transformers' ``Qwen3OmniMoeThinkerTextModel`` of a tiny ``Qwen3OmniMoeTextConfig`` (one MoE layer of 4
+experts, one dense layer; head_dim 128 so the MRoPE sections [24, 20, 20] interleave as in the checkpoint) and an LM
+head, drawn under the repo's seeding rule and written in the hub checkpoint's layout (``thinker.model.*`` with one
+tensor per expert projection, ``thinker.lm_head.weight``) as one ``model.safetensors``, loaded by M*'s own
+``Qwen3OmniModel.get_submodule("Thinker")`` (``_thinker_remap``, the stacked expert and QKV rules).
+``dense_reference`` is that transformers model on the same tensors. The encoders are not built: an audio or vision
+walk hands the thinker ``audio_embeds``, or ``vision_embeds``, ``deepstack`` and ``image_grid_thw``, as the encoder's
+output edges would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from mmcache.mstar.requirement import require_mstar
+
+require_mstar()
+from mstar.engine.engine import Engine  # noqa: E402
+from mstar.engine.resources import SamplingReqConfig  # noqa: E402
+
+from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from mmcache.mstar.qwen3_omni import qwen3_omni_reuse  # noqa: E402
+from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
+
+THINKER, LABEL = "Thinker", "main"  # the thinker node and the label its steps write
+# M*'s resource keys for the thinker (mstar/model/qwen3_omni/config.py:21-31; constants, not imported: see above)
+THINKER_KV, THINKER_POS, THINKER_SAMPLER = "thinker_kv", "thinker_pos", "thinker_sampler"
+TEXT, AUDIO, VISION, DECODE = "prefill_text", "prefill_audio", "prefill_vision", "thinker_decode"
+TEXT_SIZES = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1], rms_norm_eps=1e-6,
+                  rope_theta=1e6)
+# the special ids inside the tiny vocabulary: sentinels, ChatML roles
+SPECIAL = dict(audio_start_token_id=303, audio_end_token_id=304, vision_start_token_id=305,
+               vision_end_token_id=306)
+ROLES = dict(im_start_token_id=310, im_end_token_id=311, system_token_id=312, user_token_id=313,
+             assistant_token_id=314)
+DEEPSTACK = 2  # deepstack features on layers 0 and 1
+
+
+def _require_flashinfer() -> None:
+    if "flashinfer" not in sys.modules:
+        raise RuntimeError("install the CPU stand-ins first (workloads.peers.mstar_cpu_kernels.install): "
+                           "mstar.model.qwen3_omni imports flashinfer at module level")
+
+
+def model_config():
+    """M*'s ``Qwen3OmniModelConfig`` of the tiny thinker (talker, code2wav and encoders keep their defaults: not
+    built)."""
+    _require_flashinfer()
+    from mstar.model.qwen3_omni import config as c
+
+    text = c.ThinkerTextConfig(**TEXT_SIZES)
+    return c.Qwen3OmniModelConfig(**ROLES, thinker_text=text, thinker=c.ThinkerConfig(**SPECIAL),
+                                  talker=c.TalkerConfig(accept_hidden_layer=1),
+                                  vision=c.VisionEncoderConfig(deepstack_visual_indexes=tuple(range(DEEPSTACK))))
+
+
+def text_config():
+    """transformers' ``Qwen3OmniMoeTextConfig`` of the same thinker (interleaved MRoPE, sections [24, 20, 20])."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+
+    sizes = {k: v for k, v in TEXT_SIZES.items() if k != "rope_theta"}
+    return Qwen3OmniMoeTextConfig(**sizes, rope_parameters={"rope_type": "default", "rope_theta": TEXT_SIZES[
+        "rope_theta"], "mrope_section": [24, 20, 20], "interleaved": True}, initializer_range=0.2,
+        tie_word_embeddings=False)
+
+
+def hub_layout(state: dict) -> dict:
+    """transformers' thinker text model + LM head (``lm_head.weight``) as the hub checkpoint names them: under
+    ``thinker.``, fused experts split into one tensor per expert and projection (gate rows first in
+    ``gate_up_proj``)."""
+    out = {}
+    inter = TEXT_SIZES["moe_intermediate_size"]
+    for name, t in state.items():
+        key = "thinker." + (name if name == "lm_head.weight" else "model." + name)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for j in range(t.shape[0]):
+                out[key.replace("gate_up_proj", f"{j}.gate_proj.weight")] = t[j, :inter].contiguous()
+                out[key.replace("gate_up_proj", f"{j}.up_proj.weight")] = t[j, inter:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            for j in range(t.shape[0]):
+                out[key.replace("down_proj", f"{j}.down_proj.weight")] = t[j].contiguous()
+        else:
+            out[key] = t.contiguous()
+    return out
+
+
+def _transformers_thinker():
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
+
+    config = text_config()
+    return config, Qwen3OmniMoeThinkerTextModel(config), torch.nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+
+def save_weights(folder: Path) -> Path:
+    """The random thinker in the hub layout, ``model.safetensors`` in a folder under ``folder`` (the repo's seeding
+    rule, ``workloads.fixtures.saved``: the same folder name, the same weights)."""
+    from safetensors.torch import save_file
+
+    from workloads import fixtures
+
+    config = text_config()
+
+    def save(f: Path) -> None:
+        _, text, head = _transformers_thinker()
+        for name, p in text.named_parameters():  # norms drawn around 1, everything else N(0, 0.2)
+            torch.nn.init.normal_(p, 1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+        torch.nn.init.normal_(head.weight, 0.0, 0.2)
+        state = {**text.state_dict(), "lm_head.weight": head.weight.detach()}
+        save_file(hub_layout(state), str(f / "model.safetensors"))
+
+    return fixtures.saved(folder, "qwen3-omni-thinker", config.to_json_string(), save)
+
+
+def dense_reference(weights: Path):
+    """transformers' ``Qwen3OmniMoeThinkerTextModel`` and LM head (fp32, eval) holding the tensors in ``weights``."""
+    from safetensors.torch import load_file
+
+    _, text, head = _transformers_thinker()
+    saved = load_file(str(Path(weights) / "model.safetensors"))
+    fused = {}
+    inter = TEXT_SIZES["moe_intermediate_size"]
+    for name in text.state_dict():
+        key = "thinker.model." + name
+        if name.endswith("mlp.experts.gate_up_proj"):
+            j = range(TEXT_SIZES["num_experts"])
+            fused[name] = torch.stack([torch.cat((saved[key.replace("gate_up_proj", f"{i}.gate_proj.weight")],
+                                                  saved[key.replace("gate_up_proj", f"{i}.up_proj.weight")]))
+                                       for i in j])
+            assert fused[name].shape[1] == 2 * inter
+        elif name.endswith("mlp.experts.down_proj"):
+            fused[name] = torch.stack([saved[key.replace("down_proj", f"{i}.down_proj.weight")]
+                                       for i in range(TEXT_SIZES["num_experts"])])
+        else:
+            fused[name] = saved[key]
+    text.load_state_dict(fused, strict=True)
+    head.load_state_dict({"weight": saved["thinker.lm_head.weight"]})
+    return text.eval(), head.eval()
+
+
+def omni_model(weights: Path):
+    """M*'s ``Qwen3OmniModel`` over the folder ``weights``. Its constructor only resolves the hub snapshot, the
+    tokenizer and the processor (the tests feed ids and embeddings), so the instance is made without it; every
+    method is M*'s."""
+    _require_flashinfer()
+    from mstar.model.qwen3_omni.qwen3_omni_model import Qwen3OmniModel
+
+    model = object.__new__(Qwen3OmniModel)
+    model.config, model.local_dir, model.model_path_hf = model_config(), str(weights), str(weights)
+    model.cache_dir, model._submodule_cache = None, {}
+    return model
+
+
+@dataclasses.dataclass
+class ThinkerEngine:
+    """M*'s ``Engine`` loaded with the thinker node: ``sub`` its submodule, ``kv`` its KV resource, ``pos`` its
+    position resource (the MRoPE counter), ``fed`` rid -> what the last ``walk`` computed for it (the node inputs
+    after the reuse seam's cut), ``hidden`` the final normed hidden states of each forward, its rows packed in batch
+    order (a forward hook that only reads)."""
+
+    engine: Engine
+    sub: object
+    kv: object
+    pos: object
+    fed: dict = dataclasses.field(default_factory=dict)
+    hidden: list = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.sub.model.model.norm.register_forward_hook(lambda mod, args, out: self.hidden.append(out.detach()))
+
+
+def thinker_reuse() -> PrefixReuse:
+    """``mmcache.mstar.qwen3_omni.qwen3_omni_reuse`` for the tiny thinker."""
+    return qwen3_omni_reuse("qwen3-omni-tiny@test")
+
+
+def thinker_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int = 64, page_size: int = 4,
+                   dtype: torch.dtype = torch.bfloat16) -> ThinkerEngine:
+    """The engine as M*'s worker builds it (the model's specs, the KV spec sized ``pages`` x ``page_size``,
+    ``get_submodule("Thinker")`` loading ``weights``, ``load_model``, ``warmup``); with ``reuse``, ``enable_reuse``
+    first. bf16: M*'s default (autocast and KV in bf16); fp32 for the dense reference."""
+    model = omni_model(weights)
+    if reuse is not None:
+        model = enable_reuse(model, reuse, nodes={THINKER: LABEL}, kv_keys={THINKER_KV}, encoders=False)
+    engine, nodes = cpu_engine(model, [THINKER], pages=pages, page_size=page_size, dtype=dtype, kv_key=THINKER_KV,
+                               rope_key=THINKER_POS)
+    sub = nodes[THINKER]
+    return ThinkerEngine(engine, sub, sub.node_resources[THINKER_KV], sub.node_resources[THINKER_POS])
+
+
+def greedy() -> dict:
+    """Per-request resource configs: greedy (the sampling stand-in's only mode), no penalty, no stop."""
+    return {THINKER_SAMPLER: SamplingReqConfig(temperature=0.0, top_p=1.0, ignore_eos=True)}
+
+
+def walk_inputs(graph_walk: str, x) -> dict:
+    """The thinker's inputs on ``graph_walk`` as its graph's edges bring them: token ids (text, decode), audio
+    embeddings, or a vision item ``(rows, deepstack rows per layer, grid_thw)``."""
+    if graph_walk in (TEXT, DECODE):
+        return {"text_inputs": [x]}
+    if graph_walk == AUDIO:
+        return {"audio_embeds": [x]}
+    rows, deepstack, grid = x
+    return {"vision_embeds": [rows], "deepstack": list(deepstack), "image_grid_thw": [grid]}
+
+
+def walk(te: ThinkerEngine, graph_walk: str, feeds: dict, sampled, last_prefill: bool = False,
+         audio_output: bool = False) -> dict:
+    """One batch of the thinker on ``graph_walk``: ``feeds`` rid -> what ``walk_inputs`` takes. ``sampled``: the
+    stand-in sampler's record. ``audio_output``: the conductor's flag (the thinker then streams every row to the
+    talker). Returns rid -> (the token sampled, the logits the sampler was handed, this request's rows of the final
+    hidden states); token and logits are None where M* samples nothing (one request's forward samples on decode and
+    the last prefill only; a batch of several samples on every walk). ``RuntimeError`` naming the reason when the
+    step's admit failed."""
+    calls = len(sampled.tokens)
+    meta = {"is_prefill": graph_walk != DECODE, "is_last_prefill": last_prefill, "audio_output": audio_output}
+    b = run_batch(te.engine, THINKER, graph_walk, {rid: walk_inputs(graph_walk, x) for rid, x in feeds.items()},
+                  greedy(), meta)
+    te.fed = dict(zip(b.request_ids, b.inputs, strict=True))
+    if b.admit_error is not None:  # nothing ran: M*'s worker drives the step again later
+        raise RuntimeError(f"{graph_walk}: admit failed: {type(b.admit_error).__name__}")
+    drew = len(sampled.tokens) > calls
+    rows = te.hidden[-1].split([int(inp.input_seq_len) for inp in b.inputs])
+    return {rid: (int(sampled.tokens[-1][i]) if drew else None, sampled.logits[-1][i] if drew else None, rows[i])
+            for i, rid in enumerate(b.request_ids)}
