@@ -219,12 +219,13 @@ class PrefixLifecycle:
             self.index.touch(idx)
             return idx
 
-    def extend_match(self, claim: Claim, tokens: np.ndarray, rows_left: int = 1) -> list[int]:
+    def extend_match(self, claim: Claim, tokens: np.ndarray, rows_left: int = 1, written: int = 0) -> list[int]:
         """Continue ``claim``'s match into ``tokens`` (int32 ids of the positions right after the chain, whose names
         are not yet computed; media marks of theirs added to ``claim`` first): the verified cached pages that follow,
         leaving at least ``rows_left`` of ``tokens`` to compute (never the page of the last token), retained, agreed
-        over the group and counted as hit tokens; ``claim``'s chain and names grow by them. Only with every earlier
-        position indexed (``len(claim.names) == claim.indexed``); else nothing."""
+        over the group and counted as hit tokens, less the ``written`` leading ids the request computed already (a
+        part-filled page of its own that the first page found stands in for); ``claim``'s chain and names grow by
+        them. Only with every earlier position indexed (``len(claim.names) == claim.indexed``); else nothing."""
         P = self.page_size
         m = (tokens.size - max(1, rows_left)) // P
         if not claim.open or m <= 0 or len(claim.names) != claim.indexed:
@@ -249,7 +250,7 @@ class PrefixLifecycle:
                 claim.chain += pages
                 claim.names += names[:len(pages)]
                 claim.parent_serial = self.index.serial(pages[-1])
-                self.index.counters["hit_tokens"] += len(pages) * P
+                self.index.counters["hit_tokens"] += len(pages) * P - written
             return pages
 
     # ----------------------------------------------------------------- pages

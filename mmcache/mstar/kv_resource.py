@@ -414,7 +414,8 @@ class ReuseKVManager(KVManager):
         written = self._named_ids(named, base, held) if own else ids[:0]
         if written is None:
             return 0
-        pages = named.life.extend_match(claim, np.concatenate((written, ids)) if own else ids, _ROWS_LEFT)
+        pages = named.life.extend_match(claim, np.concatenate((written, ids)) if own else ids, _ROWS_LEFT,
+                                        written=written.size)
         if not pages:
             return 0
         k = base + len(pages) * P - held  # of this feed's ids, what the cached pages hold
