@@ -114,42 +114,49 @@ class CountedPageAllocator(PageAllocator):
 
 @dataclasses.dataclass(frozen=True)
 class PrefixReuse:
-    """Turns reuse on for a KV resource. ``model`` names the weights exactly (repository@revision, or a hash of the
-    files): it roots every page name with the rest of the fingerprint (TP rank and size, KV dtype, page size, the
-    resource and label). ``labels``: the streams the seam names (the label a node's step writes its prompt into).
-    ``attention_backend``: part of the fingerprint. ``evict_batch_pages``: least pages one eviction frees (default
-    1/64 of the pool). ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
-    ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
-    None. ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default:
-    the token count, as RoPE counts, where M*'s ``RopeManager`` plans a step's positions from the counter).
-    ``position_advance(graph_walk, node_inputs, rows)``: for a node that computes its step's positions itself in
-    ``prepare_inputs``, from the counter as it stands at the walk's start (Qwen3-Omni's thinker, MRoPE), how far the
-    counter moves past the ``rows`` leading rows of the step the stream holds already. Given, the seam leaves the
-    counter alone before the step and adds that to the step's declared advance: the commit leaves the counter where a
-    cold prefill leaves it, and a step retried after ``AllocationFailed`` reads the counter its walk started at.
-    ``cut(node_inputs, rows)``: drops the first ``rows`` rows of everything a step feeds per row (default
-    ``mmcache.mstar.switch.cut_to_suffix``: ``input_ids``, ``input_embeds``; a model whose inputs carry more per row,
-    positions or masks, gives its own). ``needs_every_row(graph_walk, fwd_info)``: True for a step whose outputs carry
-    something for every fed row that the KV does not hold (Qwen3-Omni's thinker streams each row's hidden states to
-    its talker when audio output is asked): such a step is named and indexed, never cut.
-    ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the step,
-    digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend on:
-    the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not described
-    by media: then the seam names nothing and the stream's indexing stops there. A mark enters the names of its page
-    and, through the chain, of every later page, never of an earlier one: where a walk's attention is bidirectional
-    (Pi0.5's prefill) every position's KV depends on the whole walk, and one mark at its first row must name all of
-    it (``mmcache.mstar.pi05``). ``id_walks``: the graph walks whose
-    ``input_embeds`` are exactly the model's embedding of the ``input_ids`` fed with them (Higgs Audio's
-    ``prefill_text`` embeds its ids only to share a capture with ``prefill_audio``): the seam names such a walk by
-    its ids, as if no embeddings went in, and cuts both to the suffix. That is the invariant this list declares, and
-    nothing checks it: a walk listed here whose embeddings depend on anything but its ids (spliced media, a scale, a
-    soft prompt) is indexed under ids that do not determine its KV, and a later request with the same ids is served
-    that KV. ``walk_ids(graph_walk, inputs)``: for an ``id_walks`` walk whose node inputs carry the embeddings
-    without their ids (Qwen3-Omni's ``thinker_decode`` embeds the sampled token it reads from its graph inputs), those
-    ids from the walk's graph inputs, or None (the walk then names nothing). ``shadow``: measure only (phase 1):
-    each label's prompts are named and looked up in a ``ShadowIndex`` (every finished request's pages, unbounded),
-    nothing is shared, cut or indexed, and M* computes what it computes without mmcache;
-    ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved."""
+    """Turns reuse on for a KV resource.
+
+    - ``model`` names the weights exactly (repository@revision, or a hash of the files): it roots every page name
+      with the rest of the fingerprint (TP rank and size, KV dtype, page size, the resource and label).
+    - ``labels``: the streams the seam names (the label a node's step writes its prompt into).
+    - ``attention_backend``: part of the fingerprint.
+    - ``evict_batch_pages``: least pages one eviction frees (default 1/64 of the pool).
+    - ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
+    - ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
+      None.
+    - ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default: the
+      token count, as RoPE counts, where M*'s ``RopeManager`` plans a step's positions from the counter).
+    - ``position_advance(graph_walk, node_inputs, rows)``: for a node that computes its step's positions itself in
+      ``prepare_inputs``, from the counter as it stands at the walk's start (Qwen3-Omni's thinker, MRoPE), how far the
+      counter moves past the ``rows`` leading rows of the step the stream holds already. Given, the seam leaves the
+      counter alone before the step and adds that to the step's declared advance: the commit leaves the counter where
+      a cold prefill leaves it, and a step retried after ``AllocationFailed`` reads the counter its walk started at.
+    - ``cut(node_inputs, rows)``: drops the first ``rows`` rows of everything a step feeds per row (default
+      ``mmcache.mstar.switch.cut_to_suffix``: ``input_ids``, ``input_embeds``; a model whose inputs carry more per
+      row, positions or masks, gives its own).
+    - ``needs_every_row(graph_walk, fwd_info)``: True for a step whose outputs carry something for every fed row that
+      the KV does not hold (Qwen3-Omni's thinker streams each row's hidden states to its talker when audio output is
+      asked): such a step is named and indexed, never cut.
+    - ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the
+      step, digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend
+      on: the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not
+      described by media: then the seam names nothing and the stream's indexing stops there. A mark enters the names
+      of its page and, through the chain, of every later page, never of an earlier one: where a walk's attention is
+      bidirectional (Pi0.5's prefill) every position's KV depends on the whole walk, and one mark at its first row
+      must name all of it (``mmcache.mstar.pi05``).
+    - ``id_walks``: the graph walks whose ``input_embeds`` are exactly the model's embedding of the ``input_ids`` fed
+      with them (Higgs Audio's ``prefill_text`` embeds its ids only to share a capture with ``prefill_audio``): the
+      seam names such a walk by its ids, as if no embeddings went in, and cuts both to the suffix. That is the
+      invariant this list declares, and nothing checks it: a walk listed here whose embeddings depend on anything but
+      its ids (spliced media, a scale, a soft prompt) is indexed under ids that do not determine its KV, and a later
+      request with the same ids is served that KV.
+    - ``walk_ids(graph_walk, inputs)``: for an ``id_walks`` walk whose node inputs carry the embeddings without their
+      ids (Qwen3-Omni's ``thinker_decode`` embeds the sampled token it reads from its graph inputs), those ids from
+      the walk's graph inputs, or None (the walk then names nothing).
+    - ``shadow``: measure only (phase 1): each label's prompts are named and looked up in a ``ShadowIndex`` (every
+      finished request's pages, unbounded), nothing is shared, cut or indexed, and M* computes what it computes
+      without mmcache; ``ReuseKVManager.shadow_stats(label)`` says what reuse would have saved.
+    """
 
     model: str
     labels: tuple[str, ...] = ("main",)
