@@ -30,7 +30,7 @@ from mstar.engine.resources import SamplingReqConfig  # noqa: E402
 from mstar.model.higgs_audio.config import KV_CACHE, ROPE, SAMPLER, HiggsAudioModelConfig  # noqa: E402
 from mstar.model.higgs_audio.higgs_audio_model import HiggsAudioModel  # noqa: E402
 
-from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from mmcache.mstar import PrefixReuse  # noqa: E402
 from mmcache.mstar.higgs import higgs_reuse as full_reuse  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 
@@ -124,11 +124,8 @@ def higgs_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int = 6
     """The engine as M*'s worker builds it (``get_node_resources`` with the KV spec sized ``pages`` x ``page_size``,
     ``get_submodule("LLM")`` loading ``weights``, ``load_model``, ``warmup``); with ``reuse``, ``enable_reuse``
     first. bf16: M*'s default (autocast and KV in bf16); fp32 (KV and RoPE too) for the dense reference."""
-    model = higgs_model(weights, cfg)
-    if reuse is not None:
-        model = enable_reuse(model, reuse, nodes={LLM: LABEL}, kv_keys={KV_CACHE}, encoders=False)
-    engine, nodes = cpu_engine(model, [LLM], pages=pages, page_size=page_size, dtype=dtype, kv_key=KV_CACHE,
-                               rope_key=ROPE)
+    engine, nodes = cpu_engine(higgs_model(weights, cfg), [LLM], pages=pages, page_size=page_size, dtype=dtype,
+                               kv_key=KV_CACHE, rope_key=ROPE, reuse=reuse)
     sub = nodes[LLM]
     return HiggsEngine(engine, sub, sub.node_resources[KV_CACHE])
 

@@ -135,21 +135,22 @@ def orpheus_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int =
     spec becomes a ``ReuseKVSpec``, the node gets the seam). bf16 (M*'s default): autocast and KV in bf16. fp32: no
     autocast, KV in fp32 and RoPE in fp32 (M*'s ``RopeManager`` rotates fp32 in bf16 unless its config names
     ``rope_dtype``), for comparing with an fp32 reference."""
-    model = orpheus_model(weights, cfg, snac)
-    if reuse is not None:
-        model = enable_reuse(model, reuse, nodes={LLM: LABEL}, kv_keys={KV_CACHE}, encoders=False)
-    engine, nodes = cpu_engine(model, [LLM] + ([SNAC_NODE] if snac is not None else []), pages=pages,
-                               page_size=page_size, dtype=dtype)
+    engine, nodes = cpu_engine(orpheus_model(weights, cfg, snac), [LLM] + ([SNAC_NODE] if snac is not None else []),
+                               pages=pages, page_size=page_size, dtype=dtype, reuse=reuse)
     return OrpheusEngine(engine, nodes[LLM], nodes[LLM].node_resources[KV_CACHE])
 
 
 def cpu_engine(model, node_names: list[str], *, pages: int, page_size: int, dtype: torch.dtype,
-               kv_key: str = KV_CACHE, rope_key: str = ROPE) -> tuple[Engine, dict]:
-    """M*'s ``Engine`` over ``model`` on this CPU, as M*'s worker builds one: the model's specs with the KV spec sized
+               kv_key: str = KV_CACHE, rope_key: str = ROPE, reuse: PrefixReuse | None = None) -> tuple[Engine, dict]:
+    """M*'s ``Engine`` over ``model`` on this CPU, as M*'s worker builds one (with ``reuse``, ``enable_reuse`` first,
+    on the first node's ``kv_key`` resource under label ``LABEL``; encoder nodes left as they are): the model's specs
+    with the KV spec sized
     by the deployment's overrides (``pages`` x ``page_size``) and, for an fp32 run, RoPE in fp32 (M*'s ``RopeManager``
     rotates fp32 in bf16 unless its config names ``rope_dtype``); the submodules named (the first, the LM, under
     ``dtype``'s autocast with a trivial TP group); ``load_model`` and ``warmup``. Returns the engine and its
     submodules by name."""
+    if reuse is not None:
+        model = enable_reuse(model, reuse, nodes={node_names[0]: LABEL}, kv_keys={kv_key}, encoders=False)
     specs = model.get_node_resources()
     for spec in specs:
         if spec.resource_key == kv_key:

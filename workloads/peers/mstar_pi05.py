@@ -29,7 +29,7 @@ from mstar.engine.engine import Engine  # noqa: E402
 from mstar.model.pi05.config import LLM_KV, LLM_POS, Pi05Config  # noqa: E402
 from mstar.model.pi05.pi05_model import Pi05Model, _Pi05LLMWeightContainer  # noqa: E402
 
-from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from mmcache.mstar import PrefixReuse  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
 
@@ -117,11 +117,9 @@ def pi05_engine(checkpoint: Path, reuse: PrefixReuse | None = None, pages: int =
     """The engine as M*'s worker builds it (``get_node_resources`` with the KV spec sized ``pages`` x ``page_size``,
     ``get_submodule("LLM")`` loading ``checkpoint``, ``load_model``, ``warmup``); with ``reuse``, ``enable_reuse``
     first. bf16: M*'s default autocast and KV dtype (the node keeps its norms in fp32 itself)."""
-    model = pi05_model(checkpoint)
-    if reuse is not None:
-        model = enable_reuse(model, reuse, nodes={LLM: LABEL}, kv_keys={LLM_KV}, encoders=False)
+    model = pi05_model(checkpoint)  # enable_reuse (in cpu_engine) turns reuse on in place
     engine, nodes = cpu_engine(model, [LLM], pages=pages, page_size=page_size, dtype=dtype, kv_key=LLM_KV,
-                               rope_key=LLM_POS)
+                               rope_key=LLM_POS, reuse=reuse)
     sub = nodes[LLM]
     return Pi05Engine(engine, model, sub, sub.node_resources[LLM_KV])
 

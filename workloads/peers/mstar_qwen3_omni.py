@@ -32,7 +32,7 @@ require_mstar()
 from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.resources import SamplingReqConfig  # noqa: E402
 
-from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from mmcache.mstar import PrefixReuse  # noqa: E402
 from mmcache.mstar.qwen3_omni import qwen3_omni_reuse  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 
@@ -195,11 +195,8 @@ def thinker_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int =
     """The engine as M*'s worker builds it (the model's specs, the KV spec sized ``pages`` x ``page_size``,
     ``get_submodule("Thinker")`` loading ``weights``, ``load_model``, ``warmup``); with ``reuse``, ``enable_reuse``
     first. bf16: M*'s default (autocast and KV in bf16); fp32 for the dense reference."""
-    model = omni_model(weights)
-    if reuse is not None:
-        model = enable_reuse(model, reuse, nodes={THINKER: LABEL}, kv_keys={THINKER_KV}, encoders=False)
-    engine, nodes = cpu_engine(model, [THINKER], pages=pages, page_size=page_size, dtype=dtype, kv_key=THINKER_KV,
-                               rope_key=THINKER_POS)
+    engine, nodes = cpu_engine(omni_model(weights), [THINKER], pages=pages, page_size=page_size, dtype=dtype,
+                               kv_key=THINKER_KV, rope_key=THINKER_POS, reuse=reuse)
     sub = nodes[THINKER]
     return ThinkerEngine(engine, sub, sub.node_resources[THINKER_KV], sub.node_resources[THINKER_POS])
 

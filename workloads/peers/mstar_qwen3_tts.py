@@ -32,7 +32,7 @@ from mstar.engine.engine import Engine  # noqa: E402
 from mstar.model.qwen3_tts.config import TALKER_KV, TALKER_POS, Qwen3TTSModelConfig  # noqa: E402
 from mstar.model.qwen3_tts.qwen3_tts_model import Qwen3TTSModel  # noqa: E402
 
-from mmcache.mstar import PrefixReuse, enable_reuse  # noqa: E402
+from mmcache.mstar import PrefixReuse  # noqa: E402
 from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 
@@ -167,11 +167,9 @@ def talker_engine(checkpoint: Path, reuse: PrefixReuse | None = None, pages: int
     ``page_size``, ``get_submodule("Talker")`` loading ``checkpoint``, ``load_model``, ``warmup``); with ``reuse``,
     ``enable_reuse`` first. bf16: M*'s default (autocast and KV in bf16); fp32 (KV and RoPE too) for a dense
     reference."""
-    model = qwen3_tts_model(checkpoint)
-    if reuse is not None:
-        model = enable_reuse(model, reuse, nodes={TALKER: LABEL}, kv_keys={TALKER_KV}, encoders=False)
+    model = qwen3_tts_model(checkpoint)  # enable_reuse (in cpu_engine) turns reuse on in place
     engine, nodes = cpu_engine(model, [TALKER], pages=pages, page_size=page_size, dtype=dtype, kv_key=TALKER_KV,
-                               rope_key=TALKER_POS)
+                               rope_key=TALKER_POS, reuse=reuse)
     sub = nodes[TALKER]
     return TalkerEngine(engine, model, sub, sub.node_resources[TALKER_KV])
 
