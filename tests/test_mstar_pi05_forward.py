@@ -133,7 +133,7 @@ def test_the_same_images_with_another_instruction_reuse_nothing(checkpoint):
 def test_the_prefill_is_one_item_and_action_gen_names_nothing():
     from mstar.model.submodule_base import ARNodeInputs
 
-    from mmcache.mstar.higgs import rows_digest
+    from mmcache.mstar.encoder_items import rows_digest
     rows = images(seed=11)
     assert prefill_walk_media(PREFILL, None, {}, ARNodeInputs(input_seq_len=12, input_embeds=rows)) == [
         (0, rows_digest(rows.clone()))]

@@ -53,6 +53,14 @@ def inputs_digest(node_inputs, modality: str) -> digests.Digest:
     return compute(header + digests.canonical(node_inputs.kwargs), payload)
 
 
+def rows_digest(rows: torch.Tensor) -> bytes:
+    """16 bytes naming an embeddings tensor exactly: its dtype, shape and bytes (equal digests, equal rows, up to a
+    hash collision)."""
+    rows = rows.detach().contiguous().cpu()
+    header = json.dumps({"walk_rows": [str(rows.dtype), list(rows.shape)]}).encode()
+    return bytes(compute(header, [rows.reshape(-1).view(torch.uint8).numpy()]))
+
+
 @dataclasses.dataclass(frozen=True)
 class WholeRequest:
     """One item per request: the node's whole output for the request's inputs."""

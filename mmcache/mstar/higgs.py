@@ -20,24 +20,11 @@ the walk.
 
 from __future__ import annotations
 
-import json
-
-import torch
-
-from digests.digest import compute
-from mmcache.mstar.encoder_items import carried_digest
+from mmcache.mstar.encoder_items import carried_digest, rows_digest
 from mmcache.mstar.kv_resource import PrefixReuse
 
 TEXT_WALKS = ("prefill_text",)
 AUDIO_WALK = "prefill_audio"
-
-
-def rows_digest(rows: torch.Tensor) -> bytes:
-    """16 bytes naming an embeddings tensor exactly: its dtype, shape and bytes (equal digests, equal rows, up to a
-    hash collision)."""
-    rows = rows.detach().contiguous().cpu()
-    header = json.dumps({"walk_rows": [str(rows.dtype), list(rows.shape)]}).encode()
-    return bytes(compute(header, [rows.reshape(-1).view(torch.uint8).numpy()]))
 
 
 def audio_walk_media(graph_walk, fwd_info, inputs, node_inputs):

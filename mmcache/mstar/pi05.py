@@ -33,8 +33,7 @@ import json
 import torch
 
 from digests.digest import compute
-from mmcache.mstar.encoder_items import carried_digest
-from mmcache.mstar.higgs import rows_digest
+from mmcache.mstar.encoder_items import carried_digest, rows_digest
 from mmcache.mstar.kv_resource import PrefixReuse
 
 PREFILL_WALK = "prefill"

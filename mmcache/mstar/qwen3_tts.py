@@ -32,7 +32,7 @@ overwritten every frame: nothing to reuse across requests. The Codec node has no
 
 from __future__ import annotations
 
-from mmcache.mstar.higgs import rows_digest
+from mmcache.mstar.encoder_items import rows_digest
 from mmcache.mstar.kv_resource import PrefixReuse
 
 PREFILL_WALK = "talker_prefill"
