@@ -124,7 +124,7 @@ def test_on_auto_language_one_page_is_reused_and_no_frame_is_indexed(checkpoint,
 def test_the_prefill_is_named_row_by_row_and_decode_by_nothing():
     from mstar.model.submodule_base import ARNodeInputs
 
-    from mmcache.mstar.higgs import rows_digest
+    from mmcache.mstar.encoder_items import rows_digest
     rows = torch.randn(9, 32, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     marks = prefill_rows_media(PREFILL, None, {}, ARNodeInputs(input_seq_len=9, input_embeds=rows))
     assert [o for o, _ in marks] == list(range(9)) and marks[4][1] == rows_digest(rows[4].clone())
