@@ -91,3 +91,103 @@ def test_any_schedule_gives_the_logits_of_reuse_off(data):
     on = nodes[0].kv
     event(f"prompt tokens reused: {'some' if on.stats(LABEL).hit_tokens else 'none'}")
     assert on.pool.num_free + on.stats(LABEL).pages_cached + 1 == on.pool.num_pages  # + M*'s sink page
+
+
+def media_reuse() -> PrefixReuse:
+    """Embeddings walks named by the digest their inputs carry (a media item whose rows are a function of it)."""
+    return PrefixReuse(model="toy@0", walk_media=lambda walk, info, inputs, out: (
+        [(0, inputs["digest"])] if "digest" in inputs else None))
+
+
+def media_feed(item: int, rows: int) -> dict:
+    embeds = torch.randn(rows, D, generator=torch.Generator().manual_seed(item), dtype=torch.float64)
+    return {"embeds": embeds, "digest": bytes([item + 1]) * 16}
+
+
+def text_chains_hold_the_kv_of_their_ids(kv) -> None:
+    """``indexed_pages_hold_the_kv_of_their_ids`` for the chains that hold no media (a media page's KV is that of the
+    rows its digest names, which ids do not give)."""
+    index = kv.lifecycle(LABEL).index
+    for page in np.flatnonzero(index.indexed):
+        chain, p = [], int(page)
+        while p >= 0:
+            chain.append(p)
+            p = int(index._parent[p])
+        if any(index._media_lo[q] or index._media_hi[q] for q in chain):
+            continue
+        ids = torch.from_numpy(np.concatenate([index._tokens[q] for q in reversed(chain)]).astype(np.int64))
+        _, k, v = project(W, ids, torch.arange(len(ids)))
+        stored = kv.kv_cache.tensor[0, page]
+        assert torch.equal(stored[0], k[-P:]) and torch.equal(stored[1], v[-P:]), f"page {page} holds other KV"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_a_tight_pool_with_retries_chunks_and_media_walks_gives_the_logits_of_reuse_off(data):
+    """Reuse on over a pool small enough that steps are refused (``AllocationFailed``), evicting, and retried after
+    another request leaves, as M*'s worker retries them; prompts fed whole or in two chunks (a match continued at the
+    second); walks of media named by their digest, repeated or not. Every step that runs has reuse off's logits.
+    With the fix for a retried walk whose continued match had taken cached pages taken out, it fails within 400
+    examples (the walk was fed at the wrong positions)."""
+    on, off = node(W, pages=16, reuse=media_reuse()), node(W, pages=400)
+    live: dict[str, int] = {}
+    made, refused = 0, 0
+
+    def leave(rid):
+        for n in (on, off):
+            n.runner.remove_request(rid)
+        live.pop(rid, None)
+
+    def run(walk: str, feeds: dict) -> None:
+        nonlocal refused
+        ok_off, want = step(off, walk, feeds)
+        assert ok_off.ok
+        while True:
+            ok_on, got = step(on, walk, feeds)
+            if ok_on.ok:
+                break
+            assert type(ok_on.reason).__name__ == "AllocationFailed"
+            refused += 1
+            others = sorted(set(live) - set(feeds)) or sorted(feeds)  # at worst one of the step's own leaves
+            gone = data.draw(st.sampled_from(others), label="leaves to make room")
+            leave(gone)
+            feeds.pop(gone, None)
+            if not feeds:
+                return
+        for rid in feeds:
+            assert torch.equal(got[rid], want[rid]), f"{walk} of {rid}: reuse on differs from reuse off"
+            live[rid] = int(got[rid].argmax())
+        text_chains_hold_the_kv_of_their_ids(on.kv)
+
+    for _ in range(data.draw(st.integers(3, 10), label="steps")):
+        op = data.draw(st.sampled_from(("new", "new", "decode all", "text walk", "media walk", "remove")),
+                       label="op") if live else "new"
+        if op == "new":
+            rid, made = f"r{made}", made + 1
+            prefix = PREFIXES[data.draw(st.integers(0, 1), label="prefix")]
+            prompt = prefix[:data.draw(st.sampled_from((12, 12, 9, 5)), label="shared")]
+            prompt += data.draw(st.lists(st.integers(1, 127), min_size=1, max_size=6), label="own")
+            for n in (on, off):
+                n.runner.ingest_request(rid)
+            cut = data.draw(st.sampled_from((0, 0, 4, 8)), label="first chunk")
+            chunks = [prompt[:cut], prompt[cut:]] if 0 < cut < len(prompt) - 1 else [prompt]
+            live[rid] = 0
+            for chunk in chunks:
+                if rid in live:
+                    run("prefill", {rid: ids_feed(chunk)})
+            continue
+        rid = data.draw(st.sampled_from(sorted(live)), label="rid")
+        if op == "remove":
+            leave(rid)
+        elif op == "decode all":
+            run("decode", {r: ids_feed([t]) for r, t in live.items()})
+        elif op == "text walk":
+            ids = data.draw(st.lists(st.integers(1, 127), min_size=1, max_size=6), label="text")
+            run("prefill", {rid: ids_feed(ids)})
+        else:
+            item = data.draw(st.integers(0, 2), label="item")
+            run("embed", {rid: media_feed(item, data.draw(st.sampled_from((4, 6)), label="rows"))})
+    for rid in list(live):
+        leave(rid)
+    event(f"steps refused and retried: {'some' if refused else 'none'}")
+    assert on.kv.pool.num_free + on.kv.stats(LABEL).pages_cached + 1 == on.kv.pool.num_pages
