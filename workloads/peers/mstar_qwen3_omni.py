@@ -52,7 +52,7 @@ THINKER, LABEL = "Thinker", "main"  # the thinker node and the label its steps w
 THINKER_KV, THINKER_POS, THINKER_SAMPLER = "thinker_kv", "thinker_pos", "thinker_sampler"
 TEXT, AUDIO, VISION, DECODE = "prefill_text", "prefill_audio", "prefill_vision", "thinker_decode"
 TEXT_SIZES = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, num_experts=4,
+                  num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1], rms_norm_eps=1e-6,
                   rope_theta=1e6)
 # the special ids inside the tiny vocabulary: sentinels, ChatML roles
