@@ -8,6 +8,7 @@ with ``thinker_steps``): M*'s Qwen3-Omni ``VisionEncoderSubmodule`` (a tiny sdpa
   and the requests in flight;
 - with reuse on the prefills compute fewer prompt rows (a session's follow-up re-sends the turn before it, image and
   reply included) and the vision tower runs for fewer images (users of an image, and follow-ups, find its outputs);
+- a request whose image does not decode fails alone (its follow-ups with it), the others are served;
 - a follow-up's walks are the previous turn's with the reply and the follow-up in its last text walk;
 - the command line runs it with no ``../shared`` data and no ``$MMCACHE_DATA`` to read, and says the same.
 """
@@ -51,6 +52,21 @@ def test_reuse_on_and_off_generate_the_same_tokens_and_on_computes_less(made):
     assert computed(on) < computed(off) // 2 and images_encoded(on) == 1
     follow_up = {r.rid: r.result for r in on.records}["i0u0t1"]
     assert follow_up.prompt_tokens - follow_up.hit_tokens < follow_up.prompt_tokens // 4
+
+
+def test_a_request_whose_image_does_not_decode_fails_alone(made):
+    """Its follow-ups fail too (nothing to re-send); the other session is served, equal off and on."""
+    import dataclasses
+
+    from workloads.models import vlm_chat
+
+    bad, good = [["What is in <this>?", b"not an image"]], vlm_chat.embedded_items(0)[0][:1]
+    broken = dataclasses.replace(made, requests=tuple(vlm_mstar.sessions([bad, good])))
+    off, on, equal = compare_mstar(broken, Schedule("closed", concurrency=2), 2)
+    for run in (off, on):
+        failed = {r.rid: r.error_type for r in run.records if not r.ok}
+        assert failed == {"i0u0t0": "InvalidMedia", "i0u0t1": "InvalidRequest", "i0u0t2": "InvalidRequest"}
+    assert equal == 3
 
 
 def test_a_follow_up_re_sends_the_turn_before_it_with_its_reply(made):

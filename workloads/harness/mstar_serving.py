@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from mmcache.errors import MmcacheError
 from workloads.harness.admission import Admission
 from workloads.harness.engine_serving import compare_engine, engine_label, record_done
 from workloads.harness.metrics import RequestRecord, RequestResult, RunResult
@@ -67,7 +68,8 @@ class Steps(Protocol):
     engine: object
 
     def start(self, lv: Live) -> None:
-        """``lv`` was admitted: add it to the engine, set ``prompt_rows`` and ``state``."""
+        """``lv`` was admitted: add it to the engine, set ``prompt_rows`` and ``state``; an ``MmcacheError`` (its media
+        or history missing) before it is added fails that request alone."""
 
     def step(self, live: dict[str, Live], clock) -> None:
         """One worker iteration over every request in ``live``; ``clock()``: seconds since the replay started."""
@@ -118,8 +120,16 @@ def _loop(steps: Steps, order, arrivals, limit: int, run: RunResult, observer, b
     while admission or live:
         for k in admission.take(clock()):
             req = order[k]
-            live[req.rid] = lv = Live(req, k, None if arrivals is None else arrivals[k], clock())
-            steps.start(lv)
+            lv = Live(req, k, None if arrivals is None else arrivals[k], clock())
+            try:
+                steps.start(lv)
+            except MmcacheError as e:  # its media or its history is missing: it fails alone, the replay goes on
+                admission.finished(k)
+                rec = RequestRecord(req.rid, req.session, lv.start if lv.arrival is None else lv.arrival, lv.start,
+                                    clock() - lv.start, error=str(e), error_type=type(e).__name__)
+                record_done(run, rec, steps.stats(), observer, bar)
+                continue
+            live[req.rid] = lv
         if not live:
             time.sleep(admission.wait_s(clock()) or 1e-3)
             continue

@@ -52,7 +52,7 @@ class ThinkerSteps:
         self.model, self.processor = q.omni_model(made.weights), q.image_processor()  # the data worker's
 
     def start(self, lv) -> None:
-        from workloads.models.vlm_mstar import TEXT, image_bytes
+        from workloads.models.vlm_mstar import TEXT, image_bytes, image_inputs
 
         q, schedule, rows = self.q, [], 0
         for kind, x in self.workload.walks(lv.req):
@@ -61,7 +61,7 @@ class ThinkerSteps:
                 rows += len(x)
                 continue
             data = image_bytes(x)
-            pixels, grid = q.image_tensors(self.model, self.processor, data)
+            pixels, grid = image_inputs(self.model, self.processor, data)
             inputs = {"pixel_values": [pixels], "image_grid_thw": [grid], **(self._digest(data) if self.cached else {})}
             schedule.append((q.VISION, inputs))
             rows += int(grid.prod()) // 4 + 2  # one row per merged 2 x 2 patch, and the two sentinels

@@ -185,8 +185,8 @@ class VlmMstar:
     def ceilings(self) -> dict[str, float]:
         """Unbounded-cache hit rates in trace order: prompt rows (every page of a finished request indexed, its
         generated tokens but the last, as M*'s KV resource indexes them; replies stood in by ids drawn from the
-        request id, equal exactly where the real ones are) and images seen in an earlier request. An image walk is
-        its rows (``image_rows``) marked with the image's digest."""
+        request id, equal exactly where the real ones are) and images seen in an earlier request, over the requests
+        that can succeed. An image walk is its rows (``image_rows``) marked with the image's digest."""
         from workloads.peers.mstar_qwen3_omni import image_processor, omni_model
 
         processor, model, rows = image_processor(), None, {}
@@ -196,15 +196,20 @@ class VlmMstar:
         sent, seen, images, repeats = {}, set(), 0, 0
         for req in trace_order(self.requests()):
             ids, media = [], []
-            for kind, x in self.walks(req, stand_in, sent):
+            try:
+                walks = self.walks(req, stand_in, sent)
+                keys = [xxhash.xxh3_128_digest(image_bytes(x)) if kind == IMAGE else None for kind, x in walks]
+                for (kind, x), key in zip(walks, keys):
+                    if kind == IMAGE and key not in rows:
+                        model = model or omni_model(self.made.weights)
+                        rows[key] = image_rows(model, processor, image_bytes(x))
+            except (InvalidMedia, InvalidRequest):  # a request that cannot succeed: not in the ceiling
+                stand_in.pop(req.rid)
+                continue
+            for (kind, x), key in zip(walks, keys):
                 if kind == TEXT:
                     ids += x
                     continue
-                data = image_bytes(x)
-                key = xxhash.xxh3_128_digest(data)
-                if key not in rows:
-                    model = model or omni_model(self.made.weights)
-                    rows[key] = image_rows(model, processor, data)
                 media.append((len(ids), key))
                 images, repeats = images + 1, repeats + (key in seen)
                 seen.add(key)
@@ -214,10 +219,18 @@ class VlmMstar:
         return {"prefix": prefix_ceiling(shadow), **({"image": repeats / images} if images else {})}
 
 
+def image_inputs(model, processor, data: bytes):
+    """``(pixel_values, image_grid_thw)`` of an image as M*'s data worker makes them
+    (``mstar_qwen3_omni.image_tensors``); ``InvalidMedia`` for bytes that do not decode."""
+    from workloads.peers.mstar_qwen3_omni import image_tensors
+
+    try:
+        return image_tensors(model, processor, data)
+    except (RuntimeError, ValueError) as e:  # torchvision's decoder, the processor
+        raise InvalidMedia(f"cannot decode image ({len(data):,} bytes): {e}") from e
+
+
 def image_rows(model, processor, data: bytes) -> int:
     """The rows an image's vision walk feeds the thinker: one per merged 2 x 2 patch of its grid, and its two
     sentinels."""
-    from workloads.peers.mstar_qwen3_omni import image_tensors
-
-    _, grid = image_tensors(model, processor, data)
-    return int(grid.prod()) // 4 + 2
+    return int(image_inputs(model, processor, data)[1].prod()) // 4 + 2
