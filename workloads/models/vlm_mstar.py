@@ -47,7 +47,6 @@ NAME = "vlm-mstar"
 ENGINE = "M*'s Engine (mstar-ai 0.2.1: Qwen3-Omni thinker + vision encoder nodes, text output)"
 NL = ord("\n")
 IM_START, IM_END, SYSTEM, USER, ASSISTANT = 310, 311, 312, 313, 314  # mstar_qwen3_omni.ROLES
-VOCAB = 320                                                          # mstar_qwen3_omni.TEXT_SIZES["vocab_size"]
 TEXT, IMAGE = "text", "image"
 
 
