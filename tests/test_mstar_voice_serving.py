@@ -17,7 +17,7 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-from workloads.harness.mstar_serving import ENGINE, compare_mstar  # noqa: E402
+from workloads.harness.mstar_serving import compare_mstar  # noqa: E402
 from workloads.harness.serving import Schedule  # noqa: E402
 from workloads.models import voice_mstar  # noqa: E402
 from workloads.options import ModelWorkloadOptions  # noqa: E402
@@ -40,7 +40,7 @@ def computed(run) -> int:
 def test_reuse_on_and_off_generate_the_same_codes_and_audio_and_on_computes_less(made, n):
     off, on, equal = compare_mstar(made, Schedule("closed", concurrency=n), n)
     assert equal == len(off.records) == len(on.records) == 5
-    assert f"via {ENGINE}, {n} in flight" in on.schedule
+    assert f"via {voice_mstar.ENGINE}, {n} in flight" in on.schedule
     assert computed(on) < computed(off) and all(r.result.hit_tokens == 0 for r in off.records)
     assert any(r.result.hit_tokens for r in on.records if r.rid == "voice/t1")  # the turn before it, codes included
     for run in (off, on):

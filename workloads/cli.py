@@ -27,15 +27,17 @@ replayed over R replicas, each with its prefix cache and encoder store; no model
 Data: ``mmcache data list`` names each public data set the replays read (source, licence, present or not);
 ``mmcache data fetch [NAME ...]`` downloads them into the data folder (``workloads.datasets``).
 
-Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``voice-mstar``, ``agent-model``,
-``mooncake-model``, ``mixed``) serves its requests through real models with the cache off, then on, on the same
-schedule, and prints both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings, time per
-stage). Without ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or
+Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``voice-mstar``, ``vlm-mstar``,
+``agent-model``, ``mooncake-model``, ``mixed``) serves its requests through real models with the cache off, then on, on
+the same schedule, and prints both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings,
+time per stage). Without ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or
 ../shared/data. With ``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers'
 continuous-batching engine with N requests in flight, cache off (its sharing off) then on (mmcache under it), every
 latency measured (``workloads.harness.engine_serving``); without it one request is served at a time and queueing is
-simulated. The M* workloads (``MSTAR_WORKLOADS``: ``voice-mstar``) are always served through M*'s own ``Engine``, N in
-flight (default 1), M*'s KV resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``).
+simulated. The M* workloads (``MSTAR_WORKLOADS``: ``voice-mstar``, M*'s Orpheus; ``vlm-mstar``, vlm-chat's image
+questions through M*'s Qwen3-Omni vision encoder and thinker) are always served through M*'s own ``Engine``, N in flight
+(default 1), M*'s KV resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``), and print
+the prompt rows each run computed.
 
 ``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
 ``mmcache: error: ...``). Output paths are checked before anything runs. Only argparse, the registry and a few
@@ -76,7 +78,7 @@ MODEL_REPLICA_OPTIONS = ("replicas", "router", "pool_tokens", "affinity_threshol
                          "tpot", "encoder_s", "encoder_bytes", "seed", "page_size", "limit", "data", "json",
                          "no_progress")
 ENGINE_WORKLOADS = ("agent-model", "mooncake-model")  # token-id prompts: what the continuous-batching engine takes
-MSTAR_WORKLOADS = ("voice-mstar",)  # served through M*'s Engine only
+MSTAR_WORKLOADS = ("voice-mstar", "vlm-mstar")  # served through M*'s Engine only
 DEFAULT_IN_FLIGHT = 8  # trace replays, round-robin order
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
 
@@ -671,9 +673,9 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     from workloads.harness.serving import compare
     name = args.target
     mstar = name in MSTAR_WORKLOADS
-    compare_engine, engine = ((mstar_serving.compare_mstar, mstar_serving.ENGINE) if mstar else
-                              (engine_serving.compare_engine, engine_serving.ENGINE))
     try:
+        compare_engine, engine = ((mstar_serving.compare_mstar, registry.import_model_module(name).ENGINE) if mstar
+                                  else (engine_serving.compare_engine, engine_serving.ENGINE))
         options = _options(args)
         if name == "mixed":
             from workloads.models import mixed
@@ -707,10 +709,15 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
               f"{on.planned} requests")
     print(summary_table(off, on, slo))
     if args.in_flight:
-        what = "generated code ids (greedy)" if mstar else "outputs"
+        what = {"voice-mstar": "generated code ids (greedy)", "vlm-mstar": "generated token ids (greedy)"}.get(
+            name, "outputs")
         print(f"{what} equal cache off / on: {equal:,} of {len(off.records):,} requests; both runs hold "
               f"--pool-pages ({options.pool_pages:,}) KV {'pages' if mstar else 'blocks'} in the engine, cache off "
               f"keeps nothing in them")
+        if mstar:
+            rows = [sum(r.result.prompt_tokens - r.result.hit_tokens for r in run.completed) for run in (off, on)]
+            print(f"prompt rows computed cache off / on: {rows[0]:,} / {rows[1]:,} of "
+                  f"{sum(r.result.prompt_tokens for r in off.completed):,}")
     else:
         print(f"cache off computes everything outside the pool: --pool-pages ({options.pool_pages:,}) and "
               f"--encoder-bytes ({options.encoder_bytes >> 20:,}M) bound the cache-on run only")

@@ -93,6 +93,9 @@ WORKLOADS: dict[str, TraceWorkload | ModelWorkload] = {w.name: w for w in (
                   "TTS requests cloning a few reference voices through M*'s Orpheus (LLM + SNAC decoder) under M*'s "
                   "Engine, many in flight (Seed-TTS-Eval prompts; tiny random weights)",
                   output_unit="SNAC frames (7 codes each)"),
+    ModelWorkload("vlm-mstar", "workloads.models.vlm_mstar:factory", "mmmu/mmmu_pro_tool_sample_questions.jsonl",
+                  "vlm-chat's image questions through M*'s Qwen3-Omni (vision encoder + thinker, text output) under "
+                  "M*'s Engine, many in flight (MMMU-Pro questions; tiny random weights)"),
     ModelWorkload("agent-model", "workloads.models.agent:factory", "mini-swe-agent/trajs",
                   "agent calls re-sending their history (mini-swe-agent trajectories; tiny Llama)"),
     ModelWorkload("mooncake-model", "workloads.models.agent:mooncake_factory", "mooncake/conversation_trace.jsonl",

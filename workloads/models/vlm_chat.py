@@ -238,12 +238,16 @@ def factory(options: ModelWorkloadOptions) -> Callable[[], VlmChat]:
     tok = fixtures.text_tokenizer(options.model)
     model, processor, _ = fixtures.load_llava(options)
     kv_page_shape(model.config, options.page_size)  # ValueError now, for a model whose KV pages cannot stand for
+    return chats(model, processor, load_items(options), tok, options)
+
+
+def load_items(options: ModelWorkloadOptions) -> list[list[list[Part]]]:
+    """Per item, the question each of its users asks: ``REAL_USERS`` users of each MMMU-Pro question under
+    ``options.data``, else the embedded default (``embedded_items``); reads nothing outside the data folder given."""
     if options.data is None:
-        items = embedded_items(options.seed)
-    else:
-        path = Path(options.data) / registry.MODEL_WORKLOADS["vlm-chat"].data_path
-        items = [[q] * REAL_USERS for q in load_mmmu(path)]
-    return chats(model, processor, items, tok, options)
+        return embedded_items(options.seed)
+    path = Path(options.data) / registry.MODEL_WORKLOADS["vlm-chat"].data_path
+    return [[q] * REAL_USERS for q in load_mmmu(path)]
 
 
 def chats(model, processor, items: list[list[list[Part]]], tok, options: ModelWorkloadOptions, *, cls=None,

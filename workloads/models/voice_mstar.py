@@ -45,6 +45,7 @@ from workloads.models.text import prefix_ceiling, trace_order
 from workloads.options import ModelWorkloadOptions
 
 NAME = "voice-mstar"
+ENGINE = "M*'s Engine (mstar-ai 0.2.1: Orpheus LLM + SNAC decoder nodes)"
 EOT, PAD, BASE = 256, 257, 258                      # end of text, pad, custom_token_0
 SOS, EOS, SOH, EOH, SOA, EOA = (BASE + k for k in range(1, 7))
 CODE0, CODEBOOK, CODES_PER_FRAME = BASE + 10, 4096, 7
@@ -160,6 +161,7 @@ class VoiceMstar:
     completed request generated; ``audio[rid]``: its audio chunks (int16), first to last."""
 
     name = NAME
+    engine = ENGINE
 
     def __init__(self, made: VoiceMstarFactory):
         self.made, self.cfg = made, made.cfg
@@ -170,6 +172,12 @@ class VoiceMstar:
 
     def requests(self) -> list[Request]:
         return list(self.made.requests)
+
+    def steps(self, cached: bool, sampled):
+        """What drives this workload through M*'s engine (``workloads.harness.orpheus_steps``)."""
+        from workloads.harness.orpheus_steps import OrpheusSteps
+
+        return OrpheusSteps(self, cached, sampled)
 
     def prompt(self, req: Request, generated=None) -> list[int]:
         """``req``'s prompt token ids (the layout of the module docstring); a session's earlier turns' codes from

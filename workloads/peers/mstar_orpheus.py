@@ -181,14 +181,17 @@ def fwd_info(rid: str, walk: str, configs: dict, step_metadata: dict | None = No
 
 
 def run_batch(engine: Engine, node: str, walk: str, inputs: dict[str, dict], configs: dict,
-              step_metadata: dict | None = None) -> ExecutingBatch:
+              step_metadata: dict | None = None, metadata_of: dict[str, dict] | None = None) -> ExecutingBatch:
     """One batch of ``node`` on ``walk`` as M*'s worker runs it: ``prepare_inputs``, ``exec_and_postprocess``,
     ``finalize_batch``. ``inputs``: rid -> the node's input tensors by name; ``step_metadata``: what the conductor
-    sends every request of the step (Higgs Audio's ``is_last_prefill``). Returns the batch: its ``request_ids``
-    in the order the node ran them, ``inputs`` (what each request's ``prepare_inputs`` made, after the reuse seam's
-    cut) and ``outputs`` (rid -> its outputs)."""
+    sends every request of the step (Higgs Audio's ``is_last_prefill``), ``metadata_of``: rid -> that request's own
+    (the conductor's metadata is per request: Qwen3-Omni's ``is_last_prefill`` differs within a batch). Returns the
+    batch: its ``request_ids`` in the order the node ran them, ``inputs`` (what each request's ``prepare_inputs``
+    made, after the reuse seam's cut) and ``outputs`` (rid -> its outputs)."""
+    metadata_of = metadata_of or {}
     b = ExecutingBatch(node_name=node,
-                       per_request_info={rid: fwd_info(rid, walk, configs, step_metadata) for rid in inputs},
+                       per_request_info={rid: fwd_info(rid, walk, configs, metadata_of.get(rid, step_metadata))
+                                         for rid in inputs},
                        per_request_input_tensors=inputs,
                        step_context=StepContext(request_ids=tuple(inputs), graph_walk=walk, slot=0, capture=False))
     engine.prepare_inputs(b)

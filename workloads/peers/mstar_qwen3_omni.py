@@ -13,9 +13,20 @@ experts, one dense layer; head_dim 128 so the MRoPE sections [24, 20, 20] interl
 head, drawn under the repo's seeding rule and written in the hub checkpoint's layout (``thinker.model.*`` with one
 tensor per expert projection, ``thinker.lm_head.weight``) as one ``model.safetensors``, loaded by M*'s own
 ``Qwen3OmniModel.get_submodule("Thinker")`` (``_thinker_remap``, the stacked expert and QKV rules).
-``dense_reference`` is that transformers model on the same tensors. The encoders are not built: an audio or vision
-walk hands the thinker ``audio_embeds``, or ``vision_embeds``, ``deepstack`` and ``image_grid_thw``, as the encoder's
-output edges would.
+``dense_reference`` is that transformers model on the same tensors. Without ``vision``, the encoders are not built:
+an audio or vision walk hands the thinker ``audio_embeds``, or ``vision_embeds``, ``deepstack`` and
+``image_grid_thw``, as the encoder's output edges would.
+
+The vision node (``thinker_engine(vision=...)``, for the ``vlm-mstar`` replay): M*'s own ``VisionEncoderSubmodule``
+over transformers' ``Qwen3OmniMoeVisionEncoder`` at a tiny config (``VISION_SIZES``: 2 blocks, deepstack on both,
+output width the thinker's), its weights saved under ``thinker.visual.*`` as the hub checkpoint holds them and loaded
+by M*'s own ``load_weights_from_hf_shards``, on the same engine as the thinker. It is built here rather than by M*'s
+``get_submodule("vision_encoder")`` because that builds the tower with ``attn_implementation="flash_attention_2"``
+(qwen3_omni_model.py:1621-1623), which transformers refuses without the flash-attn package (no CPU build: "the
+package for FlashAttention2 doesn't seem to be installed"); here the tower is transformers' sdpa attention, the rest
+of ``_create_vision_encoder_submodule`` (qwen3_omni_model.py:1590-1633) as M* has it. ``image_tensors`` turns an
+image into the node's inputs as M*'s data worker does (``Model.load_image``, then ``process_prompt``'s image
+processor call).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ require_mstar()
 from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.resources import SamplingReqConfig  # noqa: E402
 
-from mmcache.mstar import PrefixReuse  # noqa: E402
+from mmcache.mstar import PrefixReuse, enable_encoder_reuse  # noqa: E402
 from mmcache.mstar.qwen3_omni import qwen3_omni_reuse  # noqa: E402
 from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
 
@@ -41,7 +52,7 @@ THINKER, LABEL = "Thinker", "main"  # the thinker node and the label its steps w
 THINKER_KV, THINKER_POS, THINKER_SAMPLER = "thinker_kv", "thinker_pos", "thinker_sampler"
 TEXT, AUDIO, VISION, DECODE = "prefill_text", "prefill_audio", "prefill_vision", "thinker_decode"
 TEXT_SIZES = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, num_experts=4,
+                  num_key_value_heads=2, head_dim=128, max_position_embeddings=4096, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1], rms_norm_eps=1e-6,
                   rope_theta=1e6)
 # the special ids inside the tiny vocabulary: sentinels, ChatML roles
@@ -50,6 +61,12 @@ SPECIAL = dict(audio_start_token_id=303, audio_end_token_id=304, vision_start_to
 ROLES = dict(im_start_token_id=310, im_end_token_id=311, system_token_id=312, user_token_id=313,
              assistant_token_id=314)
 DEEPSTACK = 2  # deepstack features on layers 0 and 1
+VISION_NODE = "vision_encoder"
+VISION_SIZES = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, temporal_patch_size=2,
+                    spatial_merge_size=2, out_hidden_size=TEXT_SIZES["hidden_size"], num_position_embeddings=64,
+                    deepstack_visual_indexes=list(range(DEEPSTACK)))
+# the image processor's pixel budget: at most 8 x 8 patches of 16 pixels, 16 merged rows per image
+IMAGE_PIXELS = dict(min_pixels=32 * 32, max_pixels=128 * 128)
 
 
 def _require_flashinfer() -> None:
@@ -154,6 +171,81 @@ def dense_reference(weights: Path):
     return text.eval(), head.eval()
 
 
+def vision_config():
+    """transformers' ``Qwen3OmniMoeVisionEncoderConfig`` of the tiny vision tower."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
+
+    return Qwen3OmniMoeVisionEncoderConfig(**VISION_SIZES)
+
+
+def _vision_tower():
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
+
+    return Qwen3OmniMoeVisionEncoder._from_config(vision_config(), attn_implementation="sdpa")
+
+
+def save_vision_weights(folder: Path) -> Path:
+    """The random vision tower as the hub checkpoint names it (``thinker.visual.*``), ``model.safetensors`` in a
+    folder under ``folder`` (the repo's seeding rule: the same folder name, the same weights)."""
+    from safetensors.torch import save_file
+
+    from workloads import fixtures
+
+    def save(f: Path) -> None:
+        state = {"thinker.visual." + k: v.contiguous() for k, v in _vision_tower().state_dict().items()}
+        save_file(state, str(f / "model.safetensors"))
+
+    return fixtures.saved(folder, "qwen3-omni-vision", vision_config().to_json_string(), save)
+
+
+def vision_submodule(weights: Path):
+    """M*'s ``VisionEncoderSubmodule`` over the tiny tower in ``weights``, loaded by M*'s own loader (see the module
+    docstring for why the tower is built here)."""
+    _require_flashinfer()
+    from mstar.model.qwen3_omni.submodules import VisionEncoderSubmodule
+    from mstar.model.utils import ModuleAndPrefix, load_weights_from_hf_shards
+
+    tower = _vision_tower()
+    load_weights_from_hf_shards(repo_dir=str(weights), modules=[ModuleAndPrefix(tower, prefix="thinker.visual")],
+                                device="cpu")
+    return VisionEncoderSubmodule(vision_encoder=tower.eval(), config=model_config())
+
+
+def image_processor():
+    """The image processor Qwen3-Omni's checkpoint ships (``Qwen2VLImageProcessor``: 16-pixel patches, 2 frames a
+    temporal patch, 2 x 2 merge), held to ``IMAGE_PIXELS``."""
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(patch_size=VISION_SIZES["patch_size"], merge_size=VISION_SIZES["spatial_merge_size"],
+                                 temporal_patch_size=VISION_SIZES["temporal_patch_size"], **IMAGE_PIXELS)
+
+
+def image_tensors(model, processor, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pixel_values, image_grid_thw)`` of an encoded image as M*'s data worker makes them: M*'s
+    ``Model.load_image`` decodes it to (C, H, W) floats in [0, 1] (base.py:455-461), then ``process_prompt``'s
+    conversion to uint8 (H, W, C) and its image processor call (qwen3_omni_model.py:1130-1142, 1181-1185)."""
+    img = model.load_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), "cpu").data
+    u8 = (img * 255.0).clamp(0, 255).to(torch.uint8)
+    u8 = u8.permute(1, 2, 0) if u8.dim() == 3 and u8.shape[0] in (1, 3) else u8
+    out = processor(images=[u8.contiguous().numpy()], return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"][0]
+
+
+def serve_vision_on_cpu(model, weights: Path) -> None:
+    """Make ``model.get_submodule("vision_encoder")`` return ``vision_submodule(weights)`` (made once), every other
+    node M*'s own: the instance's method is wrapped, M*'s class is untouched."""
+    get, made = model.get_submodule, {}
+
+    def get_submodule(node_name, *args, **kwargs):
+        if node_name != VISION_NODE:
+            return get(node_name, *args, **kwargs)
+        if VISION_NODE not in made:
+            made[VISION_NODE] = vision_submodule(weights)
+        return made[VISION_NODE]
+
+    model.get_submodule = get_submodule
+
+
 def omni_model(weights: Path):
     """M*'s ``Qwen3OmniModel`` over the folder ``weights``. Its constructor only resolves the hub snapshot, the
     tokenizer and the processor (the tests feed ids and embeddings), so the instance is made without it; every
@@ -178,6 +270,7 @@ class ThinkerEngine:
     sub: object
     kv: object
     pos: object
+    vision: object = None  # the vision node as the engine holds it (``CachedEncoderNode`` with reuse on), if built
     fed: dict = dataclasses.field(default_factory=dict)
     hidden: list = dataclasses.field(default_factory=list)
 
@@ -191,14 +284,23 @@ def thinker_reuse() -> PrefixReuse:
 
 
 def thinker_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int = 64, page_size: int = 4,
-                   dtype: torch.dtype = torch.bfloat16) -> ThinkerEngine:
+                   dtype: torch.dtype = torch.bfloat16, vision: Path | None = None,
+                   encoder_bytes: int = 1 << 24) -> ThinkerEngine:
     """The engine as M*'s worker builds it (the model's specs, the KV spec sized ``pages`` x ``page_size``,
     ``get_submodule("Thinker")`` loading ``weights``, ``load_model``, ``warmup``); with ``reuse``, ``enable_reuse``
-    first. bf16: M*'s default (autocast and KV in bf16); fp32 for the dense reference."""
-    engine, nodes = cpu_engine(omni_model(weights), [THINKER], pages=pages, page_size=page_size, dtype=dtype,
-                               kv_key=THINKER_KV, rope_key=THINKER_POS, reuse=reuse)
+    first. bf16: M*'s default (autocast and KV in bf16); fp32 for the dense reference. ``vision``: the vision tower's
+    weights (``save_vision_weights``), its node on the same engine; with ``reuse`` its outputs are reused too
+    (``enable_encoder_reuse`` with a store of ``encoder_bytes``: what ``enable_reuse(encoders=True)`` does, sized)."""
+    model = omni_model(weights)
+    if vision is not None:
+        serve_vision_on_cpu(model, vision)
+        if reuse is not None:
+            enable_encoder_reuse(model, capacity_bytes=encoder_bytes, page_bytes=4096)
+    engine, nodes = cpu_engine(model, [THINKER] + ([VISION_NODE] if vision is not None else []), pages=pages,
+                               page_size=page_size, dtype=dtype, kv_key=THINKER_KV, rope_key=THINKER_POS, reuse=reuse)
     sub = nodes[THINKER]
-    return ThinkerEngine(engine, sub, sub.node_resources[THINKER_KV], sub.node_resources[THINKER_POS])
+    return ThinkerEngine(engine, sub, sub.node_resources[THINKER_KV], sub.node_resources[THINKER_POS],
+                         nodes.get(VISION_NODE))
 
 
 def greedy() -> dict:
