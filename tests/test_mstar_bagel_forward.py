@@ -1,0 +1,181 @@
+"""M*'s real BAGEL LLM forward (``LLMSubmodule`` over the mixture-of-transformers ``BagelForCausalLM``, weights through
+M*'s own loader) under M*'s real ``Engine`` on CPU, reuse on (``mmcache.mstar.bagel.bagel_reuse``) and off, on the same
+schedule (``workloads/peers/mstar_bagel.py``). Only flashinfer's and triton's kernels are torch stand-ins.
+
+- an image chat, text -> image (ViT) -> text -> decode: a request repeating the first one's text and image reuses
+  through the image and the text after it, one sending another image behind the same text reuses only the text
+  before it; every walk's logits and the tokens are ``torch.equal`` to reuse off, and the position counter after
+  each walk is the cold run's (an image's rows share one position, so a text walk after it does not start at the
+  token count);
+- a text walk after an image retried after ``AllocationFailed`` computes the cold positions and logits;
+- a guided request (``requires_cfg``, an image edit's VAE -> ViT -> text) whose VAE rows repeat an earlier one's:
+  its VAE walk (the generation experts, routed row by row by ``text_mask``) and its ViT walk are cut inside, its
+  guided text walk is computed in full (it writes ``cfg_img`` from the same rows), and all three labels' KV bytes
+  and the logits equal reuse off;
+- the image walk's name: the walk kind, its rows or (ViT only) the carried digest; text and latents name nothing.
+"""
+
+import pytest
+import torch
+
+from mstar_helpers import require_mstar
+
+require_mstar()
+from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
+from workloads.peers import mstar_bagel as b  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+P = 4  # page size
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    return b.save_checkpoint(tmp_path_factory.mktemp("bagel-llm"))
+
+
+@pytest.fixture
+def sampled(monkeypatch):
+    return kernels.install(monkeypatch)
+
+
+def reuse():
+    from mmcache.mstar import bagel_reuse
+
+    return bagel_reuse("bagel-tiny@test")
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(1, b.BOI, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def image(n: int, seed: int) -> torch.Tensor:
+    """What an encoder node hands the LLM for one image: ``n`` rows in LLM space (bf16, as M* serves)."""
+    return torch.randn(n, b.LLM_CFG["hidden_size"], generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def serve(be, sampled, rid: str, request, new: int = 2, keep: bool = False, **metadata):
+    """One request: its prefill walks (``(walk, rows)`` in order), ``new`` decode steps, removed unless ``keep``.
+    Returns per step (walk, token, logits, rows computed, the main counter after it)."""
+    be.engine.add_request(rid, b.greedy())
+    out, token = [], None
+    for graph_walk, x in request:
+        got = b.walk(be, graph_walk, {rid: x}, sampled, **metadata).get(rid)
+        token = got[0] if got else token
+        out.append((graph_walk, *(got or (None, None)), be.fed[rid], be.rope.position(rid, b.LABEL)))
+    for _ in range(new):
+        got = b.walk(be, "decode", {rid: torch.tensor([token])}, sampled, **metadata)[rid]
+        token = got[0]
+        out.append(("decode", *got, be.fed[rid], be.rope.position(rid, b.LABEL)))
+    if not keep:
+        be.engine.remove_request(rid)
+    return out
+
+
+def same(got, want) -> bool:
+    """Equal walks, tokens, logits (``torch.equal``) and counters; rows computed may differ (the cut)."""
+    return len(got) == len(want) and all(
+        g[0] == w[0] and g[1] == w[1] and g[4] == w[4]
+        and ((g[2] is None and w[2] is None) or torch.equal(g[2], w[2])) for g, w in zip(got, want))
+
+
+def fed(out) -> list[int]:
+    return [step[3] for step in out if step[0] != "decode"]
+
+
+def test_an_image_chat_is_reused_through_the_same_image_and_up_to_another(repo, sampled):
+    on, off = b.bagel_engine(repo, reuse=reuse()), b.bagel_engine(repo)
+    system, question = ids(18, seed=1), ids(7, seed=2)
+    first = [(b.TEXT_WALK, system), (b.VIT_WALK, image(10, seed=3)), (b.TEXT_WALK, question)]
+    other = [first[0], (b.VIT_WALK, image(10, seed=4)), first[2]]
+    for rid, request in (("a", first), ("b", first), ("c", other)):
+        got, want = serve(on, sampled, rid, request), serve(off, sampled, rid, request)
+        assert same(got, want), rid
+        assert fed(want) == [18, 12, 7]  # the image walk: <|vision_start|>, 10 rows, <|vision_end|>
+        # one position for the image's 12 rows: the counter reads 18, 19, 26, then one a decode step
+        assert [s[4] for s in want] == [18, 19, 26, 27, 28]
+        if rid == "b":
+            # a walk is never cut to fewer than 2 rows: 4 of the text's 5 pages, then the image's 12 rows (stream
+            # positions 18-29) but the 2 on page 7, then the question (30-36) from inside page 7: its page 8 would
+            # leave 1 row, so 2 of its ids are held
+            assert fed(got) == [18 - 4 * P, 2, 5]
+    assert fed(got) == [18 - 4 * P, 12, 7]  # c: the text's 4 full pages; nothing at or after the other image
+    s = on.kv.stats(b.LABEL)
+    assert s.hits == 2 and s.hit_tokens == (16 + 10 + 2) + 16
+
+
+def test_a_text_walk_after_an_image_retried_after_allocation_failed_computes_the_cold_positions(repo, sampled):
+    on, off = b.bagel_engine(repo, reuse=reuse(), pages=16), b.bagel_engine(repo, pages=16)
+    # the image walk ends on a page's end (stream positions 14-23), so b's question (24-32) holds a cached page
+    # and its last 5 ids need 2 new pages
+    request = [(b.TEXT_WALK, ids(14, seed=5)), (b.VIT_WALK, image(8, seed=6)), (b.TEXT_WALK, ids(9, seed=7))]
+    serve(on, sampled, "a", request, new=0, keep=True)  # a stays live: its pages are indexed and held
+    want = serve(off, sampled, "b", request, new=1)
+    on.engine.add_request("b", b.greedy())
+    got = []
+    for graph_walk, x in request[:2]:
+        token, logits = b.walk(on, graph_walk, {"b": x}, sampled)["b"]
+        got.append((graph_walk, token, logits, on.fed["b"], on.rope.position("b", b.LABEL)))
+    on.engine.add_request("hog", b.greedy())  # holds every free page
+    b.walk(on, b.TEXT_WALK, {"hog": ids(P * on.kv.pool.num_free, seed=8)}, sampled)
+    assert on.kv.pool.num_free == 0
+    with pytest.raises(RuntimeError, match="AllocationFailed"):
+        b.walk(on, b.TEXT_WALK, {"b": request[2][1]}, sampled)  # the question's last rows need a page
+    on.engine.remove_request("hog")
+    token, logits = b.walk(on, b.TEXT_WALK, {"b": request[2][1]}, sampled)["b"]
+    got.append((b.TEXT_WALK, token, logits, on.fed["b"], on.rope.position("b", b.LABEL)))
+    token, logits = b.walk(on, "decode", {"b": torch.tensor([token])}, sampled)["b"]
+    got.append(("decode", token, logits, on.fed["b"], on.rope.position("b", b.LABEL)))
+    assert same(got, want) and fed(got) == [2, 4, 5] and [s[4] for s in got] == [14, 15, 24, 25]
+
+
+def stream_kv(be, rid: str, label: str) -> torch.Tensor:
+    """The KV bytes (``rid``, ``label``)'s stream holds, every layer, in position order."""
+    stream = be.kv._streams[rid][label]
+    tensor = be.kv.kv_cache.tensor  # [layers, pages, 2, page_size, heads, head_dim]
+    held = tensor[:, stream.page_indices].transpose(1, 2).flatten(2, 3)
+    return held[:, :, :stream.stored_len]
+
+
+def test_a_guided_edit_repeating_the_vae_rows_cuts_its_image_walks_and_keeps_every_branch_exact(repo, sampled):
+    on, off = b.bagel_engine(repo, reuse=reuse()), b.bagel_engine(repo)
+    latent, picture = image(9, seed=9), image(6, seed=10)
+    request = [(b.VAE_WALK, latent), (b.VIT_WALK, picture), (b.TEXT_WALK, ids(6, seed=11))]
+    serve(on, sampled, "a", request, new=0, requires_cfg=True)
+    got = serve(on, sampled, "b", request, new=0, keep=True, requires_cfg=True)
+    want = serve(off, sampled, "b", request, new=0, keep=True, requires_cfg=True)
+    assert same(got, want)
+    # the VAE walk's 11 rows (positions 0-10) hold its 2 full pages, cut inside the image with the expert mask; the
+    # ViT walk (11-18) continues from inside page 2 and holds through page 3; the guided text walk is not cut
+    assert fed(want) == [11, 8, 6] and fed(got) == [3, 3, 6]
+    for label in ("main", "cfg_text", "cfg_img"):
+        assert torch.equal(stream_kv(on, "b", label), stream_kv(off, "b", label)), label
+    assert [on.rope.position("b", label) for label in ("main", "cfg_text", "cfg_img")] == \
+        [off.rope.position("b", label) for label in ("main", "cfg_text", "cfg_img")]
+
+
+def test_an_image_walk_is_named_by_its_kind_and_rows_or_a_carried_digest():
+    from mstar.model.submodule_base import ARNodeInputs
+
+    from mmcache.mstar.bagel import cut_image_walk, image_walk_media
+
+    rows = image(6, seed=12)
+    fed_rows = ARNodeInputs(input_seq_len=6, input_embeds=rows)
+    vit, vae = image_walk_media(b.VIT_WALK, None, {}, fed_rows), image_walk_media(b.VAE_WALK, None, {}, fed_rows)
+    assert vit[0][0] == 0 and vit != vae  # the experts differ: the same rows name two items
+    assert vit == image_walk_media(b.VIT_WALK, None, {}, ARNodeInputs(input_seq_len=6, input_embeds=rows.clone()))
+    assert vit != image_walk_media(b.VIT_WALK, None, {}, ARNodeInputs(input_seq_len=6, input_embeds=image(6, 13)))
+    carried = {"image_digest": [torch.arange(16, dtype=torch.uint8)]}
+    assert image_walk_media(b.VIT_WALK, None, carried, fed_rows) not in (vit, None)
+    assert image_walk_media(b.VAE_WALK, None, carried, fed_rows) == vae  # a VAE latent is a sample: its rows name it
+    assert image_walk_media(b.TEXT_WALK, None, {}, fed_rows) is None
+    assert image_walk_media("image_gen", None, {}, fed_rows) is None
+    mask = torch.tensor([True, False, False, False, False, True])
+    walk = ARNodeInputs(input_seq_len=6, input_embeds=rows, custom_pos_ids={"main": torch.full((6,), 9)},
+                        tensor_inputs={"text_mask": mask, "text_indexes": torch.tensor([0, 5]),
+                                       "vae_token_indexes": torch.arange(1, 5)})
+    cut_image_walk(walk, 4)
+    assert walk.input_seq_len == 2 and torch.equal(walk.input_embeds, rows[4:])
+    assert torch.equal(walk.custom_pos_ids["main"], torch.full((2,), 9))
+    assert walk.tensor_inputs["text_mask"].tolist() == [False, True]
+    assert walk.tensor_inputs["text_indexes"].tolist() == [1]
+    assert walk.tensor_inputs["vae_token_indexes"].tolist() == [0]
