@@ -128,6 +128,56 @@ def test_a_text_walk_after_an_image_retried_after_allocation_failed_computes_the
     assert same(got, want) and fed(got) == [2, 4, 5] and [s[4] for s in got] == [14, 15, 24, 25]
 
 
+def test_a_second_turn_re_sending_the_image_and_the_answer_reuses_through_the_answer(repo, sampled):
+    """A multi-turn image chat: turn 2 re-sends turn 1's system text, image, question and generated answer, then asks
+    again. The answer's pages were indexed as turn 1 decoded them, so turn 2's last text walk is held through them."""
+    on, off = b.bagel_engine(repo, reuse=reuse()), b.bagel_engine(repo)
+    system, picture, question = ids(10, seed=20), image(7, seed=21), ids(6, seed=22)
+    turn1 = [(b.TEXT_WALK, system), (b.VIT_WALK, picture), (b.TEXT_WALK, question)]
+    answer = [step[1] for step in serve(on, sampled, "t1", turn1, new=8)][2:-1]  # what turn 1's decode fed
+    assert answer == [step[1] for step in serve(off, sampled, "t1", turn1, new=8)][2:-1]
+    follow_up = torch.cat((question, torch.tensor(answer), ids(5, seed=23)))
+    turn2 = [turn1[0], turn1[1], (b.TEXT_WALK, follow_up)]
+    got, want = serve(on, sampled, "t2", turn2), serve(off, sampled, "t2", turn2)
+    assert same(got, want)
+    # the stream: system 0-9, image 10-18, then question, answer and the new ask at 19-37. Turn 1 wrote through 32
+    # (its last sampled token was never fed), so its pages 4-7 (through 31, the answer's 7th id) were indexed:
+    # 13 of the 19 ids held, 6 fed
+    assert fed(want) == [10, 9, 19] and fed(got) == [2, 3, 6]
+
+
+def test_batched_walks_with_a_cut_and_an_uncut_request_equal_reuse_off(repo, sampled):
+    """Two requests in each step take M*'s ``forward_batched`` (text, ViT, decode): one repeating an earlier request
+    (cut, its counter moved past held rows) beside one computed in full, bit for bit as reuse off on the same
+    batches."""
+    on, off = b.bagel_engine(repo, reuse=reuse()), b.bagel_engine(repo)
+    system, picture, question = ids(13, seed=24), image(8, seed=25), ids(6, seed=26)
+    schedule = [(b.TEXT_WALK, {"b": system, "c": ids(9, seed=27)}),
+                (b.VIT_WALK, {"b": picture, "c": image(5, seed=28)}),
+                (b.TEXT_WALK, {"b": question, "c": ids(4, seed=29)})]
+    for be in (on, off):
+        serve(be, sampled, "a", [(b.TEXT_WALK, system), (b.VIT_WALK, picture), (b.TEXT_WALK, question)], new=0)
+        for rid in "bc":
+            be.engine.add_request(rid, b.greedy())
+    got, want = [], []
+    for graph_walk, feeds in schedule:
+        for be, out in ((on, got), (off, want)):
+            out.append((b.walk(be, graph_walk, feeds, sampled), dict(be.fed),
+                        {rid: be.rope.position(rid, b.LABEL) for rid in "bc"}))
+    for _ in range(2):
+        tokens = {rid: torch.tensor([got[-1][0][rid][0]]) for rid in "bc"}
+        for be, out in ((on, got), (off, want)):
+            out.append((b.walk(be, "decode", tokens, sampled), dict(be.fed),
+                        {rid: be.rope.position(rid, b.LABEL) for rid in "bc"}))
+    for (g, _, gp), (w, _, wp) in zip(got, want, strict=True):
+        assert gp == wp and g.keys() == w.keys()
+        for rid in g:
+            assert g[rid][0] == w[rid][0] and torch.equal(g[rid][1], w[rid][1]), rid
+    # b: 2 of the text's 3 full pages (a walk keeps 2 rows), the image (13-22) through page 4, the question (23-28)
+    # through page 5, which it shares with the image's last rows; c computes everything
+    assert [step[1]["b"] for step in got[:3]] == [13 - 2 * P, 3, 5] and [step[1]["c"] for step in got[:3]] == [9, 7, 4]
+
+
 def stream_kv(be, rid: str, label: str) -> torch.Tensor:
     """The KV bytes (``rid``, ``label``)'s stream holds, every layer, in position order."""
     stream = be.kv._streams[rid][label]
