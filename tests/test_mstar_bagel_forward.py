@@ -8,11 +8,14 @@ schedule (``workloads/peers/mstar_bagel.py``). Only flashinfer's and triton's ke
   each walk is the cold run's (an image's rows share one position, so a text walk after it does not start at the
   token count);
 - a text walk after an image retried after ``AllocationFailed`` computes the cold positions and logits;
+- a second turn re-sending the image and the answer is held through the answer's indexed pages;
+- batched text, ViT and decode steps (``forward_batched``) with a cut request beside an uncut one;
 - a guided request (``requires_cfg``, an image edit's VAE -> ViT -> text) whose VAE rows repeat an earlier one's:
   its VAE walk (the generation experts, routed row by row by ``text_mask``) and its ViT walk are cut inside, its
   guided text walk is computed in full (it writes ``cfg_img`` from the same rows), and all three labels' KV bytes
   and the logits equal reuse off;
-- the image walk's name: the walk kind, its rows or (ViT only) the carried digest; text and latents name nothing.
+- the image walk's name: the walk kind, its rows or (ViT only) the carried digest; text and latents name nothing;
+- a request removed after a hit on its last walk leaves nothing in the seam.
 """
 
 import pytest
@@ -176,6 +179,21 @@ def test_batched_walks_with_a_cut_and_an_uncut_request_equal_reuse_off(repo, sam
     # b: 2 of the text's 3 full pages (a walk keeps 2 rows), the image (13-22) through page 4, the question (23-28)
     # through page 5, which it shares with the image's last rows; c computes everything
     assert [step[1]["b"] for step in got[:3]] == [13 - 2 * P, 3, 5] and [step[1]["c"] for step in got[:3]] == [9, 7, 4]
+
+
+def test_a_request_removed_after_a_hit_on_its_last_walk_leaves_nothing_in_the_seam(repo, sampled):
+    """A hit on a request's last walk (here its only one: a prompt answered by the prefill's token, no decode) keeps
+    where that walk started for a retry; M*'s ``remove_request`` (``cleanup_request`` on every submodule) drops it."""
+    import inspect
+
+    on = b.bagel_engine(repo, reuse=reuse())
+    prompt = [(b.TEXT_WALK, ids(13, seed=30))]
+    serve(on, sampled, "a", prompt, new=0)
+    serve(on, sampled, "b", prompt, new=0, keep=True)
+    kept = inspect.getclosurevars(on.sub.cleanup_request).nonlocals
+    assert on.fed["b"] == 5 and "b" in kept["walk_starts"]
+    on.engine.remove_request("b")
+    assert all("b" not in kept[name] for name in ("walk_starts", "full_prompts", "advances"))
 
 
 def stream_kv(be, rid: str, label: str) -> torch.Tensor:

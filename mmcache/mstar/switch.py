@@ -19,7 +19,8 @@ From outside M*, on the model object the engine loads (no M* file changes):
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
   stops the stream's indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt,
   hit or not, so sampling is what it was, and adds the held rows' advance to the step's declared position advance
-  where ``position_advance`` says so.
+  where ``position_advance`` says so. ``cleanup_request`` (M*'s engine calls it on every submodule when it removes a
+  request) drops what the seam kept for the request.
 
 The tenant salt comes from the request's ``model_kwargs["mmcache_salt"]``: ``route_salt`` (``mmcache.mstar.salts``, the
 one salt reader, shared with the encoder nodes) carries it into every pass's ``step_metadata``, where the seam reads
@@ -153,6 +154,16 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             add_held_advance(step, advances)
         return step
 
+    cleanup = getattr(submodule, "cleanup_request", None)
+    if cleanup is not None:
+        @functools.wraps(cleanup)
+        def cleanup_request(request_id, *args, **kwargs):
+            # a request removed before its next step through this node (a hit on its last prefill walk, then done)
+            for kept in (full_prompts, advances, walk_starts):
+                kept.pop(request_id, None)
+            return cleanup(request_id, *args, **kwargs)
+
+        submodule.cleanup_request = cleanup_request
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
 
 
