@@ -10,10 +10,10 @@ schedule (``workloads/peers/mstar_bagel.py``). Only flashinfer's and triton's ke
 - a text walk after an image retried after ``AllocationFailed`` computes the cold positions and logits;
 - a second turn re-sending the image and the answer is held through the answer's indexed pages;
 - batched text, ViT and decode steps (``forward_batched``) with a cut request beside an uncut one;
-- a guided request (``requires_cfg``, an image edit's VAE -> ViT -> text) whose VAE rows repeat an earlier one's:
-  its VAE walk (the generation experts, routed row by row by ``text_mask``) and its ViT walk are cut inside, its
-  guided text walk is computed in full (it writes ``cfg_img`` from the same rows), and all three labels' KV bytes
-  and the logits equal reuse off;
+- a guided request (``requires_cfg``, an image edit's VAE -> ViT -> text, in think mode after a text walk) whose VAE
+  rows repeat an earlier one's: its VAE walk (the generation experts, routed row by row by ``text_mask``) and its
+  ViT walk are cut inside, its guided text walks are computed in full (they write ``cfg_img`` from the same rows),
+  and all three labels' KV bytes and counters and the logits equal reuse off;
 - the image walk's name: the walk kind, its rows or (ViT only) the carried digest; text and latents name nothing;
 - a request removed after a hit on its last walk leaves nothing in the seam.
 """
@@ -204,17 +204,24 @@ def stream_kv(be, rid: str, label: str) -> torch.Tensor:
     return held[:, :, :stream.stored_len]
 
 
-def test_a_guided_edit_repeating_the_vae_rows_cuts_its_image_walks_and_keeps_every_branch_exact(repo, sampled):
+@pytest.mark.parametrize("think", [False, True], ids=["edit", "think-mode edit"])
+def test_a_guided_edit_repeating_the_vae_rows_cuts_its_image_walks_and_keeps_every_branch_exact(repo, sampled, think):
+    """An image edit's schedule, VAE -> ViT -> text (think mode: a text walk before them, which a guided request
+    computes in full and the VAE walk's match continues after)."""
     on, off = b.bagel_engine(repo, reuse=reuse()), b.bagel_engine(repo)
     latent, picture = image(9, seed=9), image(6, seed=10)
     request = [(b.VAE_WALK, latent), (b.VIT_WALK, picture), (b.TEXT_WALK, ids(6, seed=11))]
+    if think:
+        request.insert(0, (b.TEXT_WALK, ids(9, seed=31)))
     serve(on, sampled, "a", request, new=0, requires_cfg=True)
     got = serve(on, sampled, "b", request, new=0, keep=True, requires_cfg=True)
     want = serve(off, sampled, "b", request, new=0, keep=True, requires_cfg=True)
     assert same(got, want)
-    # the VAE walk's 11 rows (positions 0-10) hold its 2 full pages, cut inside the image with the expert mask; the
-    # ViT walk (11-18) continues from inside page 2 and holds through page 3; the guided text walk is not cut
-    assert fed(want) == [11, 8, 6] and fed(got) == [3, 3, 6]
+    if think:  # the text 0-8; the VAE walk (9-19) from inside page 2 through page 3; the ViT walk (20-27) page 5
+        assert fed(want) == [9, 11, 8, 6] and fed(got) == [9, 4, 4, 6]
+    else:  # the VAE walk (0-10) holds its 2 full pages, cut inside the image with the expert mask; the ViT walk
+        assert fed(want) == [11, 8, 6] and fed(got) == [3, 3, 6]  # (11-18) from inside page 2 through page 3
+    # the guided text walks are not cut: they write cfg_img too
     for label in ("main", "cfg_text", "cfg_img"):
         assert torch.equal(stream_kv(on, "b", label), stream_kv(off, "b", label)), label
     assert [on.rope.position("b", label) for label in ("main", "cfg_text", "cfg_img")] == \
