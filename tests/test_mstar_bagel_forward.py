@@ -15,7 +15,9 @@ schedule (``workloads/peers/mstar_bagel.py``). Only flashinfer's and triton's ke
   ViT walk are cut inside, its guided text walks are computed in full (they write ``cfg_img`` from the same rows),
   and all three labels' KV bytes and counters and the logits equal reuse off;
 - the image walk's name: the walk kind, its rows or (ViT only) the carried digest; text and latents name nothing;
-- a request removed after a hit on its last walk leaves nothing in the seam.
+- a request removed after a hit on its last walk leaves nothing in the seam;
+- why ids alone do not do for BAGEL: a plain ``PrefixReuse`` cuts a guided text walk and leaves ``cfg_text`` and
+  ``cfg_img`` wrong.
 """
 
 import pytest
@@ -226,6 +228,29 @@ def test_a_guided_edit_repeating_the_vae_rows_cuts_its_image_walks_and_keeps_eve
         assert torch.equal(stream_kv(on, "b", label), stream_kv(off, "b", label)), label
     assert [on.rope.position("b", label) for label in ("main", "cfg_text", "cfg_img")] == \
         [off.rope.position("b", label) for label in ("main", "cfg_text", "cfg_img")]
+
+
+def test_ids_alone_would_cut_a_guided_text_walk_and_leave_its_branches_wrong(repo, sampled):
+    """Why BAGEL needs ``bagel_reuse`` even for its text: with a plain ``PrefixReuse`` (every walk of ids named and
+    cut) a guided text-to-image request repeating a prompt has its text walk cut for ``main``, but the step writes
+    ``cfg_img`` from the same cut rows (5 of its 13 ids), and the fork onto ``cfg_text`` before the step copies
+    ``main``'s hit (8 ids where a cold run has none). ``writes_guidance_branch`` keeps that walk whole."""
+    from mmcache.mstar import PrefixReuse
+
+    prompt = [(b.TEXT_WALK, ids(13, seed=32))]
+    off = b.bagel_engine(repo)
+    serve(off, sampled, "b", prompt, new=0, keep=True, requires_cfg=True)
+    for knob, want in ((PrefixReuse(model="bagel-tiny@test"), False), (reuse(), True)):
+        on = b.bagel_engine(repo, reuse=knob)
+        serve(on, sampled, "a", prompt, new=0, requires_cfg=True)
+        serve(on, sampled, "b", prompt, new=0, keep=True, requires_cfg=True)
+        lengths = [(on.kv.stored("b", label), off.kv._streams["b"][label].stored_len)
+                   for label in ("cfg_text", "cfg_img")]
+        assert (lengths == [(0, 0), (13, 13)]) is want, lengths
+        if want:
+            assert on.fed["b"] == 13 and torch.equal(stream_kv(on, "b", "cfg_img"), stream_kv(off, "b", "cfg_img"))
+        else:
+            assert on.fed["b"] == 5 and lengths == [(8, 0), (5, 13)]
 
 
 def test_an_image_walk_is_named_by_its_kind_and_rows_or_a_carried_digest():
