@@ -2,6 +2,7 @@
 M*'s own loader) under M*'s real ``Engine`` on CPU, reuse on (``mmcache.mstar.bagel.bagel_reuse``) and off, on the same
 schedule (``workloads/peers/mstar_bagel.py``). Only flashinfer's and triton's kernels are torch stand-ins.
 
+- every parameter is loaded from the file (the generation experts' fused ones too);
 - an image chat, text -> image (ViT) -> text -> decode: a request repeating the first one's text and image reuses
   through the image and the text after it, one sending another image behind the same text reuses only the text
   before it; every walk's logits and the tokens are ``torch.equal`` to reuse off, and the position counter after
@@ -85,6 +86,22 @@ def same(got, want) -> bool:
 
 def fed(out) -> list[int]:
     return [step[3] for step in out if step[0] != "decode"]
+
+
+def test_every_weight_is_loaded_from_the_checkpoint(repo, sampled):
+    """M*'s loader (``_load_into`` with ``LLAMA_STACKED_PARAMS``: q/k/v and gate/up fused, the generation experts'
+    ``*_moe_gen`` ones too) filled every parameter of the node from the file, none left as ``to_empty``'s memory."""
+    from safetensors.torch import load_file
+
+    from workloads.peers.mstar_checkpoint import hub_parts
+
+    saved, sub = load_file(str(repo / "ema.safetensors")), b.bagel_engine(repo).sub
+    params = dict(sub.named_parameters())
+    assert len(params) == 49  # 2 MoT layers of 18, embeddings, 2 final norms, the head, the image-gen projections
+    assert sum(1 for n in params if "_moe_gen" in n) == 2 * 9 + 1  # half of each layer, and norm_moe_gen
+    for name, param in params.items():
+        want = torch.cat([saved[n] for n in hub_parts(name)])
+        assert torch.equal(param.detach(), want.to(param.dtype)), name
 
 
 def test_an_image_chat_is_reused_through_the_same_image_and_up_to_another(repo, sampled):
