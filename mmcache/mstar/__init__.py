@@ -3,9 +3,9 @@
 ``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed
 by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by ``salts`` and
 counters exported by ``encoder_metrics``), what names the walks of Higgs Audio (``higgs``), Qwen3-TTS
-(``qwen3_tts``), Pi0.5 (``pi05``) and Qwen3-Omni's thinker (``qwen3_omni``), and replica affinity in M*'s conductor
-(``conductor``). The names below import M* on first access, after checking its version; the core (``mmcache``) never
-imports this package.
+(``qwen3_tts``), Pi0.5 (``pi05``), Qwen3-Omni's thinker (``qwen3_omni``) and BAGEL's LLM (``bagel``), and replica
+affinity in M*'s conductor (``conductor``). The names below import M* on first access, after checking its version; the
+core (``mmcache``) never imports this package.
 """
 
 import importlib
@@ -18,7 +18,7 @@ _EXPORTS = {"AffinityConductor": "conductor", "CachedEncoderNode": "encoder_node
             "route_salt": "salts", "items_for": "encoder_items", "enable_encoder_reuse": "encoder_reuse",
             "enable_reuse": "switch", "PrefixReuse": "kv_resource", "ReuseKVSpec": "kv_resource",
             "ReuseKVManager": "kv_resource", "higgs_reuse": "higgs", "qwen3_tts_reuse": "qwen3_tts",
-            "pi05_reuse": "pi05", "qwen3_omni_reuse": "qwen3_omni"}
+            "pi05_reuse": "pi05", "qwen3_omni_reuse": "qwen3_omni", "bagel_reuse": "bagel"}
 
 __all__ = sorted(_EXPORTS)
 

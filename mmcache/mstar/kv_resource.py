@@ -131,6 +131,10 @@ class PrefixReuse:
       counter moves past the ``rows`` leading rows of the step the stream holds already. Given, the seam leaves the
       counter alone before the step and adds that to the step's declared advance: the commit leaves the counter where
       a cold prefill leaves it, and a step retried after ``AllocationFailed`` reads the counter its walk started at.
+      None for a walk whose positions M*'s position resource plans from the counter, one a row (``pos_ids`` not
+      given: BAGEL's text walks, beside image walks whose rows share one position): the seam then moves the counter
+      before the step to where it stood at the walk's start plus the ``rows`` held (that start kept per request, so a
+      retried step moves it to the same place), and the commit adds the step's own span.
     - ``cut(node_inputs, rows)``: drops the first ``rows`` rows of everything a step feeds per row (default
       ``mmcache.mstar.switch.cut_to_suffix``: ``input_ids``, ``input_embeds``; a model whose inputs carry more per
       row, positions or masks, gives its own).
@@ -165,7 +169,7 @@ class PrefixReuse:
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_after: Callable[[Hashable, str, int], int] | None = None
-    position_advance: Callable[[str, object, int], int] | None = None
+    position_advance: Callable[[str, object, int], int | None] | None = None
     cut: Callable[[object, int], None] | None = None
     needs_every_row: Callable[[str, object], bool] | None = None
     walk_media: Callable | None = None

@@ -11,14 +11,16 @@ From outside M*, on the model object the engine loads (no M* file changes):
   resources before a step is declared: the seam asks the KV resource what the stream holds (``ReuseKVManager.feed``,
   which matches the first feed), moves the node's position counter past a hit as a cold prefill would (through the
   position resource's own ``admit_retrieve``, the way M* takes on published positions; or, for a node that computes
-  its positions in ``prepare_inputs``, ``PrefixReuse.position_advance``, through the step's declared advance), and
+  its positions in ``prepare_inputs``, ``PrefixReuse.position_advance``, through the step's declared advance, or,
+  for a walk of such a node whose positions the position resource plans, from the counter at the walk's start), and
   cuts what the step feeds (``input_ids``, ``input_embeds``, each once, or what ``PrefixReuse.cut`` cuts) to the
   suffix; a step that ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
   stops the stream's indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt,
   hit or not, so sampling is what it was, and adds the held rows' advance to the step's declared position advance
-  where ``position_advance`` says so.
+  where ``position_advance`` says so. ``cleanup_request`` (M*'s engine calls it on every submodule when it removes a
+  request) drops what the seam kept for the request.
 
 The tenant salt comes from the request's ``model_kwargs["mmcache_salt"]``: ``route_salt`` (``mmcache.mstar.salts``, the
 one salt reader, shared with the encoder nodes) carries it into every pass's ``step_metadata``, where the seam reads
@@ -76,6 +78,9 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     prepare, declare = submodule.prepare_inputs, submodule.declare_step
     full_prompts: dict[str, torch.Tensor] = {}  # rid -> the ids before the cut, for the repetition penalty
     advances: dict[str, tuple[str, set, int]] = {}  # rid -> (label, position resource keys, advance past held rows)
+    # rid -> (walk, where the stream stood at its start, position key -> the counter then): for a walk whose positions
+    # the position resource plans from the counter, beside ``position_advance``; a retried step finds its start here
+    walk_starts: dict[str, tuple[str, int, dict[str, int]]] = {}
     reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
 
     def kv_resources(resources: dict) -> tuple:
@@ -113,8 +118,16 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             if held:
                 positions = {k for k, res in resources.items()
                              if isinstance(res, PositionManager) and key in res.depends_on()}
-                if r.position_advance is not None:  # the commit moves the counter: see ``PrefixReuse``
-                    advances[rid] = label, positions, int(r.position_advance(graph_walk, out, held))
+                advance = None if r.position_advance is None else r.position_advance(graph_walk, out, held)
+                if advance is not None:  # the commit moves the counter: see ``PrefixReuse``
+                    advances[rid] = label, positions, int(advance)
+                elif r.position_advance is not None:  # a walk the position resource plans from the counter
+                    start = kv.stored(rid, label) - held
+                    if walk_starts.get(rid, (None, None))[:2] != (graph_walk, start):  # not a retry of this walk
+                        walk_starts[rid] = graph_walk, start, {k: resources[k].position(rid, label) for k in positions}
+                    for k, position in walk_starts[rid][2].items():
+                        resources[k].admit_retrieve(rid, node_name, graph_walk,
+                                                    PublishedPositionInfo(counters={label: position + held}))
                 else:
                     position = kv.position_after(rid, label, kv.stored(rid, label))
                     for k in positions:
@@ -125,6 +138,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 (r.cut or cut_to_suffix)(out, held)
             else:
                 full_prompts.pop(rid, None)
+                walk_starts.pop(rid, None)
         return out
 
     @functools.wraps(declare)
@@ -140,6 +154,16 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             add_held_advance(step, advances)
         return step
 
+    cleanup = getattr(submodule, "cleanup_request", None)
+    if cleanup is not None:
+        @functools.wraps(cleanup)
+        def cleanup_request(request_id, *args, **kwargs):
+            # a request removed before its next step through this node (a hit on its last prefill walk, then done)
+            for kept in (full_prompts, advances, walk_starts):
+                kept.pop(request_id, None)
+            return cleanup(request_id, *args, **kwargs)
+
+        submodule.cleanup_request = cleanup_request
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
 
 

@@ -3,14 +3,16 @@ written by transformers (Qwen3-TTS, Pi0.5) save, for M*'s own loader (``load_hf_
 ``LLAMA_STACKED_PARAMS``) to read back.
 
 M* fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; a hub checkpoint holds them apart, so those are
-split back: q/k/v by head counts, gate/up in halves. Every other parameter keeps its name and shape.
+split back: q/k/v by head counts, gate/up in halves. A fused name is matched as M*'s ``StackedParamRule`` matches it
+(the suffix anywhere in the name), so a fused expert beside the first (BAGEL's ``qkv_proj_moe_gen``) splits into
+``q_proj_moe_gen``, ... the same way. Every other parameter keeps its name and shape.
 """
 
 from __future__ import annotations
 
 import torch
 
-UNFUSED = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."), ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
+UNFUSED = {".qkv_proj": (".q_proj", ".k_proj", ".v_proj"), ".gate_up_proj": (".gate_proj", ".up_proj")}
 
 
 def hub_parts(name: str) -> list[str]:
