@@ -13,7 +13,10 @@ From outside M*, on the model object the engine loads (no M* file changes):
   position resource's own ``admit_retrieve``, the way M* takes on published positions; or, for a node that computes
   its positions in ``prepare_inputs``, ``PrefixReuse.position_advance``, through the step's declared advance), and
   cuts what the step feeds (``input_ids``, ``input_embeds``, each once, or what ``PrefixReuse.cut`` cuts) to the
-  suffix; a step that ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
+  suffix. A step whose outputs carry every fed row (``RowOutputs.needed``, ``PrefixReuse.row_outputs``) is cut only
+  at pages whose row outputs are held; the seam reads the cut rows' outputs then, keeps what ``RowOutputs.keep``
+  takes from the uncut inputs, and ``postprocess`` puts both back in front of what the forward emitted
+  (``RowOutputs.restore``), so the node's consumer gets every row as without reuse. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
   stops the stream's indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt,
@@ -74,6 +77,7 @@ def enable_reuse(model, reuse: PrefixReuse, nodes: Mapping[str, str], kv_keys: s
 def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     """Put the seam on one node's submodule (see the module docstring)."""
     prepare, declare = submodule.prepare_inputs, submodule.declare_step
+    restores: dict[str, tuple] = {}  # rid -> (RowOutputs, the cut rows' outputs, what keep took) for its postprocess
     full_prompts: dict[str, torch.Tensor] = {}  # rid -> the ids before the cut, for the repetition penalty
     advances: dict[str, tuple[str, set, int]] = {}  # rid -> (label, position resource keys, advance past held rows)
     reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
@@ -107,10 +111,18 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
             metadata = getattr(fwd_info, "step_metadata", None)
             salt = request_salt(metadata, "step_metadata") if metadata else b""
-            whole = r.needs_every_row is not None and r.needs_every_row(graph_walk, fwd_info)
-            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), may_cut=not whole)
+            rows = r.row_outputs
+            needed = rows is not None and rows.needed(graph_walk, fwd_info)
+            if rows is not None:
+                kv.watch(submodule)
+            kept = rows.keep(out) if needed else None  # before the cut
+            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), rows_needed=needed)
             advances.pop(rid, None)
+            restores.pop(rid, None)
             if held:
+                if needed:
+                    stored = kv.stored(rid, label)
+                    restores[rid] = rows, kv.held_rows(rid, label, stored - held, stored), kept
                 positions = {k for k, res in resources.items()
                              if isinstance(res, PositionManager) and key in res.depends_on()}
                 if r.position_advance is not None:  # the commit moves the counter: see ``PrefixReuse``
@@ -141,6 +153,25 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         return step
 
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
+    post, cleanup = getattr(submodule, "postprocess", None), getattr(submodule, "cleanup_request", None)
+    if post is not None:
+        @functools.wraps(post)
+        def postprocess(*args, **kwargs):
+            rid = kwargs["request_id"] if "request_id" in kwargs else args[0]
+            restore = restores.pop(rid, None)
+            if restore is not None:
+                rows, held_rows, kept = restore
+                rows.restore(kwargs["outputs"] if "outputs" in kwargs else args[2], held_rows, kept)
+            return post(*args, **kwargs)
+
+        submodule.postprocess = postprocess
+    if cleanup is not None:
+        @functools.wraps(cleanup)
+        def cleanup_request(request_id, *args, **kwargs):
+            restores.pop(request_id, None)  # a step whose admit failed reaches no postprocess
+            return cleanup(request_id, *args, **kwargs)
+
+        submodule.cleanup_request = cleanup_request
 
 
 def add_held_advance(step, advances: dict[str, tuple[str, set, int]]) -> None:
