@@ -278,6 +278,25 @@ def test_a_page_whose_states_were_not_kept_serves_text_only_requests_only(weight
         assert fed(got) == ([14, 10] if talk else [14 - 3 * P, 10 - 6])
 
 
+def test_the_talker_prefills_the_same_from_a_cut_request_as_from_reuse_off(weights, sampled):
+    """M*'s talker node (``workloads/peers/mstar_qwen3_omni_talker.py``) run on the edges a cut spoken request's
+    walks send it computes, walk by walk, the hidden states and K/V it computes from reuse off's."""
+    from workloads.peers import mstar_qwen3_omni_talker as t
+
+    on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
+    request = [(q.TEXT, system_turn(13, 50)), (q.VISION, image(51)), (q.TEXT, ids(5, 52))]
+    serve(on, sampled, "a", request, audio_output=True, new=0)
+    got, want = (serve(te, sampled, "b", request, audio_output=True, new=0) for te in (on, off))
+    assert fed(got) == [5, 3, 4] and spoken_same(got, want)
+    talkers = t.talker_engine(weights), t.talker_engine(weights)
+    for te in talkers:
+        te.engine.add_request("b", t.configs())
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(t.prefill(talkers[0], "b", g[7]), t.prefill(talkers[1], "b", w[7]))
+    assert torch.equal(t.kv_rows(talkers[0], "b"), t.kv_rows(talkers[1], "b"))
+    assert t.kv_rows(talkers[0], "b").shape[2] == sum(w[7][0].shape[0] for w in want)
+
+
 def test_row_outputs_refuse_a_lower_tier(weights, sampled):
     """A page copied up from a host tier or a shared store carries no row outputs: asking for both is refused when
     the KV resource is built."""
