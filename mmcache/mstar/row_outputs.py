@@ -65,6 +65,7 @@ class SideRows:
         self._flat = self.rows.view(-1, spec.width)
         self.valid = np.zeros((num_pages, self.page_size), dtype=bool)
         self._valid_flat = self.valid.reshape(-1)
+        self._fits: set[tuple] = set()  # the (dtype, width) column blocks a write has checked already
 
     @property
     def bytes_per_row(self) -> int:
@@ -87,13 +88,27 @@ class SideRows:
         """Store one forward's rows: ``spans`` are ``(page ids, first position, rows, first row in parts)`` of the
         streams it wrote; ``parts`` its column blocks (``RowOutputs.watch``). ``InvalidRequest`` when the blocks do
         not make a row of the declared width and dtype."""
-        dtype = self.spec.dtype
-        if (sum(int(p.shape[-1]) for p in parts) != self.spec.width
-                or any(torch.promote_types(p.dtype, dtype) != dtype for p in parts)):
-            raise InvalidRequest(f"row outputs {[(tuple(p.shape), p.dtype) for p in parts]} are not rows of width "
-                                 f"{self.spec.width} that {dtype} holds exactly (RowOutputs)")
-        flat = np.concatenate([self._flat_index(pages, lo, lo + n) for pages, lo, n, _ in spans])
-        at = torch.from_numpy(flat).to(self.rows.device)
+        blocks = tuple((p.dtype, int(p.shape[-1])) for p in parts)
+        if blocks not in self._fits:
+            dtype = self.spec.dtype
+            if sum(w for _, w in blocks) != self.spec.width or any(torch.promote_types(d, dtype) != dtype
+                                                                   for d, _ in blocks):
+                raise InvalidRequest(f"row outputs {[(tuple(p.shape), p.dtype) for p in parts]} are not rows of "
+                                     f"width {self.spec.width} that {dtype} holds exactly (RowOutputs)")
+            self._fits.add(blocks)
+        P, chunks, few = self.page_size, [], []
+        for pages, lo, n, _ in spans:
+            if n <= 16:  # a decode step's rows: Python ints beat building arrays per stream
+                few.extend(pages[p // P] * P + p % P for p in range(lo, lo + n))
+                continue
+            if few:
+                chunks.append(np.asarray(few, dtype=np.int64))
+                few = []
+            chunks.append(self._flat_index(pages, lo, lo + n))
+        if few:
+            chunks.append(np.asarray(few, dtype=np.int64))
+        flat = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        at = self._index(flat)
         total = parts[0].shape[0]
         if not (len(spans) and spans[0][3] == 0 and sum(n for *_, n, _ in spans) == total
                 and all(b[3] == a[3] + a[2] for a, b in zip(spans, spans[1:]))):
@@ -113,4 +128,12 @@ class SideRows:
         if not self._valid_flat[flat].all():
             raise InvalidRequest(f"positions {lo}..{hi - 1} were cut from a walk that needs every row, but their row "
                                  "outputs are not held")
-        return self._flat.index_select(0, torch.from_numpy(flat).to(self.rows.device))
+        return self._flat.index_select(0, self._index(flat))
+
+    def _index(self, flat: np.ndarray) -> torch.Tensor:
+        # a pageable host-to-device copy would wait for the step's forward to drain (the commit runs right after its
+        # launch): pinned and non-blocking, it queues behind it instead (not yet measured on a GPU)
+        at = torch.from_numpy(flat)
+        if self.rows.device.type == "cuda":
+            return at.pin_memory().to(self.rows.device, non_blocking=True)
+        return at
