@@ -21,6 +21,11 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
   again and is cut at what is held. A feed's positions count as named once the stream holds exactly them, settled at
   the stream's next feed or, for a feed that fills a page, at its commit: a decode step costs one ``feed`` per
   request, and the pages that fill in a step are indexed in one ``PrefixLifecycle.commit_many``.
+- Row outputs (``PrefixReuse.row_outputs``, ``mmcache.mstar.row_outputs``): a ``SideRows`` beside the arena, indexed
+  by the same page ids, so a page's rows live and die with it. The allocator forgets a page's rows whenever it hands
+  the page out; ``commit`` stores the rows the watched forward recorded between the step's ``admit`` and it (none
+  after a forward no hook saw); a feed that needs them is served only pages whose rows are all stored, and
+  ``held_rows`` reads those of the rows it cut.
 - The methods that assumed one owner per page count owners: ``reset_request(free=False)`` gives up a stream's pages
   when another owner holds one (M* would rewind onto them and overwrite shared KV), ``reclaimable`` and the offload's
   freed count count only the pages a request alone holds.
