@@ -372,18 +372,22 @@ def test_a_media_walk_is_named_by_the_carried_digest_or_everything_it_is_fed():
     assert media(q.TEXT, None, {}, fed) is None and media(q.DECODE, None, {}, fed) is None
 
 
-def test_a_next_turn_reuses_the_tokens_the_thinker_generated(weights, sampled):
+@pytest.mark.parametrize("spoken", [False, True], ids=["text-only", "audio-output"])
+def test_a_next_turn_reuses_the_tokens_the_thinker_generated(weights, sampled, spoken):
     """``thinker_decode`` embeds the sampled token without feeding its id; named by the id it reads
     (``PrefixReuse.walk_ids``), its pages are indexed as they fill, so a next turn whose prompt re-sends the reply as
-    text reuses it: 4 pages of 10 prompt ids and 8 generated ones, where the prompt alone would give 2."""
+    text reuses it: 4 pages of 10 prompt ids and 8 generated ones, where the prompt alone would give 2. Asking for
+    audio output, the decode rows' states were kept too (every thinker forward's are), and the talker's edges equal
+    reuse off's."""
     on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
     prompt = ids(10, 32)
-    first = serve(on, sampled, "a", [(q.TEXT, prompt)], new=8)
-    assert same(first, serve(off, sampled, "a", [(q.TEXT, prompt)], new=8))
+    first = serve(on, sampled, "a", [(q.TEXT, prompt)], new=8, audio_output=spoken)
+    assert spoken_same(first, serve(off, sampled, "a", [(q.TEXT, prompt)], new=8, audio_output=spoken))
     reply = torch.tensor([s[0] for s in first[:8]])  # the tokens fed back by the 8 decode steps
     turn = [(q.TEXT, torch.cat((prompt, reply, ids(6, 33))))]
-    got, want = serve(on, sampled, "b", turn), serve(off, sampled, "b", turn)
-    assert same(got, want) and fed(got) == [24 - 4 * P]
+    got, want = serve(on, sampled, "b", turn, audio_output=spoken), serve(off, sampled, "b", turn,
+                                                                           audio_output=spoken)
+    assert spoken_same(got, want) and fed(got) == [24 - 4 * P]
 
 
 def test_a_continued_walk_retried_after_allocation_failed_is_cut_as_before(weights, sampled):
