@@ -23,7 +23,7 @@ store's, bounded by its deadline) run outside it.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -164,20 +164,26 @@ class PrefixLifecycle:
         return NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, vocab_limit=self.vocab_size,
                                  what=what)
 
-    def match(self, prompt: NamedPrompt, rows_left: int = 1) -> tuple[Claim, Match]:
+    def match(self, prompt: NamedPrompt, rows_left: int = 1,
+              servable: Callable[[np.ndarray], int] | None = None) -> tuple[Claim, Match]:
         """Retain the longest verified prefix of ``prompt``'s full pages that leaves at least ``rows_left`` tokens to
         compute (never the page of its last token): device pages, then pages a lower tier verified and copied up;
         under a group agreement, the group's minimum, so no rank keeps a page another did not match. Counted once,
-        after the agreement. ``RefusedByGroup`` (nothing held) when another rank could not admit the request."""
+        after the agreement. ``RefusedByGroup`` (nothing held) when another rank could not admit the request.
+        ``servable(pages)``: how many leading device pages of the verified prefix this request may be served (the
+        match stops there, and no lower tier continues it)."""
         limit = max(0, (prompt.tokens.size - max(1, rows_left)) // self.page_size)
         mids = prompt.media_ids(limit)
         with self.lock:
             salt_id = self.index.salt_id(prompt.salt)
             idx = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
+            n = servable(idx) if servable is not None and idx.size else idx.size
+            stopped, idx = n < idx.size, idx[:n]
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             pages, fetch = idx.tolist(), None
-            lower = self.tiers is not None and idx.size < limit and self.tiers.nominates(prompt.names[idx.size])
+            lower = (self.tiers is not None and not stopped and idx.size < limit
+                     and self.tiers.nominates(prompt.names[idx.size]))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
             pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids, prompt.salt,
                                              salt_id, prompt.media)
@@ -219,13 +225,15 @@ class PrefixLifecycle:
             self.index.touch(idx)
             return idx
 
-    def extend_match(self, claim: Claim, tokens: np.ndarray, rows_left: int = 1, written: int = 0) -> list[int]:
+    def extend_match(self, claim: Claim, tokens: np.ndarray, rows_left: int = 1, written: int = 0,
+                     servable: Callable[[np.ndarray], int] | None = None) -> list[int]:
         """Continue ``claim``'s match into ``tokens`` (int32 ids of the positions right after the chain, whose names
         are not yet computed; media marks of theirs added to ``claim`` first): the verified cached pages that follow,
         leaving at least ``rows_left`` of ``tokens`` to compute (never the page of the last token), retained, agreed
         over the group and counted as hit tokens, less the ``written`` leading ids the request computed already (a
         part-filled page of its own that the first page found stands in for); ``claim``'s chain and names grow by
-        them. Only with every earlier position indexed (``len(claim.names) == claim.indexed``); else nothing."""
+        them. Only with every earlier position indexed (``len(claim.names) == claim.indexed``); else nothing.
+        ``servable``: as for ``match``."""
         P = self.page_size
         m = (tokens.size - max(1, rows_left)) // P
         if not claim.open or m <= 0 or len(claim.names) != claim.indexed:
@@ -237,6 +245,8 @@ class PrefixLifecycle:
             names = chain(claim.names[-1] if start else claim.prompt.root, tokens[:m * P], P, start, claim.media)
             idx = self.index.match(names, tokens, media_ids(claim.media, range(start, start + m)), claim.salt_id,
                                    claim.chain[-1] if start else -1)
+            if servable is not None and idx.size:
+                idx = idx[:servable(idx)]
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             pages = idx.tolist()

@@ -20,6 +20,8 @@ Only flashinfer's paged attention and the sampler are torch stand-ins; the think
 - a next turn re-sending the generated reply as text reuses it (the decode walk is named by the token it embeds).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,7 +65,8 @@ def image(seed: int, grid=(1, 4, 8), dtype=torch.bfloat16):
 def serve(te, sampled, rid: str, walks, new: int = 2, audio_output: bool = False):
     """One thinker request: its prefill walks (the last samples the first token), ``new`` decode steps, removed.
     Returns per step (prefill walks, then decode): the token, the logits, the computed rows' hidden states, the
-    rows fed (after any cut), their 3D positions, the MRoPE counter after the step, the walk."""
+    rows fed (after any cut), their 3D positions, the MRoPE counter after the step, the walk, and with audio output
+    its ``(thinker_states, thinker_mask)`` as sent to the talker and as M*'s postprocess was handed them."""
     te.engine.add_request(rid, q.greedy())
     steps, token = [], None
     schedule = list(walks) + [(q.DECODE, None)] * new
@@ -72,7 +75,8 @@ def serve(te, sampled, rid: str, walks, new: int = 2, audio_output: bool = False
         got = q.walk(te, graph_walk, {rid: x}, sampled, last_prefill=i == len(walks) - 1,
                      audio_output=audio_output)[rid]
         fed = te.fed[rid]
-        steps.append((*got, int(fed.input_seq_len), fed.custom_pos_ids, te.pos.position(rid, q.LABEL), graph_walk))
+        steps.append((*got, int(fed.input_seq_len), fed.custom_pos_ids, te.pos.position(rid, q.LABEL), graph_walk,
+                      te.talker.get(rid), te.raw.get(rid)))
         token = got[0] if got[0] is not None else token
     te.engine.remove_request(rid)
     return steps
@@ -88,6 +92,20 @@ def same(got, want) -> bool:
         if not (torch.equal(g[2], w[2][w[3] - n:]) and torch.equal(g[4], w[4][:, w[3] - n:]) and g[5] == w[5]):
             return False
     return True
+
+
+def edges_equal(a, b) -> bool:
+    """Two talker edges (``(thinker_states, thinker_mask)`` or None) the same, dtypes too."""
+    if a is None or b is None:
+        return a is b
+    return all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def spoken_same(got, want) -> bool:
+    """``same``, and every step handed the talker exactly what reuse off handed it: the states and masks M*'s
+    postprocess was given (every row of the walk) and those it sent on (its selection)."""
+    return same(got, want) and all(edges_equal(g[7], w[7]) and edges_equal(g[8], w[8])
+                                   for g, w in zip(got, want, strict=True))
 
 
 def fed(steps) -> list[int]:
@@ -193,44 +211,158 @@ def test_the_same_audio_is_reused_through_its_walk_and_other_audio_is_not(weight
     assert on.kv.stats(q.LABEL).hit_tokens == (8 + 8 + 1) + 8  # the rows not fed: b's 17 of 29, c's 8
 
 
-def test_a_request_streaming_rows_to_the_talker_is_computed_in_full_and_serves_text_only_ones(weights, sampled):
+def system_turn(n: int, seed: int) -> torch.Tensor:
+    """A system turn then the start of a user turn (``n`` ids): the talker skips the system turn's rows, a mask M*
+    computes from the whole walk (a row is skipped once the next ``<|im_start|>`` shows its turn ends)."""
+    r = q.ROLES
+    body = ids(n - 6, seed)
+    return torch.cat((torch.tensor([r["im_start_token_id"], r["system_token_id"]]), body,
+                      torch.tensor([r["im_end_token_id"], r["im_start_token_id"], r["user_token_id"]]), ids(1, seed)))
+
+
+def test_a_request_asking_for_audio_output_is_cut_and_its_talker_gets_every_rows_states(weights, sampled):
+    """The walks of a request asking for audio output are cut like a text-only one's (the thinker's states of the
+    rows its pages hold are kept beside them, ``thinker_row_outputs``), and the talker is handed exactly what reuse
+    off hands it on every walk: every row's states and the whole walk's mask before M*'s postprocess, the rows it
+    selects after; a later request with another image shares the text before it only, its talker edge exact too."""
     on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
-    request = [(q.TEXT, ids(13, 20)), (q.VISION, image(21)), (q.TEXT, ids(5, 22))]
-    serve(on, sampled, "a", request, audio_output=True)
-    spoken = serve(on, sampled, "b", request, audio_output=True)
-    assert fed(spoken) == [13, 10, 5] and on.kv.stats(q.LABEL).hits == 0
-    got, want = serve(on, sampled, "c", request), serve(off, sampled, "c", request)
-    assert same(got, want) and fed(got) == [5, 3, 4]
+    request = [(q.TEXT, system_turn(13, 20)), (q.VISION, image(21)), (q.TEXT, ids(5, 22))]
+    other = [request[0], (q.VISION, image(40)), request[2]]
+    for name, walks in (("a", request), ("b", request), ("c", other)):
+        got, want = serve(on, sampled, name, walks, audio_output=True), serve(off, sampled, name, walks,
+                                                                               audio_output=True)
+        assert spoken_same(got, want), name
+        assert all(s[7] is not None and s[8][0].shape[0] == s[8][1].shape[1] for s in got[:3])
+        assert [s[8][0].shape[0] for s in got[:3]] == [13, 10, 5]  # every row of every walk, cut or not
+        if name == "b":
+            assert fed(got) == [5, 3, 4]
+    assert fed(got) == [5, 10, 5]  # c: the text's 2 full pages (its last page holds the image's first rows)
+    assert not got[0][7][1].all()  # the system turn's rows are not sent on: the mask mattered
+    assert on.kv.stats(q.LABEL).hits == 2
 
 
-def test_batched_walks_with_cut_and_uncut_requests_equal_reuse_off(weights, sampled):
-    """Several requests in one step take M*'s ``forward_batched`` (packed rows, ``select_last_hidden``): a request
-    cut to its suffix beside one computed in full, then decode together, bit for bit as reuse off on the same
-    batches (the vision walk is one request per step, as M* asserts)."""
+def test_pages_a_text_only_request_wrote_serve_a_spoken_one_and_back(weights, sampled):
+    """Every thinker forward's states are kept, audio output asked or not: a text-only request's pages serve a
+    spoken request exactly, and a spoken request's pages a text-only one."""
+    on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
+    request = [(q.TEXT, system_turn(14, 41)), (q.AUDIO, rows(7, 42)), (q.TEXT, ids(6, 43))]
+    for name, spoken in (("a", False), ("b", True), ("c", False)):
+        got, want = (serve(te, sampled, name, request, audio_output=spoken) for te in (on, off))
+        assert spoken_same(got, want), name
+        assert (got[0][7] is not None) == spoken
+        if name != "a":
+            assert fed(got) == [14 - 3 * P, 9 - 6, 6 - 1]  # the last: one page, never cut to one row
+
+
+def test_a_page_whose_states_were_not_kept_serves_text_only_requests_only(weights, sampled):
+    """A request whose forwards no hook saw (a replayed CUDA graph runs none; here the recorder is switched off for
+    it) leaves its pages' states unkept: a spoken request matching them is cut only before the first such page,
+    with the talker's edge exact, while a text-only one is served them all. The pages it took had held a spoken
+    request's states before (evicted, taken fresh): those stale rows are never served."""
+    on, off = q.thinker_engine(weights, reuse=q.thinker_reuse(), pages=9), q.thinker_engine(weights, pages=9)
+    spoken = [(q.TEXT, ids(13, 44)), (q.TEXT, ids(9, 45))]
+    serve(on, sampled, "a", spoken, audio_output=True, new=0)
+    a_pages = set(on.kv.lifecycle(q.LABEL).index._pages.values())
+    on.kv._rows_to_write = lambda step: None  # b's steps commit as if no watched forward had run
+    unwatched = [(q.TEXT, ids(14, 46)), (q.TEXT, ids(10, 47))]
+    on.engine.add_request("b", q.greedy())
+    for i, (graph_walk, x) in enumerate(unwatched):
+        q.walk(on, graph_walk, {"b": x}, sampled, last_prefill=i == 1)
+    b_pages = on.kv._streams["b"][q.LABEL].page_indices[:6]  # its 6 full pages: a's evicted, their ids taken
+    on.engine.remove_request("b")
+    del on.kv._rows_to_write
+    assert set(a_pages) & set(b_pages) and not on.kv.side.valid[b_pages].any()
+    for name, walks, talk in (("c", unwatched, False), ("d", unwatched, True)):
+        got, want = (serve(te, sampled, name, walks, audio_output=talk, new=0) for te in (on, off))
+        assert spoken_same(got, want), name
+        assert fed(got) == ([14, 10] if talk else [14 - 3 * P, 10 - 6])
+
+
+def test_the_talker_prefills_the_same_from_a_cut_request_as_from_reuse_off(weights, sampled):
+    """M*'s talker node (``workloads/peers/mstar_qwen3_omni_talker.py``) run on the edges a cut spoken request's
+    walks send it computes, walk by walk, the hidden states and K/V it computes from reuse off's."""
+    from workloads.peers import mstar_qwen3_omni_talker as t
+
+    on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
+    request = [(q.TEXT, system_turn(13, 50)), (q.VISION, image(51)), (q.TEXT, ids(5, 52))]
+    serve(on, sampled, "a", request, audio_output=True, new=0)
+    got, want = (serve(te, sampled, "b", request, audio_output=True, new=0) for te in (on, off))
+    assert fed(got) == [5, 3, 4] and spoken_same(got, want)
+    talkers = t.talker_engine(weights), t.talker_engine(weights)
+    for te in talkers:
+        te.engine.add_request("b", t.configs())
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(t.prefill(talkers[0], "b", g[7]), t.prefill(talkers[1], "b", w[7]))
+    assert torch.equal(t.kv_rows(talkers[0], "b"), t.kv_rows(talkers[1], "b"))
+    assert t.kv_rows(talkers[0], "b").shape[2] == sum(w[7][0].shape[0] for w in want)
+
+
+def test_row_outputs_refuse_a_lower_tier(weights, sampled):
+    """A page copied up from a host tier or a shared store carries no row outputs: asking for both is refused when
+    the KV resource is built."""
+    from mmcache.errors import InvalidRequest
+
+    reuse = dataclasses.replace(q.thinker_reuse(), tiers=lambda fingerprint, pool: None)
+    with pytest.raises(InvalidRequest, match="tiers or row_outputs"):
+        q.thinker_engine(weights, reuse=reuse)
+
+
+def test_without_row_outputs_a_spoken_request_is_computed_in_full_and_tiers_are_allowed(weights, sampled):
+    """``qwen3_omni_reuse`` without a hidden size keeps no states: a request asking for audio output is computed in
+    full (``streams_rows_to_talker`` as ``needs_every_row``), its talker edge exact, its pages indexed for a
+    text-only request; and a lower tier may be given."""
+    from mmcache.mstar.qwen3_omni import qwen3_omni_reuse
+
+    reuse = qwen3_omni_reuse("qwen3-omni-tiny@test")
+    assert reuse.row_outputs is None
+    on, off = q.thinker_engine(weights, reuse=reuse), q.thinker_engine(weights)
+    request = [(q.TEXT, system_turn(13, 50)), (q.VISION, image(51)), (q.TEXT, ids(5, 52))]
+    for name, spoken in (("a", True), ("b", True), ("c", False)):
+        got, want = (serve(te, sampled, name, request, audio_output=spoken) for te in (on, off))
+        assert spoken_same(got, want), name
+        if name == "b":
+            assert fed(got) == [13, 10, 5]  # a spoken request: every walk computed in full
+    assert fed(got) == [5, 3, 4]            # a text-only one reuses what the spoken ones indexed
+    tiered = dataclasses.replace(reuse, tiers=lambda fingerprint, pool: None)
+    q.thinker_engine(weights, reuse=tiered)  # built: no row outputs, nothing a tier would lack
+
+
+@pytest.mark.parametrize("spoken", [False, True], ids=["text-only", "audio-output"])
+def test_batched_walks_with_cut_and_uncut_requests_equal_reuse_off(weights, sampled, spoken):
+    """Several requests in one step take M*'s ``forward_batched`` (packed rows, ``select_last_hidden``, and the
+    talker's states packed as ``__batched_thinker_states__``, sliced by each request's fed rows in
+    ``unpack_packed_outputs``): a request cut to its suffix beside one computed in full, then decode together, bit
+    for bit as reuse off on the same batches, the talker's edges too when audio output is asked (the vision walk is
+    one request per step, as M* asserts)."""
     on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
     system, picture, sound = ids(14, 23), image(24), rows(6, 25)
     schedule = [(q.TEXT, {"b": system, "c": ids(9, 26)}), (q.VISION, {"b": picture}), (q.AUDIO, {"c": sound}),
                 (q.TEXT, {"b": ids(5, 27), "c": ids(3, 28)})]
     for te in (on, off):
-        serve(te, sampled, "a", [(q.TEXT, system), (q.VISION, picture), (q.TEXT, ids(4, 29))], new=0)
+        serve(te, sampled, "a", [(q.TEXT, system), (q.VISION, picture), (q.TEXT, ids(4, 29))], new=0,
+              audio_output=spoken)
         for rid in "bc":
             te.engine.add_request(rid, q.greedy())
     got, want = [], []
     for i, (graph_walk, feeds) in enumerate(schedule):
         for te, out in ((on, got), (off, want)):
-            out.append((q.walk(te, graph_walk, feeds, sampled, last_prefill=i == len(schedule) - 1),
-                        {rid: int(x.input_seq_len) for rid, x in te.fed.items()}))
+            out.append((q.walk(te, graph_walk, feeds, sampled, last_prefill=i == len(schedule) - 1,
+                               audio_output=spoken),
+                        {rid: int(x.input_seq_len) for rid, x in te.fed.items()}, dict(te.talker), dict(te.raw)))
     tokens = {rid: got[-1][0][rid][0] for rid in "bc"}
     for _ in range(2):
         for te, out in ((on, got), (off, want)):
-            out.append((q.walk(te, q.DECODE, {rid: torch.tensor([t]) for rid, t in tokens.items()}, sampled), {}))
+            out.append((q.walk(te, q.DECODE, {rid: torch.tensor([t]) for rid, t in tokens.items()}, sampled,
+                               audio_output=spoken), {}, dict(te.talker), dict(te.raw)))
         tokens = {rid: got[-1][0][rid][0] for rid in "bc"}
-    for (g, _), (w, n) in zip(got, want, strict=True):
+    for (g, _, g_talker, g_raw), (w, n, w_talker, w_raw) in zip(got, want, strict=True):
+        assert g_talker.keys() == w_talker.keys() == (g.keys() if spoken else set()) and g_raw.keys() == w_raw.keys()
+        assert all(edges_equal(g_talker[r], w_talker[r]) and edges_equal(g_raw[r], w_raw[r]) for r in g_talker)
         for rid, (token, logits, hidden) in g.items():
             assert token == w[rid][0] and (logits is None) == (w[rid][1] is None)
             assert logits is None or torch.equal(logits, w[rid][1])
             assert torch.equal(hidden, w[rid][2][w[rid][2].shape[0] - hidden.shape[0]:])
-    assert [fed for _, fed in got[:4]] == [{"b": 2, "c": 9}, {"b": 4}, {"c": 8}, {"b": 5, "c": 3}]
+    assert [fed for _, fed, *_ in got[:4]] == [{"b": 2, "c": 9}, {"b": 4}, {"c": 8}, {"b": 5, "c": 3}]
 
 
 def test_a_media_walk_is_named_by_the_carried_digest_or_everything_it_is_fed():
@@ -260,18 +392,22 @@ def test_a_media_walk_is_named_by_the_carried_digest_or_everything_it_is_fed():
     assert media(q.TEXT, None, {}, fed) is None and media(q.DECODE, None, {}, fed) is None
 
 
-def test_a_next_turn_reuses_the_tokens_the_thinker_generated(weights, sampled):
+@pytest.mark.parametrize("spoken", [False, True], ids=["text-only", "audio-output"])
+def test_a_next_turn_reuses_the_tokens_the_thinker_generated(weights, sampled, spoken):
     """``thinker_decode`` embeds the sampled token without feeding its id; named by the id it reads
     (``PrefixReuse.walk_ids``), its pages are indexed as they fill, so a next turn whose prompt re-sends the reply as
-    text reuses it: 4 pages of 10 prompt ids and 8 generated ones, where the prompt alone would give 2."""
+    text reuses it: 4 pages of 10 prompt ids and 8 generated ones, where the prompt alone would give 2. Asking for
+    audio output, the decode rows' states were kept too (every thinker forward's are), and the talker's edges equal
+    reuse off's."""
     on, off = q.thinker_engine(weights, reuse=q.thinker_reuse()), q.thinker_engine(weights)
     prompt = ids(10, 32)
-    first = serve(on, sampled, "a", [(q.TEXT, prompt)], new=8)
-    assert same(first, serve(off, sampled, "a", [(q.TEXT, prompt)], new=8))
+    first = serve(on, sampled, "a", [(q.TEXT, prompt)], new=8, audio_output=spoken)
+    assert spoken_same(first, serve(off, sampled, "a", [(q.TEXT, prompt)], new=8, audio_output=spoken))
     reply = torch.tensor([s[0] for s in first[:8]])  # the tokens fed back by the 8 decode steps
     turn = [(q.TEXT, torch.cat((prompt, reply, ids(6, 33))))]
-    got, want = serve(on, sampled, "b", turn), serve(off, sampled, "b", turn)
-    assert same(got, want) and fed(got) == [24 - 4 * P]
+    got, want = serve(on, sampled, "b", turn, audio_output=spoken), serve(off, sampled, "b", turn,
+                                                                           audio_output=spoken)
+    assert spoken_same(got, want) and fed(got) == [24 - 4 * P]
 
 
 def test_a_continued_walk_retried_after_allocation_failed_is_cut_as_before(weights, sampled):

@@ -21,6 +21,11 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
   again and is cut at what is held. A feed's positions count as named once the stream holds exactly them, settled at
   the stream's next feed or, for a feed that fills a page, at its commit: a decode step costs one ``feed`` per
   request, and the pages that fill in a step are indexed in one ``PrefixLifecycle.commit_many``.
+- Row outputs (``PrefixReuse.row_outputs``, ``mmcache.mstar.row_outputs``): a ``SideRows`` beside the arena, indexed
+  by the same page ids, so a page's rows live and die with it. The allocator forgets a page's rows whenever it hands
+  the page out; ``commit`` stores the rows the watched forward recorded between the step's ``admit`` and it (none
+  after a forward no hook saw); a feed that needs them is served only pages whose rows are all stored, and
+  ``held_rows`` reads those of the rows it cut.
 - The methods that assumed one owner per page count owners: ``reset_request(free=False)`` gives up a stream's pages
   when another owner holds one (M* would rewind onto them and overwrite shared KV), ``reclaimable`` and the offload's
   freed count count only the pages a request alone holds.
@@ -39,6 +44,7 @@ import torch
 from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
 from mmcache.mstar.requirement import require_mstar
+from mmcache.mstar.row_outputs import RowOutputs, RowParts, SideRows
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import IndexObserver
@@ -82,15 +88,20 @@ class CountedPageAllocator(PageAllocator):
     evicting cold cached pages of the pool first; ``free`` drops one owner per page (the pool frees a page when its
     count reaches 0). Thread-safe: every take and release holds the pool's locks."""
 
-    def __init__(self, pool: PagePool, evict_batch_pages: int = 1):
+    def __init__(self, pool: PagePool, evict_batch_pages: int = 1, side: SideRows | None = None):
         self.pool, self.max_num_pages, self.evict_batch_pages = pool, pool.num_pages, evict_batch_pages
+        self.side = side  # the pages' row outputs: every page taken here starts with none valid
         self.counters = {"eviction_batches": 0, "shortfall_pages": 0, "stalls": 0}
 
     def try_allocate(self, n: int) -> list[int] | None:
         try:
-            return take(self.pool, n, self.evict_batch_pages, self.counters)
+            pages = take(self.pool, n, self.evict_batch_pages, self.counters)
         except OutOfPages:
             return None
+        if self.side is not None:
+            with self.pool.cache_lock:
+                self.side.forget(pages)
+        return pages
 
     def allocate(self, n: int) -> list[int]:
         pages = self.try_allocate(n)
@@ -138,9 +149,15 @@ class PrefixReuse:
     - ``cut(node_inputs, rows)``: drops the first ``rows`` rows of everything a step feeds per row (default
       ``mmcache.mstar.switch.cut_to_suffix``: ``input_ids``, ``input_embeds``; a model whose inputs carry more per
       row, positions or masks, gives its own).
-    - ``needs_every_row(graph_walk, fwd_info)``: True for a step whose outputs carry something for every fed row that
-      the KV does not hold (Qwen3-Omni's thinker streams each row's hidden states to its talker when audio output is
-      asked): such a step is named and indexed, never cut.
+    - ``row_outputs``: what a node's forward emits for every fed row that the KV does not hold
+      (``mmcache.mstar.row_outputs.RowOutputs``; Qwen3-Omni's thinker streams each row's states to its talker when
+      audio output is asked). Given, the manager keeps them per KV page beside the arena (``SideRows``, written at
+      every commit of a watched forward, needed or not), a step that needs them is cut only at pages whose rows are
+      all held, and the seam puts the held rows back in front of what the forward emitted. Not with ``tiers``
+      (``InvalidRequest``): a page copied up from a lower tier carries no row outputs.
+    - ``needs_every_row(graph_walk, fwd_info)``: True for a step that must be computed in full because it writes,
+      from its rows, something the reused pages do not hold (BAGEL's guided text walk also writes its ``cfg_img``
+      branch): such a step is named and indexed, never cut.
     - ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the
       step, digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend
       on: the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not
@@ -171,6 +188,7 @@ class PrefixReuse:
     position_after: Callable[[Hashable, str, int], int] | None = None
     position_advance: Callable[[str, object, int], int | None] | None = None
     cut: Callable[[object, int], None] | None = None
+    row_outputs: RowOutputs | None = None
     needs_every_row: Callable[[str, object], bool] | None = None
     walk_media: Callable | None = None
     id_walks: tuple[str, ...] = ()
@@ -226,7 +244,16 @@ class ReuseKVManager(KVManager):
         self.pool = PagePool.over(self.kv_cache.tensor, page_dim=1)
         batch = max(1, (reuse.evict_batch_pages if reuse and reuse.evict_batch_pages else self.pool.num_pages // 64))
         self._lock = self.pool.cache_lock
-        self._arena.allocator = CountedPageAllocator(self.pool, batch)
+        self.side: SideRows | None = None  # row outputs per page (PrefixReuse.row_outputs)
+        if reuse is not None and reuse.row_outputs is not None and not reuse.shadow:
+            if reuse.tiers is not None:
+                raise InvalidRequest(f"KV {name}: row outputs are kept on the device only and a page copied up from "
+                                     "a lower tier carries none: give PrefixReuse tiers or row_outputs, not both")
+            self.side = SideRows(self.pool.num_pages, self.config.page_size, reuse.row_outputs,
+                                 self.kv_cache.tensor.device)
+        self._fresh_rows: RowParts | None = None  # the last watched forward's rows, until its step commits
+        self._watched: set[int] = set()
+        self._arena.allocator = CountedPageAllocator(self.pool, batch, self.side)
         if self._arena.acquire(1) != [SINK_PAGE]:
             raise InvalidRequest(f"KV {name}: page {SINK_PAGE} must be the sink page")
         self._evict_batch = batch
@@ -275,7 +302,7 @@ class ReuseKVManager(KVManager):
         return life
 
     def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"",
-             length: int | None = None, may_cut: bool = True) -> int:
+             length: int | None = None, rows_needed: bool = False, whole: bool = False) -> int:
         """A step is about to feed ``token_ids`` to (``rid``, ``label``): returns how many leading ids the stream now
         holds already, which the caller cuts off (``stored`` then says where the stream stands). The first feed of a
         stream is matched (its verified prefix becomes the stream's first pages); the same prompt fed again (a retry
@@ -285,15 +312,17 @@ class ReuseKVManager(KVManager):
         any later feed names the positions it writes. ``media``: ``(offset in the feed, digest)`` marks of the media
         items the fed positions hold; a walk of ``length`` embeddings (``token_ids`` None) is named by its marks (a
         stream's first walk too: Qwen3-TTS's prefill is embeddings only), and one with no marks names nothing, which
-        stops the stream's indexing there. ``may_cut=False``: the step is computed in full
-        (``PrefixReuse.needs_every_row``): named and indexed, nothing matched, returns 0."""
+        stops the stream's indexing there. ``rows_needed``: the step's outputs carry every fed row
+        (``RowOutputs.needed``): it is cut only at pages whose row outputs are all held (``SideRows.servable``;
+        ``held_rows`` then reads those of the rows cut), and not at all without ``PrefixReuse.row_outputs``.
+        ``whole``: the step is computed in full (``PrefixReuse.needs_every_row``): named and indexed, never cut."""
         if label not in self._reused:
             return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._shadowed else 0
         if token_ids is None and media and length:
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self._named.get((rid, label))
         if named is None:
-            return self._first_feed(rid, label, token_ids, media, salt, may_cut)
+            return self._first_feed(rid, label, token_ids, media, salt, self._servable(rows_needed, whole))
         held = named.stream.stored_len
         pending, continued, named.continued = named.pending, named.continued, None
         self._settle(named, held)  # what the previous feed announced is written now, or was not
@@ -313,8 +342,9 @@ class ReuseKVManager(KVManager):
             if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
                 named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
                 named.media_upto = held + n
-            if may_cut and held >= named.prompt_len and n > 1:
-                cut = self._continue(named, held, token_ids)
+            if (held >= named.prompt_len and n > 1
+                    and (servable := self._servable(rows_needed, whole)) is not False):
+                cut = self._continue(named, held, token_ids, servable)
                 token_ids, start = (token_ids[cut:] if cut else token_ids), held + cut
                 named.continued = (held, cut, n) if cut else None
         named.pending = (start, token_ids, n - cut)
@@ -376,7 +406,16 @@ class ReuseKVManager(KVManager):
                 at += out[-1].size
             shadow.finish(rid, np.concatenate(out) if out else ())
 
-    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, may_cut: bool) -> int:
+    def _servable(self, rows_needed: bool, whole: bool = False):
+        """What a feed may be served: any verified page (None), pages whose row outputs are all held (a check), or,
+        for a step computed in full or needing rows no ``SideRows`` holds, nothing (False)."""
+        if whole:
+            return False
+        if not rows_needed:
+            return None
+        return self.side.servable if self.side is not None else False
+
+    def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, servable) -> int:
         if token_ids is None:
             return 0
         ids = as_tokens(token_ids)
@@ -385,7 +424,11 @@ class ReuseKVManager(KVManager):
             filled = stream.stored_len or stream.page_indices
         if filled or not ids.size:
             return 0  # the stream was filled another way (a retrieve, a fork): nothing of it is named
-        return self._match(rid, label, ids, media, salt, _ROWS_LEFT if may_cut else int(ids.size))
+        if servable is False:
+            servable, rows_left = None, int(ids.size)  # named and indexed, nothing matched
+        else:
+            rows_left = _ROWS_LEFT
+        return self._match(rid, label, ids, media, salt, rows_left, servable)
 
     @staticmethod
     def _settle(named: _Named, held: int, unwritten_stays: bool = False) -> None:
@@ -410,7 +453,7 @@ class ReuseKVManager(KVManager):
         else:
             named.covered = False
 
-    def _continue(self, named: _Named, held: int, token_ids) -> int:
+    def _continue(self, named: _Named, held: int, token_ids, servable=None) -> int:
         """Continue ``named``'s match into a feed at ``held``: how many of its ids cached pages now hold. The feed may
         start inside a page (a walk after a prompt that did not end on a page boundary): the lookup then covers that
         page from its start, with the ids already written on it, and a cached page found for it replaces the
@@ -426,7 +469,7 @@ class ReuseKVManager(KVManager):
         if written is None:
             return 0
         pages = named.life.extend_match(claim, np.concatenate((written, ids)) if own else ids, _ROWS_LEFT,
-                                        written=written.size)
+                                        written=written.size, servable=servable)
         if not pages:
             return 0
         k = base + len(pages) * P - held  # of this feed's ids, what the cached pages hold
@@ -458,10 +501,54 @@ class ReuseKVManager(KVManager):
         """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""
         return self._streams[rid][label].stored_len
 
-    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes, rows_left: int) -> int:
+    # ----------------------------------------------------------------- row outputs (PrefixReuse.row_outputs)
+    def watch(self, submodule) -> None:
+        """Put ``RowOutputs.watch`` on ``submodule`` once (the seam calls it for the node whose steps it feeds)."""
+        if self.side is not None and id(submodule) not in self._watched:
+            self._watched.add(id(submodule))
+            self.reuse.row_outputs.watch(submodule, self._record_rows)
+
+    def _record_rows(self, parts: RowParts) -> None:
+        self._fresh_rows = parts
+
+    def held_rows(self, rid: str, label: str, lo: int, hi: int) -> torch.Tensor:
+        """The row outputs of positions ``lo..hi-1`` of (``rid``, ``label``)'s stream (a copy: a cut walk's held
+        rows, read before its step runs)."""
+        with self._lock:
+            return self.side.read(self._streams[rid][label].page_indices, lo, hi)
+
+    def admit(self, step, ctx):
+        self._fresh_rows = None  # rows are taken only from the forward between a step's admit and its commit
+        return super().admit(step, ctx)
+
+    def _rows_to_write(self, step) -> list | None:
+        """Before ``step`` commits: ``(stream, first position, rows, first row)`` of each of its segments on a reused
+        label, row offsets counted over every segment in order (the forward packs its rows so); None when no watched
+        forward ran since the step's admit (a replayed graph runs no hook) or its rows do not match the step."""
+        parts, self._fresh_rows = self._fresh_rows, None
+        if parts is None or not step.commit:
+            return None
+        spans, row = [], 0
+        for seg in step.segments:
+            if seg.label in self._reused and seg.span > 0:
+                stream = self._streams[seg.request_id][seg.label]
+                spans.append((stream, stream.stored_len, seg.span, row))
+            row += seg.span
+        return (spans, parts) if spans and row == parts[0].shape[0] else None
+
+    def _write_rows(self, todo: tuple) -> None:
+        """Store the rows of the segments ``step`` committed (a stream offloaded mid-step committed nothing)."""
+        spans, parts = todo
+        done = [(s.page_indices, lo, n, r) for s, lo, n, r in spans if s.stored_len == lo + n]
+        if done:
+            self.side.write(done, parts)
+
+    def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes, rows_left: int,
+               servable=None) -> int:
         life = self.lifecycle(label)
         prompt = life.name(ids, media, salt, what=f"request {rid!r} label {label!r}")
-        claim, match = life.match(prompt, rows_left)  # outside the lock: a group agreement may wait for other ranks
+        # outside the lock: a group agreement may wait for other ranks
+        claim, match = life.match(prompt, rows_left, servable)
         if match.fetch is not None:
             match.fetch.wait()  # pages copied up from a tier: read none before they arrived
         k = len(match.pages) * self.config.page_size
@@ -485,7 +572,10 @@ class ReuseKVManager(KVManager):
     # ----------------------------------------------------------------- M*'s lifecycle, owner-counted
     def commit(self, step, ctx):
         with self._lock:
+            rows = self._rows_to_write(step) if self.side is not None else None
             super().commit(step, ctx)
+            if rows is not None:
+                self._write_rows(rows)
             if self._due and step.commit:
                 self._commit_due()
 

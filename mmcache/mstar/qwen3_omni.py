@@ -35,10 +35,17 @@ feeds (``cut_thinker_inputs`` slices them) and the counter ends where a cold pre
 walk's declared advance covers its held rows already). Equal names mean equal positions: a walk's start position is
 a function of the walks before it (ids, audio lengths, grids), all of which the names commit to.
 
-The talker and code2wav nodes are fed hidden states, not prompts: nothing of theirs is reused. And when audio output
-is asked, each thinker prefill walk streams every row's hidden states to the talker (``thinker_states``), which KV
-does not hold: such a walk is computed in full (``streams_rows_to_talker``), named and indexed for later text-only
-requests.
+The talker and code2wav nodes are fed hidden states, not prompts: nothing of theirs is reused. When audio output is
+asked, each thinker prefill walk streams every fed row's states to the talker: ``thinker_states`` = (the row's input
+embedding, its hidden state after layer ``accept_hidden_layer``), 2 x hidden wide, with ``thinker_mask`` = the walk's
+``masks_for_talker`` (which rows are media, which text the talker keeps), selected and filtered by the node's own
+``postprocess``. The KV does not hold those states, so they are kept per KV page (``thinker_row_outputs``,
+``PrefixReuse.row_outputs``): a forward hook that only reads records every thinker forward's two blocks (eager
+``forward`` and ``forward_batched`` alike; audio output asked or not, so a text-only request's pages serve a spoken
+one later), the commit stores them by the KV's page ids, and a cut walk's talker outputs get the held rows' states in
+front and the walk's whole mask, taken before the cut (the mask of a text row depends on ids after it: the talker
+skips a system or assistant turn only once the next ``<|im_start|>`` shows where it ends). Under CUDA graphs a
+replayed step runs no hook: its rows are not stored, so its pages serve text-only requests only.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import torch
 from digests.digest import compute
 from mmcache.mstar.encoder_items import carried_digest, rows_digest
 from mmcache.mstar.kv_resource import PrefixReuse
+from mmcache.mstar.row_outputs import RowOutputs
 from mmcache.mstar.switch import cut_to_suffix
 
 TEXT_WALK, AUDIO_WALK, VISION_WALK, DECODE_WALK = "prefill_text", "prefill_audio", "prefill_vision", "thinker_decode"
@@ -126,19 +134,68 @@ def decode_ids(graph_walk, inputs):
 
 
 def streams_rows_to_talker(graph_walk, fwd_info) -> bool:
-    """``PrefixReuse.needs_every_row`` for the thinker: a prefill walk of a request that asks for audio output
+    """``RowOutputs.needed`` for the thinker (``PrefixReuse.needs_every_row`` without row outputs): a prefill walk of a
+    request that asks for audio output
     (``step_metadata["audio_output"]``, True unless the conductor says otherwise, as ``ThinkerSubmodule.forward``
-    reads it) sends every row's hidden states to the talker."""
+    reads it) sends every row's states to the talker. (A decode walk feeds one row, which is never cut.)"""
     metadata = getattr(fwd_info, "step_metadata", None) or {}
     return graph_walk != DECODE_WALK and bool(metadata.get("audio_output", True))
 
 
-def qwen3_omni_reuse(model: str, **options) -> PrefixReuse:
+def watch_thinker_states(submodule, record) -> None:
+    """``RowOutputs.watch`` for the thinker: a forward hook on its ``Qwen3OmniThinkerModel`` (which returns final
+    hidden, layer-0 embeddings, layer-N hidden) hands ``record`` the two blocks ``thinker_states`` concatenates, layer
+    N standing in for itself where it is None as M*'s forward does; nothing while a CUDA graph is being captured
+    (those rows are dummies)."""
+    def hook(module, args, out):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        _, layer_0, layer_n = out
+        record((layer_0, layer_0 if layer_n is None else layer_n))
+
+    submodule.model.register_forward_hook(hook)
+
+
+def talker_masks(node_inputs):
+    """``RowOutputs.keep`` for the thinker: the walk's ``masks_for_talker`` (2 x rows) before the cut."""
+    return (node_inputs.tensor_inputs or {}).get("masks_for_talker")
+
+
+def restore_thinker_states(outputs: dict, held_rows: torch.Tensor, masks) -> None:
+    """``RowOutputs.restore`` for the thinker: the held rows' states in front of ``thinker_states`` and the walk's
+    whole ``masks`` as ``thinker_mask``, in one request's raw outputs (before ``ThinkerSubmodule.postprocess``
+    selects and filters them); nothing where the forward emitted no states."""
+    states = outputs.get("thinker_states")
+    if not states:
+        return
+    emitted = states[0]
+    outputs["thinker_states"] = [torch.cat((held_rows.to(device=emitted.device, dtype=emitted.dtype), emitted))]
+    if masks is not None:
+        outputs["thinker_mask"] = [masks]
+
+
+def thinker_row_outputs(hidden_size: int, dtype: torch.dtype = torch.bfloat16) -> RowOutputs:
+    """``PrefixReuse.row_outputs`` for the thinker: ``thinker_states`` rows, 2 x ``hidden_size`` (M*'s
+    ``Qwen3OmniModelConfig.thinker_hidden_size``) of ``dtype`` (the thinker's: bf16 as M* serves it)."""
+    return RowOutputs(width=2 * int(hidden_size), dtype=dtype, watch=watch_thinker_states,
+                      needed=streams_rows_to_talker, keep=talker_masks, restore=restore_thinker_states)
+
+
+def qwen3_omni_reuse(model: str, hidden_size: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                     **options) -> PrefixReuse:
     """``PrefixReuse`` for Qwen3-Omni's thinker node (``enable_reuse(..., nodes={"Thinker": "main"},
     kv_keys={THINKER_KV})``): its text and decode walks named by their ids, its audio and vision walks by their media
-    digests, cut with their positions, the MRoPE counter moved as a cold prefill moves it, and walks that stream rows
-    to the talker computed in full. ``model``: the Qwen3-Omni checkpoint (repository@revision), which holds the
-    encoders' weights too."""
+    digests, cut with their positions, the MRoPE counter moved as a cold prefill moves it. ``model``: the Qwen3-Omni
+    checkpoint (repository@revision), which holds the encoders' weights too. With ``hidden_size`` (the thinker's,
+    ``config.thinker_hidden_size``) the states of the rows a cut walk holds are handed to the talker from the pages
+    beside the KV (``thinker_row_outputs``, ``dtype``), so requests asking for audio output are cut too; that takes
+    no ``tiers`` (a page copied up carries no states: ``InvalidRequest`` when the KV resource is built). Without it
+    their walks are computed in full (``streams_rows_to_talker``), named and indexed for text-only requests, and
+    ``tiers`` may be given."""
+    if hidden_size is None:
+        extra = dict(needs_every_row=streams_rows_to_talker)
+    else:
+        extra = dict(row_outputs=thinker_row_outputs(hidden_size, dtype))
     return PrefixReuse(model=model, id_walks=(TEXT_WALK, DECODE_WALK), walk_ids=decode_ids,
                        walk_media=thinker_walk_media, cut=cut_thinker_inputs,
-                       position_advance=thinker_position_advance, needs_every_row=streams_rows_to_talker, **options)
+                       position_advance=thinker_position_advance, **extra, **options)

@@ -14,7 +14,11 @@ From outside M*, on the model object the engine loads (no M* file changes):
   its positions in ``prepare_inputs``, ``PrefixReuse.position_advance``, through the step's declared advance, or,
   for a walk of such a node whose positions the position resource plans, from the counter at the walk's start), and
   cuts what the step feeds (``input_ids``, ``input_embeds``, each once, or what ``PrefixReuse.cut`` cuts) to the
-  suffix; a step that ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
+  suffix. A step whose outputs carry every fed row (``RowOutputs.needed``, ``PrefixReuse.row_outputs``) is cut only
+  at pages whose row outputs are held; the seam reads the cut rows' outputs then, keeps what ``RowOutputs.keep``
+  takes from the uncut inputs, and ``postprocess`` puts both back in front of what the forward emitted
+  (``RowOutputs.restore``), so the node's consumer gets every row as without reuse; a step that
+  ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
   stops the stream's indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt,
@@ -76,6 +80,7 @@ def enable_reuse(model, reuse: PrefixReuse, nodes: Mapping[str, str], kv_keys: s
 def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     """Put the seam on one node's submodule (see the module docstring)."""
     prepare, declare = submodule.prepare_inputs, submodule.declare_step
+    restores: dict[str, tuple] = {}  # rid -> (RowOutputs, the cut rows' outputs, what keep took) for its postprocess
     full_prompts: dict[str, torch.Tensor] = {}  # rid -> the ids before the cut, for the repetition penalty
     advances: dict[str, tuple[str, set, int]] = {}  # rid -> (label, position resource keys, advance past held rows)
     # rid -> (walk, where the stream stood at its start, position key -> the counter then): for a walk whose positions
@@ -112,10 +117,20 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
             metadata = getattr(fwd_info, "step_metadata", None)
             salt = request_salt(metadata, "step_metadata") if metadata else b""
+            rows = r.row_outputs
+            needed = rows is not None and rows.needed(graph_walk, fwd_info)
+            if rows is not None:
+                kv.watch(submodule)
+            kept = rows.keep(out) if needed else None  # before the cut
             whole = r.needs_every_row is not None and r.needs_every_row(graph_walk, fwd_info)
-            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), may_cut=not whole)
+            held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), rows_needed=needed,
+                           whole=whole)
             advances.pop(rid, None)
+            restores.pop(rid, None)
             if held:
+                if needed:
+                    stored = kv.stored(rid, label)
+                    restores[rid] = rows, kv.held_rows(rid, label, stored - held, stored), kept
                 positions = {k for k, res in resources.items()
                              if isinstance(res, PositionManager) and key in res.depends_on()}
                 advance = None if r.position_advance is None else r.position_advance(graph_walk, out, held)
@@ -154,17 +169,29 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             add_held_advance(step, advances)
         return step
 
-    cleanup = getattr(submodule, "cleanup_request", None)
+    submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
+    post, cleanup = getattr(submodule, "postprocess", None), getattr(submodule, "cleanup_request", None)
+    if post is not None:
+        @functools.wraps(post)
+        def postprocess(*args, **kwargs):
+            rid = kwargs["request_id"] if "request_id" in kwargs else args[0]
+            restore = restores.pop(rid, None)
+            if restore is not None:
+                rows, held_rows, kept = restore
+                rows.restore(kwargs["outputs"] if "outputs" in kwargs else args[2], held_rows, kept)
+            return post(*args, **kwargs)
+
+        submodule.postprocess = postprocess
     if cleanup is not None:
         @functools.wraps(cleanup)
         def cleanup_request(request_id, *args, **kwargs):
-            # a request removed before its next step through this node (a hit on its last prefill walk, then done)
-            for kept in (full_prompts, advances, walk_starts):
+            # what the seam kept for a request it will not see again: one removed before its next step through this
+            # node (a hit on its last prefill walk, then done), or whose admit failed (it reaches no postprocess)
+            for kept in (full_prompts, advances, walk_starts, restores):
                 kept.pop(request_id, None)
             return cleanup(request_id, *args, **kwargs)
 
         submodule.cleanup_request = cleanup_request
-    submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
 
 
 def add_held_advance(step, advances: dict[str, tuple[str, set, int]]) -> None:

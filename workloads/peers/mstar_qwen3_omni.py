@@ -264,7 +264,9 @@ class ThinkerEngine:
     """M*'s ``Engine`` loaded with the thinker node: ``sub`` its submodule, ``kv`` its KV resource, ``pos`` its
     position resource (the MRoPE counter), ``fed`` rid -> what the last ``walk`` computed for it (the node inputs
     after the reuse seam's cut), ``hidden`` the final normed hidden states of each forward, its rows packed in batch
-    order (a forward hook that only reads)."""
+    order (a forward hook that only reads); of the last walk, rid -> its ``(thinker_states, thinker_mask)`` as the
+    talker is sent them (``talker``, after M*'s postprocess; absent without audio output) and as M*'s postprocess
+    was handed them (``raw``: every row, after the reuse seam put back the rows a cut held)."""
 
     engine: Engine
     sub: object
@@ -273,6 +275,8 @@ class ThinkerEngine:
     vision: object = None  # the vision node as the engine holds it (``CachedEncoderNode`` with reuse on), if built
     fed: dict = dataclasses.field(default_factory=dict)
     hidden: list = dataclasses.field(default_factory=list)
+    talker: dict = dataclasses.field(default_factory=dict)
+    raw: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.sub.model.model.norm.register_forward_hook(lambda mod, args, out: self.hidden.append(out.detach()))
@@ -280,7 +284,7 @@ class ThinkerEngine:
 
 def thinker_reuse() -> PrefixReuse:
     """``mmcache.mstar.qwen3_omni.qwen3_omni_reuse`` for the tiny thinker."""
-    return qwen3_omni_reuse("qwen3-omni-tiny@test")
+    return qwen3_omni_reuse("qwen3-omni-tiny@test", TEXT_SIZES["hidden_size"])
 
 
 def thinker_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int = 64, page_size: int = 4,
@@ -291,7 +295,9 @@ def thinker_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int =
     first. bf16: M*'s default (autocast and KV in bf16); fp32 for the dense reference. ``vision``: the vision tower's
     weights (``save_vision_weights``), its node on the same engine; with ``reuse`` its outputs are reused too
     (``enable_encoder_reuse`` with a store of ``encoder_bytes``: what ``enable_reuse(encoders=True)`` does, sized)."""
+    raw: dict = {}
     model = omni_model(weights)
+    model.get_submodule = _recording_postprocess(model.get_submodule, raw)  # under the seam: sees what it restored
     if vision is not None:
         serve_vision_on_cpu(model, vision)
         if reuse is not None:
@@ -300,7 +306,35 @@ def thinker_engine(weights: Path, reuse: PrefixReuse | None = None, pages: int =
                                page_size=page_size, dtype=dtype, kv_key=THINKER_KV, rope_key=THINKER_POS, reuse=reuse)
     sub = nodes[THINKER]
     return ThinkerEngine(engine, sub, sub.node_resources[THINKER_KV], sub.node_resources[THINKER_POS],
-                         nodes.get(VISION_NODE))
+                         nodes.get(VISION_NODE), raw=raw)
+
+
+def talker_edge(outputs: dict) -> tuple | None:
+    """``(thinker_states, thinker_mask)`` of one request's outputs, or None where it has none."""
+    if "thinker_states" not in outputs:
+        return None
+    return outputs["thinker_states"][0], outputs["thinker_mask"][0]
+
+
+def _recording_postprocess(get_submodule, raw: dict):
+    """``get_submodule`` whose submodules record into ``raw`` (rid -> ``talker_edge``) the outputs their
+    ``postprocess`` is handed (a copy of the references, before it selects and filters them)."""
+    def get(node_name, *args, **kwargs):
+        sub = get_submodule(node_name, *args, **kwargs)
+        if node_name != THINKER:
+            return sub
+        post = sub.postprocess
+
+        def postprocess(*a, **k):
+            edge = talker_edge(k["outputs"])
+            if edge is not None:
+                raw[k["request_id"]] = edge
+            return post(*a, **k)
+
+        sub.postprocess = postprocess
+        return sub
+
+    return get
 
 
 def greedy() -> dict:
@@ -328,10 +362,12 @@ def walk(te: ThinkerEngine, graph_walk: str, feeds: dict, sampled, last_prefill:
     the last prefill only; a batch of several samples on every walk). ``RuntimeError`` naming the reason when the
     step's admit failed."""
     calls = len(sampled.tokens)
+    te.raw.clear()
     meta = {"is_prefill": graph_walk != DECODE, "is_last_prefill": last_prefill, "audio_output": audio_output}
     b = run_batch(te.engine, THINKER, graph_walk, {rid: walk_inputs(graph_walk, x) for rid, x in feeds.items()},
                   greedy(), meta)
     te.fed = dict(zip(b.request_ids, b.inputs, strict=True))
+    te.talker = {rid: edge for rid in b.request_ids if (edge := talker_edge(b.outputs.get(rid, {}))) is not None}
     if b.admit_error is not None:  # nothing ran: M*'s worker drives the step again later
         raise RuntimeError(f"{graph_walk}: admit failed: {type(b.admit_error).__name__}")
     drew = len(sampled.tokens) > calls
