@@ -36,7 +36,7 @@ With no ``PrefixReuse`` (``reuse=None``) nothing is matched or indexed: M*'s own
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -135,8 +135,6 @@ class PrefixReuse:
     - ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
     - ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
       None.
-    - ``position_after(rid, label, tokens)``: the stream's position once it holds ``tokens`` tokens (default: the
-      token count, as RoPE counts, where M*'s ``RopeManager`` plans a step's positions from the counter).
     - ``position_advance(graph_walk, node_inputs, rows)``: for a node that computes its step's positions itself in
       ``prepare_inputs``, from the counter as it stands at the walk's start (Qwen3-Omni's thinker, MRoPE), how far the
       counter moves past the ``rows`` leading rows of the step the stream holds already. Given, the seam leaves the
@@ -185,7 +183,6 @@ class PrefixReuse:
     evict_batch_pages: int | None = None
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
-    position_after: Callable[[Hashable, str, int], int] | None = None
     position_advance: Callable[[str, object, int], int | None] | None = None
     cut: Callable[[object, int], None] | None = None
     row_outputs: RowOutputs | None = None
@@ -564,10 +561,6 @@ class ReuseKVManager(KVManager):
             if ids.size >= named.due:
                 self._due[named] = None
         return k
-
-    def position_after(self, rid: str, label: str, tokens: int) -> int:
-        fn = self.reuse.position_after if self.reuse is not None else None
-        return tokens if fn is None else fn(rid, label, tokens)
 
     # ----------------------------------------------------------------- M*'s lifecycle, owner-counted
     def commit(self, step, ctx):

@@ -23,7 +23,7 @@ prefix but the page of its last rows (a step keeps two rows to compute), which i
 SigLIP features are 256 rows a camera). Live camera frames and robot state change at every control step, so a
 control loop repeats a prefix only when it asks again for the same observation: several action chunks for one
 observation (another noise seed, ``fwd_info.random_seed``), a retry, a replayed episode. The positions advance by
-the token count (plain RoPE through ``RopeManager``): no ``position_after``.
+the token count (plain RoPE through ``RopeManager``): no ``position_advance``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ previous frame's summed codec embeddings plus a text projection) and a later req
 (a TTS request re-sends no earlier frames), so naming them would index pages no request can reach.
 
 The RoPE position advance is the token count (``ParallelAttention`` through M*'s ``RopeManager``, plain 1-D RoPE):
-no ``position_after``. What it is worth: at most the prefill's rows before the first text token (8 or 9), in
+no ``position_advance``. What it is worth: at most the prefill's rows before the first text token (8 or 9), in
 whole pages, and a step keeps two rows to compute: at page size 4, 2 pages when a language is set, 1 on auto; at 8,
 1 and none; at 16 or more, none, and M*'s default page size is 128 (``KVConfig.page_size``, kv/config.py:30; its
 qwen3tts.yaml keeps it). Equal text shares no more than equal speaker and language: the text's first token is the

@@ -125,8 +125,10 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             whole = r.needs_every_row is not None and r.needs_every_row(graph_walk, fwd_info)
             held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), rows_needed=needed,
                            whole=whole)
-            advances.pop(rid, None)
-            restores.pop(rid, None)
+            if advances:
+                advances.pop(rid, None)
+            if restores:
+                restores.pop(rid, None)
             if held:
                 if needed:
                     stored = kv.stored(rid, label)
@@ -143,8 +145,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     for k, position in walk_starts[rid][2].items():
                         resources[k].admit_retrieve(rid, node_name, graph_walk,
                                                     PublishedPositionInfo(counters={label: position + held}))
-                else:
-                    position = kv.position_after(rid, label, kv.stored(rid, label))
+                else:  # RoPE: the position is the token count
+                    position = kv.stored(rid, label)
                     for k in positions:
                         resources[k].admit_retrieve(rid, node_name, graph_walk,
                                                     PublishedPositionInfo(counters={label: position}))
@@ -152,8 +154,10 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     full_prompts[rid] = ids
                 (r.cut or cut_to_suffix)(out, held)
             else:
-                full_prompts.pop(rid, None)
-                walk_starts.pop(rid, None)
+                if full_prompts:
+                    full_prompts.pop(rid, None)
+                if walk_starts:
+                    walk_starts.pop(rid, None)
         return out
 
     @functools.wraps(declare)
