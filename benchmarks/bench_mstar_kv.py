@@ -5,13 +5,14 @@
 Both resources are built by M*'s ``build_resource`` and driven by M*'s ``StepRunner`` (admit, plan, commit) for decode
 steps of ``--requests`` requests, one token each, after a prefill of 64 tokens per request (4 pages at page 16). Rows:
 M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the counted pool alone), and with reuse on (plus
-the seam's ``feed`` of each request's token, and commit-as-written indexing the pages that fill). The forward is not
+the seam's ``feed_rows`` of the step's tokens, and commit-as-written indexing the pages that fill). The forward is not
 run: what is timed is the resource's own work. ms per step, best of repeats, spread = max/min over repeats; rows are
 interleaved repeat by repeat so load on the machine hits every row alike.
 
-A second table times the seam itself (``mmcache.mstar.switch``): a node's ``prepare_inputs`` for one decode token,
-bare and with the seam on it (which calls ``feed``), on the toy AR node of the tests (``tests/mstar_toy_ar.py``), per
-request, best of repeats.
+A second table times the seam itself (``mmcache.mstar.switch``): a decode step's ``prepare_inputs`` (one token) for
+every request and its ``declare_step``, bare and with the seam on them (which feeds the step's tokens through
+``feed_rows`` when it is declared), on the toy AR node of the tests (``tests/mstar_toy_ar.py``), per request, best
+of repeats.
 """
 
 from __future__ import annotations
@@ -74,15 +75,15 @@ def once(kind: str, requests: int, page: int, steps: int) -> float:
     tok = torch.tensor([7])
     t = time.perf_counter()
     for _ in range(steps):
-        if reuse:
-            for rid in rids:
-                kv.feed(rid, "main", tok)
+        if reuse:  # what the seam hands the resource for a decode step: every request's one id, at once
+            kv.feed_rows("main", {rid: tok for rid in rids})
         run_step(runner, rids, 1)
     return (time.perf_counter() - t) / steps
 
 
 def seam_us(reuse: bool, requests: int, repeats: int) -> float:
-    """Microseconds per request of a decode step's ``prepare_inputs`` on the toy node, with or without the seam."""
+    """Microseconds per request of a decode step's ``prepare_inputs`` of every request and its ``declare_step`` on the
+    toy node, with or without the seam (which feeds the step's one-row feeds when it is declared)."""
     from mstar_toy_ar import KV, ROPE, fwd_info, ids_feed, node, step, weights
 
     n = node(weights(), pages=requests * 4, reuse=PrefixReuse(model="bench") if reuse else None)
@@ -94,8 +95,9 @@ def seam_us(reuse: bool, requests: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        for rid in rids:
-            n.sub.prepare_inputs(graph_walk="decode", fwd_info=infos[rid], inputs=feed, resources=resources)
+        outs = [n.sub.prepare_inputs(graph_walk="decode", fwd_info=infos[rid], inputs=feed, resources=resources)
+                for rid in rids]
+        n.sub.declare_step("decode", rids, outs)
         best = min(best, time.perf_counter() - t)
     return best / requests * 1e6
 
@@ -126,8 +128,8 @@ def main() -> None:
         print(f"{names[k]:<36} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
     print(f"({args.requests} requests per step, page {args.page}, {args.steps} decode steps after a {PROMPT}-token "
           f"prefill, best of {args.repeats}; {sys.platform}, {torch.get_num_threads()} threads)")
-    bare, seam = (seam_us(r, 64, 10 * args.repeats) for r in (False, True))
-    print(f"\n{'prepare_inputs, one decode token (toy node)':<44} | {'us/request':>10} | {'vs bare':>7}")
+    bare, seam = (seam_us(r, 64, 30 * args.repeats) for r in (False, True))  # 64: the toy vocabulary is 128
+    print(f"\n{'prepare_inputs + declare_step, decode (toy node)':<44} | {'us/request':>10} | {'vs bare':>7}")
     print(f"{'bare':<44} | {bare:10.2f} | {1:7.2f}")
     print(f"{'with the seam (feed included)':<44} | {seam:10.2f} | {seam / bare:7.2f}")
 

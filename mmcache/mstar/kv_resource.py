@@ -350,6 +350,30 @@ class ReuseKVManager(KVManager):
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
 
+    def feed_rows(self, label: str, rows: dict) -> list:
+        """The one-row feeds of a step at once (a decode step's): for each ``rid -> ids`` (one id) what
+        ``feed(rid, label, ids)`` does for a stream already named, where a one-row feed is never cut (``_ROWS_LEFT``)
+        and carries no media. Returns the rids left to ``feed`` (a stream not named yet, a label in shadow)."""
+        if label not in self._reused:
+            return list(rows)
+        left, due, named_of = [], [], self._named
+        for rid, ids in rows.items():
+            named = named_of.get((rid, label))
+            if named is None:
+                left.append(rid)
+                continue
+            held = named.stream.stored_len
+            self._settle(named, held)  # what the previous feed announced is written now, or was not
+            named.continued = None
+            named.pending = (held, ids, 1)
+            if named.covered and held + 1 >= named.due:
+                due.append(named)
+        if due:
+            with self._lock:
+                for named in due:
+                    self._due[named] = None  # a page fills in this step: commit indexes it
+        return left
+
     def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
         """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex`` (named outside the
         pool's lock; a walk of embeddings by its marks, as ``feed`` names it); later feeds are kept by the position

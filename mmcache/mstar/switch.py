@@ -87,6 +87,9 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     # the position resource plans from the counter, beside ``position_advance``; a retried step finds its start here
     walk_starts: dict[str, tuple[str, int, dict[str, int]]] = {}
     reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
+    seen: set[str] = set()  # rids whose streams this seam has fed (until the engine cleans the request up)
+    one_row: dict = {}  # KV resource -> {rid: ids}: the step's one-row feeds, fed when it is declared
+    one_row_infos: dict = {}  # rid -> its forward pass info (a stream fed alone takes its salt from it)
 
     def kv_resources(resources: dict) -> tuple:
         """The (key, KV resource) pairs of ``resources`` that name ``label``; found once per resources dict (the
@@ -115,8 +118,16 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     ids = None
                 elif ids is None and r.walk_ids is not None:
                     ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
-            metadata = getattr(fwd_info, "step_metadata", None)
-            salt = request_salt(metadata, "step_metadata") if metadata else b""
+            if ids is not None and not marks and rid in seen and int(out.input_seq_len) == 1:
+                # a decode step's feed: never cut (a prefill is never cut to one row), so it waits for the step
+                one_row.setdefault(kv, {})[rid] = ids
+                one_row_infos[rid] = fwd_info
+                for kept in (full_prompts, walk_starts, advances, restores):
+                    if kept:
+                        kept.pop(rid, None)
+                continue
+            seen.add(rid)
+            salt = step_salt(fwd_info)
             rows = r.row_outputs
             needed = rows is not None and rows.needed(graph_walk, fwd_info)
             if rows is not None:
@@ -162,6 +173,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
 
     @functools.wraps(declare)
     def declare_step(graph_walk, request_ids, inputs, *args, **kwargs):
+        if one_row:
+            feed_one_row_steps(set(request_ids))
         step = declare(graph_walk, request_ids, inputs, *args, **kwargs)
         if step is not None and full_prompts:
             for sub in step.steps.values():
@@ -172,6 +185,17 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         if step is not None and advances:
             add_held_advance(step, advances)
         return step
+
+    def feed_one_row_steps(request_ids) -> None:
+        """Feed the step's one-row feeds (of the requests still in it) through ``ReuseKVManager.feed_rows``; a stream
+        it leaves (not named yet, or measured in shadow) is fed alone."""
+        for kv, rows in one_row.items():
+            for rid in rows.keys() - request_ids:  # prepared, then left the step (failed or declined)
+                del rows[rid]
+            for rid in kv.feed_rows(label, rows):
+                kv.feed(rid, label, rows[rid], (), step_salt(one_row_infos[rid]), 1)  # one row: nothing is cut
+        one_row.clear()
+        one_row_infos.clear()
 
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
     post, cleanup = getattr(submodule, "postprocess", None), getattr(submodule, "cleanup_request", None)
@@ -193,6 +217,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             # node (a hit on its last prefill walk, then done), or whose admit failed (it reaches no postprocess)
             for kept in (full_prompts, advances, walk_starts, restores):
                 kept.pop(request_id, None)
+            seen.discard(request_id)
             return cleanup(request_id, *args, **kwargs)
 
         submodule.cleanup_request = cleanup_request
@@ -214,6 +239,12 @@ def add_held_advance(step, advances: dict[str, tuple[str, set, int]]) -> None:
             step.steps[key] = dataclasses.replace(sub, advance=tuple(a + e for a, e in zip(base, extra, strict=True)))
     for rid in [seg.request_id for seg in step.segments or ()]:
         advances.pop(rid, None)
+
+
+def step_salt(fwd_info) -> bytes:
+    """The tenant salt the request's forward pass carries in its ``step_metadata`` (``route_salt`` put it there)."""
+    metadata = getattr(fwd_info, "step_metadata", None)
+    return request_salt(metadata, "step_metadata") if metadata else b""
 
 
 def cut_to_suffix(node_inputs, held: int) -> None:
