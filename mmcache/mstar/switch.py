@@ -127,6 +127,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                         kept.pop(rid, None)
                 continue
             seen.add(rid)
+            if one_row:  # a one-row feed of an earlier step that was never declared is not this step's
+                one_row.get(kv, {}).pop(rid, None)
             salt = step_salt(fwd_info)
             rows = r.row_outputs
             needed = rows is not None and rows.needed(graph_walk, fwd_info)
