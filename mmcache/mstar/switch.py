@@ -21,10 +21,12 @@ From outside M*, on the model object the engine loads (no M* file changes):
   ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
-  stops the stream's indexing there. ``declare_step`` keeps the sampler's repetition penalty over the whole prompt,
-  hit or not, so sampling is what it was, and adds the held rows' advance to the step's declared position advance
-  where ``position_advance`` says so. ``cleanup_request`` (M*'s engine calls it on every submodule when it removes a
-  request) drops what the seam kept for the request.
+  stops the stream's indexing there. A one-row feed of a stream the seam has fed (a decode step's) is never cut, so
+  ``prepare_inputs`` only keeps it, and ``declare_step`` hands the step's one-row feeds to the KV resource at once
+  (``ReuseKVManager.feed_rows``) before M* admits the step. ``declare_step`` also keeps the sampler's repetition
+  penalty over the whole prompt, hit or not, so sampling is what it was, and adds the held rows' advance to the step's
+  declared position advance where ``position_advance`` says so. ``cleanup_request`` (M*'s engine calls it on every
+  submodule when it removes a request) drops what the seam kept for the request.
 
 The tenant salt comes from the request's ``model_kwargs["mmcache_salt"]``: ``route_salt`` (``mmcache.mstar.salts``, the
 one salt reader, shared with the encoder nodes) carries it into every pass's ``step_metadata``, where the seam reads
