@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from mmcache.errors import InvalidRequest, RefusedByGroup
-from mmcache.names import Fingerprint, NamedPrompt, chain, media_by_page, media_ids
+from mmcache.names import Fingerprint, NamedPrompt, chain, chain_children, media_by_page, media_ids
 from mmcache.pool import PagePool
 from mmcache.prefix_index import ChainRun, IndexObserver, PrefixIndex
 from mmcache.reclaim import take
@@ -300,11 +300,15 @@ class PrefixLifecycle:
         if not todo:
             return out
         with self.lock:
-            runs, kept = [], []
+            runs, kept, children = [], [], []
             for i, w, lo, m in todo:
                 claim, prompt = w.claim, w.claim.prompt
                 if lo and self.index.serial(claim.chain[-1]) != claim.parent_serial:
                     claim.open = False  # the parent left the index (evicted or discarded): no child may hang on it
+                    continue
+                if (m == lo + 1 == len(claim.names) + 1 and lo and lo * P >= prompt.tokens.size
+                        and lo not in claim.media and self.tiers is None):
+                    children.append((i, w, lo))  # a decode step's page that filled: indexed with the others at once
                     continue
                 rows = _rows(prompt, w.generated, lo, m)
                 if m > len(claim.names):  # generated pages: their names continue the prompt's chain (lo <= names)
@@ -314,6 +318,13 @@ class PrefixLifecycle:
                 runs.append(ChainRun(w.pages[lo:m], claim.names[lo:m], rows, media_ids(claim.media, range(lo, m)),
                                      claim.salt_id, lo, claim.chain[-1] if lo else -1, prompt.media))
                 kept.append((i, w, lo, m))
+            if children:
+                for i, w, lo in self._commit_children(children, out):  # those the index left to a run of their own
+                    claim = w.claim
+                    rows = _rows(claim.prompt, w.generated, lo, lo + 1)
+                    runs.append(ChainRun(w.pages[lo:lo + 1], claim.names[lo:lo + 1], rows, media_ids(claim.media,
+                                         range(lo, lo + 1)), claim.salt_id, lo, claim.chain[-1], claim.prompt.media))
+                    kept.append((i, w, lo, lo + 1))
             for (i, w, lo, m), (new, walked, ok) in zip(kept, self.index.insert_runs(runs)):
                 claim = w.claim
                 claim.open = ok
@@ -329,6 +340,35 @@ class PrefixLifecycle:
                     self.tiers.publish(self.pool, list(w.pages[:m]), [lo + j for j in new], claim.names[:m], seq,
                                        media_ids(claim.media, range(m)), prompt.salt)
             return out
+
+    def _commit_children(self, children: list, out: list[int]) -> list:
+        """Index, as arrays, one generated page per request continuing its chain (``children``: ``(i, Written,
+        position)``, every position before it indexed and named, no media on it): their names from their parents',
+        then ``PrefixIndex.insert_children``; each adopted page joins its claim's chain (``out[i]`` = 1). Returns those
+        the index left (a name or page it holds already), their names computed, for a run of their own. Under the
+        lock."""
+        P, n = self.page_size, len(children)
+        rows = np.empty((n, P), dtype=np.int32)
+        for j, (_, w, lo) in enumerate(children):
+            start = lo * P - w.claim.prompt.tokens.size
+            rows[j] = w.generated[start:start + P]
+        names = chain_children([w.claim.names[-1] for _, w, _ in children], rows)
+        pages = [int(w.pages[lo]) for _, w, lo in children]
+        handled = self.index.insert_children(pages, names, rows, [w.claim.chain[-1] for _, w, _ in children],
+                                             [w.claim.salt_id for _, w, _ in children], [lo for _, _, lo in children])
+        serials = self.index.serials(pages)
+        left, done = [], set(handled)
+        for j, (i, w, lo) in enumerate(children):
+            claim = w.claim
+            claim.names.append(names[j])
+            if j in done:
+                claim.chain.append(pages[j])
+                claim.parent_serial = serials[j]
+                claim.adopted.append(pages[j])
+                out[i] = 1
+            else:
+                left.append((i, w, lo))
+        return left
 
     def touch(self, claim: Claim) -> None:
         """The request is done with its chain: mark it used now (one tick for the whole chain), so its pages rank by

@@ -158,6 +158,15 @@ def chain(parent: int, tokens: np.ndarray, page_size: int, first_page: int = 0,
     return names
 
 
+def chain_children(parents: Sequence[int], rows: np.ndarray) -> list[int]:
+    """The name of one page (no media) after each of ``parents``: ``chain(parents[j], rows[j], page_size)[0]`` for
+    every row of the int32 ``rows`` [n, page_size], in one pass."""
+    step = rows.shape[1] * rows.itemsize
+    buf = memoryview(np.ascontiguousarray(rows)).cast("B")
+    hash64 = xxhash.xxh64_intdigest
+    return [hash64(buf[j * step:(j + 1) * step], int(parent)) for j, parent in enumerate(parents)]
+
+
 def page_names(fp: Fingerprint, token_ids, media: Sequence = (), salt: bytes = b"") -> list[int]:
     """One 64-bit name per full page of ``token_ids``; needs no lock and no pool."""
     tokens = as_tokens(token_ids)

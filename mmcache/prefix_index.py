@@ -230,6 +230,46 @@ class PrefixIndex:
             self.pool.retain(adopted_all, distinct=True)
         return out
 
+    def insert_children(self, pages: Sequence[int], names: Sequence[int], rows: np.ndarray, parents: Sequence[int],
+                        salt_ids: Sequence[int], depths: Sequence[int]) -> list[int]:
+        """Index ``pages[j]`` (named ``names[j]``, verifying ids ``rows[j]``, no media) as the child of the indexed page
+        ``parents[j]`` at chain position ``depths[j]``, for each ``j`` whose page is not indexed and whose name is
+        not: what ``insert_runs`` does for runs of one such page, written as arrays (a decode step's pages that
+        filled). The others are left to ``insert_runs`` (an equal page to continue from, or a collision), and all of
+        them when an observer listens. Returns the ``j`` indexed; each takes an owner of the index's and its parent's
+        tick. Callers checked each parent is still the page they saw (``serial``)."""
+        if self._observer is not None:
+            return []
+        handled, index_of = [], self._pages
+        for j, name in enumerate(names):
+            page = pages[j]
+            if not self._indexed[page] and name not in index_of:
+                index_of[name] = page
+                handled.append(j)
+        if not handled:
+            return handled
+        at = np.asarray(handled, dtype=np.int64)
+        idx = np.asarray(pages, dtype=np.int64)[at]
+        up = np.asarray(parents, dtype=np.int64)[at]
+        serial = self._next_serial
+        self._next_serial += idx.size
+        self._name[idx] = np.asarray(names, dtype=np.uint64)[at]
+        self._tokens[idx] = rows[at]
+        self._media_lo[idx] = self._media_hi[idx] = 0
+        self._parent[idx] = up
+        self._salt[idx] = np.asarray(salt_ids, dtype=np.int32)[at]
+        self._depth[idx] = np.asarray(depths, dtype=np.int32)[at]
+        self._serial[idx] = np.arange(serial, serial + idx.size)
+        self._tick[idx] = self._tick[up]  # the parent's tick: ticks never increase along a chain
+        self._indexed[idx] = True
+        self.pool.retain(idx, distinct=True)
+        return handled
+
+    def serials(self, pages: Sequence[int]) -> list[int]:
+        """``serial`` of each of ``pages``."""
+        idx = np.asarray(pages, dtype=np.int64)
+        return np.where(self._indexed[idx], self._serial[idx], 0).tolist()
+
     def _record(self, adopted: list[int], names: list[int], rows: np.ndarray, mids: np.ndarray, new: list[int],
                 parents: list[int], salt_id: int, depth: int) -> None:
         """Write the verifying ids and chain metadata of the pages ``adopted`` (run positions ``new``) at once, so a
