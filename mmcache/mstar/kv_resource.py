@@ -83,6 +83,20 @@ def _joined_tokens(chunks: list) -> np.ndarray:
     return as_tokens([i for c in chunks for i in (c.tolist() if hasattr(c, "tolist") else c)])
 
 
+def _append_generated(named: _Named, ids: np.ndarray) -> None:
+    """``named.generated`` += ``ids``, in room that doubles (a stream's generated ids are copied O(log n) times, not
+    at every page that fills). ``generated`` stays a view of its first ids: a view taken earlier still reads what it
+    read, since the room is only ever written past it."""
+    n, k = named.generated.size, ids.size
+    room = named.spare
+    if n + k > room.size:
+        room = np.empty(max(2 * room.size, n + k), dtype=np.int32)
+        room[:n] = named.generated
+        named.spare = room
+    room[n:n + k] = ids
+    named.generated = room[:n + k]
+
+
 class CountedPageAllocator(PageAllocator):
     """M*'s ``PageAllocator`` interface over a ``PagePool``: ``try_allocate`` takes pages with one owner each,
     evicting cold cached pages of the pool first; ``free`` drops one owner per page (the pool frees a page when its
@@ -225,6 +239,7 @@ class _Named:
     due: int
     chunks: list = dataclasses.field(default_factory=list)
     generated: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    spare: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(64, dtype=np.int32))  # ``generated``'s room
     media_upto: int = 0  # positions whose media marks are registered
     pending: tuple | None = None
     continued: tuple | None = None  # (start, rows cut, rows fed) of the last feed a continued match cut
@@ -634,14 +649,16 @@ class ReuseKVManager(KVManager):
             except InvalidRequest:
                 joined = None
             if joined is not None and joined.size == sum(sizes):
-                for named, part in zip(todo, np.split(joined, np.cumsum(sizes[:-1]))):
-                    named.generated, named.chunks = np.concatenate((named.generated, part)), []
+                at = 0
+                for named, size in zip(todo, sizes):
+                    _append_generated(named, joined[at:at + size])
+                    named.chunks, at = [], at + size
         out = []
         for named in streams:
             chunks, named.chunks = named.chunks, []
             if chunks:
                 try:
-                    named.generated = np.concatenate((named.generated, _joined_tokens(chunks)))
+                    _append_generated(named, _joined_tokens(chunks))
                 except InvalidRequest:
                     named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
                     out.append(False)
