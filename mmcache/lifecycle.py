@@ -172,7 +172,7 @@ class PrefixLifecycle:
         after the agreement. ``RefusedByGroup`` (nothing held) when another rank could not admit the request.
         ``servable(pages)``: how many leading device pages of the verified prefix this request may be served (the
         match stops there, and no lower tier continues it)."""
-        limit = max(0, (prompt.tokens.size - max(1, rows_left)) // self.page_size)
+        limit = prompt.matchable(rows_left)
         mids = prompt.media_ids(limit)
         with self.lock:
             salt_id = self.index.salt_id(prompt.salt)

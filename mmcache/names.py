@@ -205,10 +205,10 @@ class NamedPrompt:
         names = chain(root, tokens, P, 0, blobs) if names is None else as_names(names, tokens.size // P, what)
         return cls(tokens, blobs, bytes(salt), root, names, P)
 
-    @property
-    def matchable(self) -> int:
-        """Full pages a lookup may match: never the page of the last prompt token, whose logits the model needs."""
-        return (self.tokens.size - 1) // self.page_size
+    def matchable(self, rows_left: int = 1) -> int:
+        """Full pages a lookup may match: as many as leave at least ``rows_left`` prompt tokens to compute (never the
+        page of the last prompt token, whose logits the model needs)."""
+        return max(0, (self.tokens.size - max(1, rows_left)) // self.page_size)
 
     def media_ids(self, pages: int) -> np.ndarray:
         """The 128-bit media verifying ids of the first ``pages`` pages."""

@@ -66,16 +66,18 @@ class ShadowIndex:
     """Names and verifying ids of every finished request's full pages, with no pages and no eviction.
 
     Invariant: an entry is added only at ``finish`` and never removed, so ``matched_pages`` is the ceiling an
-    infinite pool would realize. Nothing here is visible to the engine being measured.
+    infinite pool would realize. Nothing here is visible to the engine being measured. ``rows_left``: the prompt
+    tokens a match leaves to compute, as the reuse it measures leaves them (``NamedPrompt.matchable``).
 
     Phase 1's side effects: every media digest admitted is counted (``duplicate_media_rate``: the share already seen
     before, i.e. the encoder runs a digest-keyed store would save), and ``admit(..., replica=r)`` records which
     data-parallel replica served the request (``ReplicaSpread``: how many replicas a repeated prefix lands on).
     """
 
-    def __init__(self, fingerprint: Fingerprint):
+    def __init__(self, fingerprint: Fingerprint, rows_left: int = 1):
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
+        self.rows_left = rows_left
         self.records: list[ShadowMatch] = []
         self._table: dict[int, tuple[int, int, bytes, bytes]] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
@@ -90,7 +92,7 @@ class ShadowIndex:
               names: Sequence[int] | None = None, replica: Hashable = 0) -> ShadowMatch:
         P = self.page_size
         prompt = NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, what=f"request {rid!r}")
-        tokens, names, limit = prompt.tokens, prompt.names, prompt.matchable
+        tokens, names, limit = prompt.tokens, prompt.names, prompt.matchable(self.rows_left)
         mids = prompt.media_ids(limit)
         digests = [(bytes(salt), _digest_bytes(d)) for _, d in media or ()]  # media_by_page has checked each mark
         with self._lock:
@@ -136,7 +138,7 @@ class ShadowIndex:
         live = self._live.pop(rid, None)
         if live is None:
             raise UnknownRequest(f"request {rid!r} is not live in the shadow index")
-        for name in live.prompt.names[:live.prompt.matchable]:
+        for name in live.prompt.names[:live.prompt.matchable(self.rows_left)]:
             if self._inflight[name] > 1:
                 self._inflight[name] -= 1
             else:

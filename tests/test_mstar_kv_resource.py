@@ -336,9 +336,10 @@ def test_shadow_mode_measures_what_reuse_would_match_and_changes_nothing():
     for name, n in (("shadow", shadow), ("on", on), ("off", off)):
         a = serve(n, "a", turn1, 5)
         turn2 = turn1 + a[0] + [7, 8, 9]
-        runs[name] = (a, serve(n, "b", turn2, 4), serve(n, "c", turn2[:9] + [99, 98], 2))
+        runs[name] = (a, serve(n, "b", turn2, 4), serve(n, "c", turn2[:9] + [99, 98], 2),
+                      serve(n, "d", turn1, 1))  # 3 pages + 1 id: reuse leaves two rows, so it matches 2 pages
     for a, b in zip(runs["shadow"], runs["off"]):
         assert a[0] == b[0] and equal(a[1], b[1])
     assert shadow.kv.lifecycle(LABEL).stats(0, 0).pages_cached == 0 and shadow.kv.stats(LABEL).hit_tokens == 0
     s = shadow.kv.shadow_stats(LABEL)
-    assert s.requests == 3 and s.matched_pages * P == on.kv.stats(LABEL).hit_tokens == 16 + 8
+    assert s.requests == 4 and s.matched_pages * P == on.kv.stats(LABEL).hit_tokens == 16 + 8 + 8

@@ -422,7 +422,7 @@ class ReuseKVManager(KVManager):
         """``label``'s shadow table (made on first use)."""
         shadow = self._shadows.get(label)
         if shadow is None:
-            shadow = self._shadows[label] = ShadowIndex(self.fingerprint(label))
+            shadow = self._shadows[label] = ShadowIndex(self.fingerprint(label), rows_left=_ROWS_LEFT)
         return shadow
 
     def shadow_stats(self, label: str) -> ShadowStats:
