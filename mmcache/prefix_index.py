@@ -253,15 +253,9 @@ class PrefixIndex:
         up = np.asarray(parents, dtype=np.int64)[at]
         serial = self._next_serial
         self._next_serial += idx.size
-        self._name[idx] = np.asarray(names, dtype=np.uint64)[at]
-        self._tokens[idx] = rows[at]
-        self._media_lo[idx] = self._media_hi[idx] = 0
-        self._parent[idx] = up
-        self._salt[idx] = np.asarray(salt_ids, dtype=np.int32)[at]
-        self._depth[idx] = np.asarray(depths, dtype=np.int32)[at]
-        self._serial[idx] = np.arange(serial, serial + idx.size)
+        self._write(idx, np.asarray(names, dtype=np.uint64)[at], rows[at], 0, 0, up,
+                    np.asarray(salt_ids, dtype=np.int32)[at], np.asarray(depths, dtype=np.int32)[at], serial)
         self._tick[idx] = self._tick[up]  # the parent's tick: ticks never increase along a chain
-        self._indexed[idx] = True
         self.pool.retain(idx, distinct=True)
         return handled
 
@@ -291,14 +285,20 @@ class PrefixIndex:
                 self._serial[page] = serial + q
                 self._indexed[page] = True
             return
-        idx = np.asarray(adopted, dtype=np.int64)
+        self._write(np.asarray(adopted, dtype=np.int64), names, rows[new], mids[new, 0], mids[new, 1], parents,
+                    salt_id, np.asarray(new, dtype=np.int32) + depth, serial)
+
+    def _write(self, idx: np.ndarray, names, rows: np.ndarray, media_lo, media_hi, parents, salt_ids, depths,
+               serial: int) -> None:
+        """The verifying ids and chain metadata of the pages ``idx`` as arrays (each argument one value a page, or one
+        for all), serials from ``serial`` on, and the pages marked indexed."""
         self._name[idx] = np.asarray(names, dtype=np.uint64)
-        self._tokens[idx] = rows[new]
-        self._media_lo[idx], self._media_hi[idx] = mids[new, 0], mids[new, 1]
+        self._tokens[idx] = rows
+        self._media_lo[idx], self._media_hi[idx] = media_lo, media_hi
         self._parent[idx] = parents
-        self._salt[idx] = salt_id
-        self._depth[idx] = np.asarray(new, dtype=np.int32) + depth
-        self._serial[idx] = np.arange(serial, serial + len(adopted))
+        self._salt[idx] = salt_ids
+        self._depth[idx] = depths
+        self._serial[idx] = np.arange(serial, serial + idx.size)
         self._indexed[idx] = True
 
     def _tell_stored(self, new, names, chain_pages, first_parent, page_tokens, salt_id, depth, media) -> None:
