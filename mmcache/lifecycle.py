@@ -10,8 +10,9 @@ prefix it calls one lifecycle per label:
 - ``take`` fresh pages (evicting cold cached pages of the pool first, ``mmcache.reclaim``);
 - ``commit`` pages as their KV is written: every full page the request's names cover is indexed then, so another
   request with the same prefix shares it while the first still runs (prompt pages, and generated pages as they fill);
-- ``release`` the request's pages when it ends (the index keeps its own owners), ``discard`` what it indexed when
-  its KV turned out bad;
+- ``touch`` its chain when it is done with it (one tick for the whole chain: pages indexed while it ran took their
+  parent's), then ``release`` the request's pages (the index keeps its own owners), or ``discard`` what it indexed
+  when its KV turned out bad;
 - ``stats``.
 
 Ownership: the table holds one owner per page it lists for a request, the index one per indexed page; the pool frees

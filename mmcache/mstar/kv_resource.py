@@ -557,10 +557,11 @@ class ReuseKVManager(KVManager):
         self._fresh_rows = None  # rows are taken only from the forward between a step's admit and its commit
         return super().admit(step, ctx)
 
-    def _rows_to_write(self, step) -> list | None:
-        """Before ``step`` commits: ``(stream, first position, rows, first row)`` of each of its segments on a reused
-        label, row offsets counted over every segment in order (the forward packs its rows so); None when no watched
-        forward ran since the step's admit (a replayed graph runs no hook) or its rows do not match the step."""
+    def _rows_to_write(self, step) -> tuple | None:
+        """Before ``step`` commits: ``(spans, parts)``, ``spans`` the ``(stream, first position, rows, first row)`` of
+        each of its segments on a reused label (row offsets counted over every segment in order: the forward packs its
+        rows so), ``parts`` the watched forward's rows; None when no watched forward ran since the step's admit (a
+        replayed graph runs no hook) or its rows do not match the step."""
         parts, self._fresh_rows = self._fresh_rows, None
         if parts is None or not step.commit:
             return None
@@ -573,7 +574,8 @@ class ReuseKVManager(KVManager):
         return (spans, parts) if spans and row == parts[0].shape[0] else None
 
     def _write_rows(self, todo: tuple) -> None:
-        """Store the rows of the segments ``step`` committed (a stream offloaded mid-step committed nothing)."""
+        """Store the rows ``_rows_to_write`` found, of the segments the step committed (a stream offloaded mid-step
+        committed nothing)."""
         spans, parts = todo
         done = [(s.page_indices, lo, n, r) for s, lo, n, r in spans if s.stored_len == lo + n]
         if done:

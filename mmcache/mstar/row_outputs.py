@@ -67,10 +67,6 @@ class SideRows:
         self._valid_flat = self.valid.reshape(-1)
         self._fits: set[tuple] = set()  # the (dtype, width) column blocks a write has checked already
 
-    @property
-    def bytes_per_row(self) -> int:
-        return self.spec.width * self.rows.element_size()
-
     def forget(self, pages: Sequence[int]) -> None:
         """``pages`` were taken fresh: none of their rows is valid until a step writes it."""
         self.valid[list(pages)] = False

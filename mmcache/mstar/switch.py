@@ -21,7 +21,7 @@ From outside M*, on the model object the engine loads (no M* file changes):
   ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
-  stops the stream's indexing there. A one-row feed of a stream the seam has fed (a decode step's) is never cut, so
+  stops the stream's indexing there. A one-row feed (a decode step's) is never cut, so
   ``prepare_inputs`` only keeps it, and ``declare_step`` hands the step's one-row feeds to the KV resource at once
   (``ReuseKVManager.feed_rows``) before M* admits the step. ``declare_step`` also keeps the sampler's repetition
   penalty over the whole prompt, hit or not, so sampling is what it was, and adds the held rows' advance to the step's
@@ -89,7 +89,6 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     # the position resource plans from the counter, beside ``position_advance``; a retried step finds its start here
     walk_starts: dict[str, tuple[str, int, dict[str, int]]] = {}
     reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
-    seen: set[str] = set()  # rids whose streams this seam has fed (until the engine cleans the request up)
     one_row: dict = {}  # KV resource -> {rid: ids}: the step's one-row feeds, fed when it is declared
     one_row_infos: dict = {}  # rid -> its forward pass info (a stream fed alone takes its salt from it)
 
@@ -120,7 +119,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     ids = None
                 elif ids is None and r.walk_ids is not None:
                     ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
-            if ids is not None and not marks and rid in seen and int(out.input_seq_len) == 1:
+            if ids is not None and not marks and int(out.input_seq_len) == 1:
                 # a decode step's feed: never cut (a prefill is never cut to one row), so it waits for the step
                 one_row.setdefault(kv, {})[rid] = ids
                 one_row_infos[rid] = fwd_info
@@ -128,7 +127,6 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     if kept:
                         kept.pop(rid, None)
                 continue
-            seen.add(rid)
             if one_row:  # a one-row feed of an earlier step that was never declared is not this step's
                 one_row.get(kv, {}).pop(rid, None)
             salt = step_salt(fwd_info)
@@ -221,7 +219,6 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             # node (a hit on its last prefill walk, then done), or whose admit failed (it reaches no postprocess)
             for kept in (full_prompts, advances, walk_starts, restores):
                 kept.pop(request_id, None)
-            seen.discard(request_id)
             return cleanup(request_id, *args, **kwargs)
 
         submodule.cleanup_request = cleanup_request

@@ -44,9 +44,6 @@ import types
 
 import torch
 
-ROPE_OP = "mstar::rope_apply_qk_inplace"
-
-
 class _ImportOnly(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
