@@ -2,6 +2,7 @@
 ``require_mstar()`` first: it skips the module, with the line to run, when that M* is not installed."""
 
 import pytest
+import torch
 
 from mmcache.mstar.requirement import why_unavailable
 
@@ -10,3 +11,8 @@ def require_mstar():
     why = why_unavailable()
     if why is not None:
         pytest.skip(why, allow_module_level=True)
+
+
+def all_equal(got: list, want: list) -> bool:
+    """Two lists of tensors of the same length, each pair ``torch.equal``."""
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -17,7 +17,7 @@ and off, on the same schedule: Higgs's three prefill walks (text, audio embeddin
 import pytest
 import torch
 
-from mstar_helpers import require_mstar
+from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mmcache.mstar import PrefixReuse  # noqa: E402
@@ -67,9 +67,6 @@ def serve(he, sampled, rid: str, pre, sound, post, new: int):
     he.engine.remove_request(rid)
     return logits, fed, out
 
-
-def all_equal(got: list, want: list) -> bool:
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_the_forward_is_transformers_qwen3_on_the_same_weights(weights, sampled):

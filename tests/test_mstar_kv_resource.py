@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mstar_helpers import require_mstar
+from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
@@ -23,9 +23,6 @@ W = weights()
 REUSE = PrefixReuse(model="toy@0")
 
 
-def equal(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
 
 def test_the_attention_stand_in_is_dense_attention():
     prompt = list(range(3, 16))
@@ -38,10 +35,10 @@ def test_reuse_on_equals_reuse_off_across_turns_and_generated_pages_are_reused()
     on, off = node(W, reuse=REUSE), node(W)
     turn1 = list(range(1, 14))
     a_on, a_off = serve(on, "a", turn1, 5), serve(off, "a", turn1, 5)
-    assert a_on[0] == a_off[0] and equal(a_on[1], a_off[1])
+    assert a_on[0] == a_off[0] and all_equal(a_on[1], a_off[1])
     turn2 = turn1 + a_on[0] + [7, 8, 9]                        # the history with the reply, then a new question
     b_on, b_off = serve(on, "b", turn2, 4), serve(off, "b", turn2, 4)
-    assert b_on[0] == b_off[0] and equal(b_on[1], b_off[1])
+    assert b_on[0] == b_off[0] and all_equal(b_on[1], b_off[1])
     s = on.kv.stats(LABEL)
     assert s.hit_tokens == 16 and s.hits == 1                   # 13 prompt + 3 generated tokens: 4 whole pages
     assert on.kv.pool.num_free + s.pages_cached + 1 == on.kv.pool.num_pages  # + M*'s sink page
@@ -55,7 +52,7 @@ def test_a_second_request_shares_pages_the_first_committed_while_it_still_runs()
     out, logits = serve(on, "b", system + [2], 3)
     assert on.kv.stats(LABEL).hit_tokens == 12                  # a's three full pages, while a is live
     want = serve(node(W), "b", system + [2], 3)
-    assert out == want[0] and equal(logits, want[1])
+    assert out == want[0] and all_equal(logits, want[1])
     on.runner.remove_request("a")
 
 
@@ -107,7 +104,7 @@ def test_a_walk_the_names_do_not_cover_is_never_indexed():
     out, logits = serve(on, "probe", probe, 2)
     assert on.kv.stats(LABEL).hit_tokens == 8
     want = serve(node(W), "probe", probe, 2)
-    assert out == want[0] and equal(logits, want[1])
+    assert out == want[0] and all_equal(logits, want[1])
 
 
 def test_the_retry_after_an_allocation_failure_feeds_only_what_is_not_held():
@@ -142,7 +139,7 @@ def test_cached_pages_are_evicted_before_allocation_fails_and_encoder_outputs_sh
     s = on.kv.stats(LABEL)
     assert s.evicted_pages == 3 and key not in store
     want = serve(node(W), "big", list(range(60, 84)), 1)
-    assert out == want[0] and equal(logits, want[1])
+    assert out == want[0] and all_equal(logits, want[1])
 
 
 def test_reset_without_free_never_rewrites_a_shared_page():
@@ -160,7 +157,7 @@ def test_reset_without_free_never_rewrites_a_shared_page():
     on.runner.remove_request("b")
     out, logits = serve(on, "c", prompt + [9], 1)
     want = serve(node(W), "c", prompt + [9], 1)
-    assert out == want[0] and equal(logits, want[1])
+    assert out == want[0] and all_equal(logits, want[1])
 
 
 def test_salts_share_nothing_and_forced_collisions_cost_a_miss():
@@ -229,7 +226,7 @@ def test_a_host_tier_under_m_star_s_kv_tensor():
     out, logits = serve(on, "again", prompt + [9], 2)
     assert on.kv.stats(LABEL).hit_tokens == 12                  # from the host tier
     want = serve(node(W), "again", prompt + [9], 2)
-    assert out == want[0] and equal(logits, want[1])
+    assert out == want[0] and all_equal(logits, want[1])
 
 
 def test_a_prompt_prefilled_in_chunks_is_matched_chunk_by_chunk():
@@ -246,7 +243,7 @@ def test_a_prompt_prefilled_in_chunks_is_matched_chunk_by_chunk():
 
     run(on, "a")
     got, want = run(on, "b"), run(off, "b")
-    assert equal(got, want)
+    assert all_equal(got, want)
     assert on.kv.stats(LABEL).hit_tokens == 4 + 4           # each 8-token chunk: its full pages but its last token's
 
 
@@ -272,7 +269,7 @@ def test_a_continued_chunk_retried_after_an_allocation_failure_is_cut_as_before(
         outcome, out = step(on, "prefill", {"b": ids_feed(c)})
         assert outcome.ok
         got.append(out["b"])
-    assert equal(got, want) and on.kv._streams["b"][LABEL].stored_len == 19
+    assert all_equal(got, want) and on.kv._streams["b"][LABEL].stored_len == 19
 
 
 def _media_walk_reuse():
@@ -299,10 +296,10 @@ def test_an_embeddings_walk_named_by_its_media_digest_is_reused_and_another_item
     d1, d2 = b"\x01" * 16, b"\x02" * 16
     _media_request(on, "a", d1)
     hit = on.kv.stats(LABEL).hit_tokens
-    assert equal(_media_request(on, "b", d1), _media_request(off, "b", d1))
+    assert all_equal(_media_request(on, "b", d1), _media_request(off, "b", d1))
     assert on.kv.stats(LABEL).hit_tokens - hit == 4 + 4 + 4   # text page, media page, text page after it
     hit = on.kv.stats(LABEL).hit_tokens
-    assert equal(_media_request(on, "c", d2), _media_request(off, "c", d2))
+    assert all_equal(_media_request(on, "c", d2), _media_request(off, "c", d2))
     assert on.kv.stats(LABEL).hit_tokens - hit == 4           # only the text before the other item
 
 
@@ -339,7 +336,7 @@ def test_shadow_mode_measures_what_reuse_would_match_and_changes_nothing():
         runs[name] = (a, serve(n, "b", turn2, 4), serve(n, "c", turn2[:9] + [99, 98], 2),
                       serve(n, "d", turn1, 1))  # 3 pages + 1 id: reuse leaves two rows, so it matches 2 pages
     for a, b in zip(runs["shadow"], runs["off"]):
-        assert a[0] == b[0] and equal(a[1], b[1])
+        assert a[0] == b[0] and all_equal(a[1], b[1])
     assert shadow.kv.lifecycle(LABEL).stats(0, 0).pages_cached == 0 and shadow.kv.stats(LABEL).hit_tokens == 0
     s = shadow.kv.shadow_stats(LABEL)
     assert s.requests == 4 and s.matched_pages * P == on.kv.stats(LABEL).hit_tokens == 16 + 8 + 8

@@ -16,7 +16,7 @@ request wrote.
 import pytest
 import torch
 
-from mstar_helpers import require_mstar
+from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
@@ -58,9 +58,6 @@ def serve(oe, sampled, rid: str, prompt: list[int], new: int):
     oe.engine.remove_request(rid)
     return out, logits, fed
 
-
-def all_equal(got: list, want: list) -> bool:
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_the_forward_is_transformers_llama_on_the_same_weights(weights, sampled):

@@ -15,7 +15,7 @@ digest) and off, on the same schedule (``workloads/peers/mstar_pi05.py``). Only 
 import pytest
 import torch
 
-from mstar_helpers import require_mstar
+from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mmcache.mstar.pi05 import pi05_reuse, prefill_walk_media  # noqa: E402
@@ -55,9 +55,6 @@ def serve(pe, rid: str, img, text):
     pe.engine.remove_request(rid)
     return out, fed
 
-
-def all_equal(got: list, want: list) -> bool:
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_every_weight_is_loaded_from_the_checkpoint(checkpoint):

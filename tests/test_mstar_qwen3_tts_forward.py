@@ -20,7 +20,7 @@ Only flashinfer's and triton's kernels are torch stand-ins.
 import pytest
 import torch
 
-from mstar_helpers import require_mstar
+from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mmcache.mstar.qwen3_tts import prefill_rows_media, qwen3_tts_reuse  # noqa: E402
@@ -65,9 +65,6 @@ def serve(te, sampled, rid: str, words: list[int], speaker: int, language: int, 
     te.engine.remove_request(rid)
     return logits, codes, fed, rows
 
-
-def all_equal(got: list, want: list) -> bool:
-    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_the_talker_is_transformers_qwen3_over_the_rows_it_is_fed(checkpoint, sampled):
