@@ -88,7 +88,8 @@ class OrpheusSteps:
     def _decode_audio(self, live: dict, clock) -> None:
         """Every request with a window ready gets one, in a batch of the SNAC node, until no window is ready; an empty
         final chunk (the buffer's end marker) carries no codes and is not decoded."""
-        from workloads.peers.mstar_orpheus import SNAC_NODE, run_batch
+        from workloads.peers.mstar_engine import run_batch
+        from workloads.peers.mstar_orpheus import SNAC_NODE
 
         while True:
             ready = {}

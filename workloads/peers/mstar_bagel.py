@@ -34,7 +34,7 @@ from mstar.model.bagel.config import BagelAutoEncoderConfig, BagelModelConfig, B
 
 from mmcache.mstar import PrefixReuse  # noqa: E402
 from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
-from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
+from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 
 LLM, LABEL, KV, ROPE, SAMPLER = "LLM", "main", "kv", "rope", "sampler"
 TEXT_WALK, VIT_WALK, VAE_WALK = "prefill_text", "prefill_vit", "prefill_vae"

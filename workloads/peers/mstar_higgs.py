@@ -32,7 +32,7 @@ from mstar.model.higgs_audio.higgs_audio_model import HiggsAudioModel  # noqa: E
 
 from mmcache.mstar import PrefixReuse  # noqa: E402
 from mmcache.mstar.higgs import higgs_reuse as full_reuse  # noqa: E402
-from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
+from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 
 # Qwen3's shape (GQA, per-head QK norm, plain RoPE at theta 1e6), tiny; 2 layers so the layer cursor moves
 CFG = HiggsAudioModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -45,7 +45,7 @@ from mstar.engine.resources import SamplingReqConfig  # noqa: E402
 
 from mmcache.mstar import PrefixReuse, enable_encoder_reuse  # noqa: E402
 from mmcache.mstar.qwen3_omni import qwen3_omni_reuse  # noqa: E402
-from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
+from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 
 THINKER, LABEL = "Thinker", "main"  # the thinker node and the label its steps write
 # M*'s resource keys for the thinker (mstar/model/qwen3_omni/config.py:21-31; constants, not imported: see above)

@@ -26,7 +26,7 @@ from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.resources import SamplingReqConfig  # noqa: E402
 
 from workloads.peers import mstar_qwen3_omni as q  # noqa: E402
-from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
+from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 
 TALKER, PREFILL = "Talker", "talker_prefill"
 TALKER_KV, TALKER_POS = "talker_kv", "talker_pos"  # mstar/model/qwen3_omni/config.py:22, 28

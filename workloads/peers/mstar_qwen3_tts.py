@@ -34,7 +34,7 @@ from mstar.model.qwen3_tts.qwen3_tts_model import Qwen3TTSModel  # noqa: E402
 
 from mmcache.mstar import PrefixReuse  # noqa: E402
 from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
-from workloads.peers.mstar_orpheus import cpu_engine, run_batch  # noqa: E402
+from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 
 TALKER, LABEL = "Talker", "main"  # the node and the label its steps write
 PREFILL, DECODE = "talker_prefill", "talker_decode"
