@@ -288,23 +288,20 @@ class PrefixLifecycle:
         holds chain position ``j``. Returns the pages newly indexed per request. Nothing is indexed past a collision
         or a lost parent. One lock and one index update for all (a decode step's pages that filled); no chain is
         touched here (``touch`` when a request is done)."""
-        P = self.page_size
-        out, todo = [0] * len(written), []
-        for i, w in enumerate(written):
-            claim = w.claim
-            if not claim.open:
-                continue
-            n = claim.prompt.tokens.size + w.generated.size
-            m = min(w.written_tokens, n if w.tokens_named is None else w.tokens_named, n, len(w.pages) * P) // P
-            if m > claim.indexed:
-                todo.append((i, w, claim.indexed, m))
-        if not todo:
-            return out
+        P, serial = self.page_size, self.index.serial
+        out = [0] * len(written)
         with self.lock:
             runs, kept, children = [], [], []
-            for i, w, lo, m in todo:
-                claim, prompt = w.claim, w.claim.prompt
-                if lo and self.index.serial(claim.chain[-1]) != claim.parent_serial:
+            for i, w in enumerate(written):
+                claim = w.claim
+                if not claim.open:
+                    continue
+                prompt, lo = claim.prompt, len(claim.chain)
+                n = prompt.tokens.size + w.generated.size
+                m = min(w.written_tokens, n if w.tokens_named is None else w.tokens_named, n, len(w.pages) * P) // P
+                if m <= lo:
+                    continue
+                if lo and serial(claim.chain[-1]) != claim.parent_serial:
                     claim.open = False  # the parent left the index (evicted or discarded): no child may hang on it
                     continue
                 if (m == lo + 1 == len(claim.names) + 1 and lo and lo * P >= prompt.tokens.size
@@ -350,13 +347,18 @@ class PrefixLifecycle:
         lock."""
         P, n = self.page_size, len(children)
         rows = np.empty((n, P), dtype=np.int32)
+        last_names, pages, parents, salt_ids, depths = [], [], [], [], []
         for j, (_, w, lo) in enumerate(children):
-            start = lo * P - w.claim.prompt.tokens.size
+            claim = w.claim
+            start = lo * P - claim.prompt.tokens.size
             rows[j] = w.generated[start:start + P]
-        names = chain_children([w.claim.names[-1] for _, w, _ in children], rows)
-        pages = [int(w.pages[lo]) for _, w, lo in children]
-        handled = self.index.insert_children(pages, names, rows, [w.claim.chain[-1] for _, w, _ in children],
-                                             [w.claim.salt_id for _, w, _ in children], [lo for _, _, lo in children])
+            last_names.append(claim.names[-1])
+            pages.append(int(w.pages[lo]))
+            parents.append(claim.chain[-1])
+            salt_ids.append(claim.salt_id)
+            depths.append(lo)
+        names = chain_children(last_names, rows)
+        handled = self.index.insert_children(pages, names, rows, parents, salt_ids, depths)
         serials = self.index.serials(pages)
         left, done = [], set(handled)
         for j, (i, w, lo) in enumerate(children):
