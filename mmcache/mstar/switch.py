@@ -123,8 +123,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 # a decode step's feed: never cut (a prefill is never cut to one row), so it waits for the step
                 one_row.setdefault(kv, {})[rid] = ids
                 one_row_infos[rid] = fwd_info
-                for kept in (full_prompts, walk_starts, advances, restores):
-                    if kept:
+                if full_prompts or walk_starts or advances or restores:  # empty in a decode step, as a rule
+                    for kept in (full_prompts, walk_starts, advances, restores):
                         kept.pop(rid, None)
                 continue
             if one_row:  # a one-row feed of an earlier step that was never declared is not this step's
