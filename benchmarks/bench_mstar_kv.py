@@ -1,13 +1,16 @@
 """Per-step cost of M*'s KV resource with mmcache under it vs M*'s own ``KVManager``, in one run.
 
-    python benchmarks/bench_mstar_kv.py [--requests 256] [--steps 32] [--repeats 7] [--page 16]
+    python benchmarks/bench_mstar_kv.py [--requests 256] [--repeats 7] [--pages 16,128]
 
 Both resources are built by M*'s ``build_resource`` and driven by M*'s ``StepRunner`` (admit, plan, commit) for decode
-steps of ``--requests`` requests, one token each, after a prefill of 64 tokens per request (4 pages at page 16). Rows:
-M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the counted pool alone), and with reuse on (plus
-the seam's ``feed_rows`` of the step's tokens, and commit-as-written indexing the pages that fill). The forward is not
-run: what is timed is the resource's own work. ms per step, best of repeats, spread = max/min over repeats; rows are
-interleaved repeat by repeat so load on the machine hits every row alike.
+steps of ``--requests`` requests, one token each, after a prefill of 64 tokens per request, for two pages' worth of
+decode steps (every request fills two pages), at each page size of ``--pages`` (16: a page fills every 16 steps; 128:
+M*'s default ``KVConfig.page_size``). Rows: M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the
+counted pool alone), and with reuse on (plus the seam's ``feed_rows`` of the step's tokens, and commit-as-written
+indexing the pages that fill). The forward is not run: what is timed is the resource's own work. ms per step, best of
+repeats, spread = max/min over repeats; rows are interleaved repeat by repeat so load on the machine hits every row
+alike. A last row times, alone, what any resource that names the decoded ids must do with what M* 0.2.1 hands it:
+join the step's one-element id tensors (one per request, ``torch.cat``); it is part of the reuse-on row.
 
 A second table times the seam itself (``mmcache.mstar.switch``): a decode step's ``prepare_inputs`` (one token) for
 every request and its ``declare_step``, bare and with the seam on them (which feeds the step's tokens through
@@ -102,34 +105,52 @@ def seam_us(reuse: bool, requests: int, repeats: int) -> float:
     return best / requests * 1e6
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--page", type=int, default=16)
-    args = ap.parse_args()
-    if SKIP is not None:
-        print(f"bench_mstar_kv: skipped ({SKIP})")
-        return
+def join_ms(requests: int, repeats: int) -> float:
+    """ms to join one decode step's ids as M* 0.2.1 hands them to a node (one one-element tensor per request)."""
+    ids = [torch.tensor([7]) for _ in range(requests)]
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.cat(ids)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def page_table(requests: int, page: int, repeats: int) -> None:
+    steps = 2 * page  # every request fills two pages
     kinds = ("mstar", "reuse off", "reuse on")
     times = {k: [] for k in kinds}
     for k in kinds:  # warm-up, not counted: each kind's first run pays one-time costs (up to 8x its best)
-        once(k, args.requests, args.page, 4)
-    for _ in range(args.repeats):
+        once(k, requests, page, 4)
+    for _ in range(repeats):
         for k in kinds:
-            times[k].append(once(k, args.requests, args.page, args.steps))
+            times[k].append(once(k, requests, page, steps))
     base = min(times["mstar"])
-    print(f"{'KV resource (StepRunner, decode)':<36} | {'ms/step':>8} | {'vs M*':>6} | {'spread':>6}")
+    print(f"{f'KV resource (StepRunner, decode), page {page}':<44} | {'ms/step':>8} | {'vs M*':>6} | {'spread':>6}")
     names = {"mstar": "M*'s KVManager", "reuse off": "ReuseKVManager, reuse off",
              "reuse on": "ReuseKVManager, reuse on"}
     for k in kinds:
         best = min(times[k])
-        print(f"{names[k]:<36} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
-    print(f"({args.requests} requests per step, page {args.page}, {args.steps} decode steps after a {PROMPT}-token "
-          f"prefill, best of {args.repeats}; {sys.platform}, {torch.get_num_threads()} threads)")
+        print(f"{names[k]:<44} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
+    join = join_ms(requests, 50 * repeats)
+    print(f"{'  of which: the step ids joined (torch.cat)':<44} | {join:8.3f} | {join / (base * 1e3):6.2f} |")
+    print(f"({requests} requests per step, page {page}, {steps} decode steps after a {PROMPT}-token prefill, best of "
+          f"{repeats}; {sys.platform}, {torch.get_num_threads()} threads)\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--pages", default="16,128", help="page sizes, comma-separated")
+    args = ap.parse_args()
+    if SKIP is not None:
+        print(f"bench_mstar_kv: skipped ({SKIP})")
+        return
+    for page in (int(p) for p in args.pages.split(",")):
+        page_table(args.requests, page, args.repeats)
     bare, seam = (seam_us(r, 64, 30 * args.repeats) for r in (False, True))  # 64: the toy vocabulary is 128
-    print(f"\n{'prepare_inputs + declare_step, decode (toy node)':<44} | {'us/request':>10} | {'vs bare':>7}")
+    print(f"{'prepare_inputs + declare_step, decode (toy node)':<44} | {'us/request':>10} | {'vs bare':>7}")
     print(f"{'bare':<44} | {bare:10.2f} | {1:7.2f}")
     print(f"{'with the seam (feed included)':<44} | {seam:10.2f} | {seam / bare:7.2f}")
 
