@@ -28,7 +28,6 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers import mstar_qwen3_omni as q  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,11 +38,6 @@ H = q.TEXT_SIZES["hidden_size"]
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     return q.save_weights(tmp_path_factory.mktemp("qwen3-omni-thinker"))
-
-
-@pytest.fixture
-def sampled(monkeypatch):
-    return kernels.install(monkeypatch)
 
 
 def ids(n: int, seed: int) -> torch.Tensor:
