@@ -120,6 +120,16 @@ def spread(values, scale: float = 1.0, fmt: str = ".2f") -> str:
     return f"{statistics.median(v):{fmt}} [{v[0]:{fmt}}-{v[-1]:{fmt}}]"
 
 
+def difference(on: list[float], off: list[float]) -> str:
+    """The best of ``on`` against the best of ``off`` in percent, with its verdict: noise only when the difference
+    is within the run-to-run spread (the wider max - min of the two series, in percent of the best of ``off``)."""
+    best_on, best_off = min(on), min(off)
+    diff, run_to_run = best_on - best_off, max(max(on) - best_on, max(off) - best_off)
+    within = abs(diff) <= run_to_run
+    return (f"{100 * diff / best_off:+.1f}%, {'within' if within else 'beyond'} the run-to-run spread of "
+            f"{100 * run_to_run / best_off:.1f}%{': noise' if within else ''}")
+
+
 def tier_cost(repeats: int) -> None:
     """The tier series' costs: the wait measurement on the lookup path, a sample, a sizing replay sampled."""
     import torch
@@ -181,7 +191,7 @@ def tier_cost(repeats: int) -> None:
     per_replay = counted.samples / len(times["on"])
     print(f"sizing replay with tiers ({trace.num_requests:,} requests; host {share(run.host_hit_tokens):.1f}%, store "
           f"{share(run.store_hit_tokens):.1f}% of prompt tokens), best of {len(times['on'])}: sampled {on:.3f} s, "
-          f"unsampled {off:.3f} s ({100 * (on - off) / off:+.1f}%: the machine's noise; all runs sampled "
+          f"unsampled {off:.3f} s ({difference(times['on'], times['off'])}; all runs sampled "
           f"{spread(times['on'])} s, unsampled {spread(times['off'])} s); {per_replay:.0f} samples a replay x one "
           f"sample = {100 * per_replay * statistics.median(sample) / off:.2f}% of it")
 

@@ -46,6 +46,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def sampled(monkeypatch):
+    """M*'s CPU stand-ins for one test (``workloads.peers.mstar_cpu_kernels.install``: flashinfer's kernels, M*'s
+    RoPE op on CPU, the greedy sampler), undone after it; what the sampler was handed (logits kept). The M* tests
+    that need more stand-ins, or the stand-ins for a whole module, say so where they override it."""
+    from workloads.peers import mstar_cpu_kernels
+
+    return mstar_cpu_kernels.install(monkeypatch)
+
+
 # -- tiny models, built once per session through workloads.fixtures (one seeding rule, saved then loaded back) ------
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

@@ -105,17 +105,16 @@ def assert_equal_outputs(got: dict, want: dict):
 # -- Qwen3-Omni: tiny encoders, the model's own process_prompt, M*'s data worker ----------------------------------
 def tiny_qwen3_omni_encoders(folder_root):
     """``(vision, audio)``: Qwen3-Omni's HF vision and audio encoders at tiny random configs (sdpa), saved and
-    loaded back the way M* loads them."""
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoderConfig, Qwen3OmniMoeVisionEncoderConfig)
+    loaded back the way M* loads them. The vision tower's config is the tiny thinker's (``vision_config``:
+    ``VISION_SIZES``, its output width the thinker's hidden size)."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder)
     from workloads import fixtures
+    from workloads.peers.mstar_qwen3_omni import vision_config
     out = []
     for kind, cls, cfg in (
-            ("q3o-vision", Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeVisionEncoderConfig(
-                depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, out_hidden_size=32,
-                num_position_embeddings=64, deepstack_visual_indexes=[0, 1])),
+            ("q3o-vision", Qwen3OmniMoeVisionEncoder, vision_config()),
             ("q3o-audio", Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeAudioEncoderConfig(
                 encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32, output_dim=32,
                 downsample_hidden_size=16))):
@@ -126,12 +125,12 @@ def tiny_qwen3_omni_encoders(folder_root):
 
 
 def qwen3_omni_processors():
-    """The HF image processor and feature extractor Qwen3-Omni uses (the image one capped at 128x128 pixels so the
-    tiny tower stays fast)."""
-    from transformers import Qwen2VLImageProcessor, WhisperFeatureExtractor
-    return (Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
-                                  max_pixels=128 * 128),
-            WhisperFeatureExtractor(feature_size=128, sampling_rate=16000))
+    """The HF image processor and feature extractor Qwen3-Omni uses (the image one the tiny thinker's,
+    ``image_processor``: capped at 128x128 pixels so the tiny tower stays fast)."""
+    from transformers import WhisperFeatureExtractor
+
+    from workloads.peers.mstar_qwen3_omni import image_processor
+    return image_processor(), WhisperFeatureExtractor(feature_size=128, sampling_rate=16000)
 
 
 class _Tokenizer:

@@ -27,7 +27,6 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers import mstar_bagel as b  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,11 +36,6 @@ P = 4  # page size
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     return b.save_checkpoint(tmp_path_factory.mktemp("bagel-llm"))
-
-
-@pytest.fixture
-def sampled(monkeypatch):
-    return kernels.install(monkeypatch)
 
 
 def reuse():

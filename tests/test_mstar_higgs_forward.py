@@ -21,7 +21,6 @@ from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mmcache.mstar import PrefixReuse  # noqa: E402
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers.mstar_higgs import (  # noqa: E402
     AUDIO_WALK, CFG, LABEL, TEXT_WALK, dense_reference, greedy, higgs_engine, higgs_reuse, save_weights, walk)
 
@@ -32,11 +31,6 @@ P = 4  # page size
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     return save_weights(tmp_path_factory.mktemp("higgs-llm"))
-
-
-@pytest.fixture
-def sampled(monkeypatch):
-    return kernels.install(monkeypatch)
 
 
 def ids(n: int, seed: int) -> torch.Tensor:

@@ -303,6 +303,38 @@ def test_an_embeddings_walk_named_by_its_media_digest_is_reused_and_another_item
     assert on.kv.stats(LABEL).hit_tokens - hit == 4           # only the text before the other item
 
 
+def test_a_media_walk_retried_after_an_allocation_failure_is_named_once():
+    """A media walk's step refused (``AllocationFailed``) and fed again by M*'s worker is the walk the seam named:
+    ``walk_media`` (which hashes every row where no digest was carried) runs once for both, and the logits are reuse
+    off's."""
+    named = []
+
+    def media(walk, info, inputs, out):
+        named.append(walk)
+        return [(0, inputs["digest"])]
+
+    on, off = node(W, pages=8, reuse=PrefixReuse(model="toy@0", walk_media=media)), node(W)
+    embeds = torch.randn(6, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    walks = [("prefill", ids_feed(range(40, 48))), ("embed", {"embeds": embeds, "digest": b"\x03" * 16}),
+             ("prefill", ids_feed([5, 6, 7, 8, 9, 10]))]
+    off.runner.ingest_request("b")
+    want = [step(off, walk, {"b": feed})[1]["b"] for walk, feed in walks]
+    on.runner.ingest_request("b")
+    got = [step(on, walks[0][0], {"b": walks[0][1]})[1]["b"]]
+    on.runner.ingest_request("hog")
+    step(on, "prefill", {"hog": ids_feed(range(100, 100 + P * on.kv.pool.num_free))})  # every free page
+    outcome, _ = step(on, "embed", {"b": walks[1][1]})          # its 6 rows need 2 pages
+    assert not outcome.ok and type(outcome.reason).__name__ == "AllocationFailed"
+    assert named == ["embed"] and on.kv.marks_taken("b", LABEL)
+    on.runner.remove_request("hog")
+    for walk, feed in walks[1:]:
+        outcome, out = step(on, walk, {"b": feed})
+        assert outcome.ok
+        got.append(out["b"])
+    assert named == ["embed"] and not on.kv.marks_taken("b", LABEL)
+    assert all_equal(got, want)
+
+
 def test_kv_events_from_m_stars_resource_name_every_indexed_page():
     class Heard:  # an IndexObserver that keeps what a router would
         def __init__(self):

@@ -19,7 +19,6 @@ import torch
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers.mstar_orpheus import CFG, LABEL, PrefixReuse, engine_step, greedy, orpheus_engine, save_weights  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,11 +28,6 @@ P = 4  # page size
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     return save_weights(tmp_path_factory.mktemp("orpheus-llm"))
-
-
-@pytest.fixture
-def sampled(monkeypatch):
-    return kernels.install(monkeypatch)
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -19,21 +19,15 @@ from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mmcache.mstar.pi05 import pi05_reuse, prefill_walk_media  # noqa: E402
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers.mstar_pi05 import ACTION, CFG, LABEL, PREFILL, act, pi05_engine, prefill, save_checkpoint  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "sampled")  # every test runs on the stand-ins
 P = 4  # page size
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_checkpoint(tmp_path_factory.mktemp("pi05"))
-
-
-@pytest.fixture(autouse=True)
-def standins(monkeypatch):
-    kernels.install(monkeypatch)
 
 
 def images(seed: int) -> torch.Tensor:

@@ -28,7 +28,6 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers import mstar_qwen3_omni as q  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,11 +38,6 @@ H = q.TEXT_SIZES["hidden_size"]
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     return q.save_weights(tmp_path_factory.mktemp("qwen3-omni-thinker"))
-
-
-@pytest.fixture
-def sampled(monkeypatch):
-    return kernels.install(monkeypatch)
 
 
 def ids(n: int, seed: int) -> torch.Tensor:
@@ -410,11 +404,16 @@ def test_a_next_turn_reuses_the_tokens_the_thinker_generated(weights, sampled, s
     assert spoken_same(got, want) and fed(got) == [24 - 4 * P]
 
 
-def test_a_continued_walk_retried_after_allocation_failed_is_cut_as_before(weights, sampled):
+def test_a_continued_walk_retried_after_allocation_failed_is_cut_as_before(weights, sampled, monkeypatch):
     """A later walk's continued match takes cached pages in ``prepare_inputs``, before the admit; when the admit then
     fails (no page for the rows left), M*'s worker feeds the same walk again: the stream still holds those pages, so
-    the same rows are cut (``ReuseKVManager.feed``), none looked up again from the wrong position, and everything
-    equals a cold run."""
+    the same rows are cut (``ReuseKVManager.feed``), none looked up again from the wrong position, its rows are not
+    hashed again (the marks the seam gave the walk stand), and everything equals a cold run."""
+    from mmcache.mstar import qwen3_omni
+
+    hashed = []
+    monkeypatch.setattr(qwen3_omni, "rows_digest", lambda x, digest=qwen3_omni.rows_digest: hashed.append(1) or
+                        digest(x))
     on, off = q.thinker_engine(weights, reuse=q.thinker_reuse(), pages=12), q.thinker_engine(weights, pages=12)
     request = [(q.TEXT, ids(12, 34)), (q.AUDIO, rows(7, 35)), (q.TEXT, ids(4, 36))]  # the audio walk: 9 rows
     on.engine.add_request("a", q.greedy())  # a stays live: its pages are indexed and held, none evictable
@@ -426,6 +425,7 @@ def test_a_continued_walk_retried_after_allocation_failed_is_cut_as_before(weigh
             on.fed["b"].custom_pos_ids, on.pos.position("b", q.LABEL), q.TEXT)]
     on.engine.add_request("hog", q.greedy())
     q.walk(on, q.TEXT, {"hog": ids(P * on.kv.pool.num_free, 37)}, sampled, last_prefill=True)
+    hashed.clear()
     with pytest.raises(RuntimeError, match="AllocationFailed"):
         q.walk(on, q.AUDIO, {"b": request[1][1]}, sampled)  # 1 cached page found, 2 pages for its 5 rows left
     on.engine.remove_request("hog")
@@ -433,4 +433,4 @@ def test_a_continued_walk_retried_after_allocation_failed_is_cut_as_before(weigh
         out = q.walk(on, graph_walk, {"b": x}, sampled, last_prefill=i == 1)["b"]
         got.append((*out, int(on.fed["b"].input_seq_len), on.fed["b"].custom_pos_ids, on.pos.position("b", q.LABEL),
                     graph_walk))
-    assert same(got, want) and fed(got) == [4, 5, 4]
+    assert same(got, want) and fed(got) == [4, 5, 4] and len(hashed) == 1  # the audio walk's rows, once

@@ -31,6 +31,8 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sampled():
+    """The shared stand-ins (``conftest.sampled``), installed once for this module's hypothesis tests
+    (``installed``: a module-scoped fixture has no monkeypatch)."""
     with kernels.installed(keep_logits=True) as record:
         yield record
 

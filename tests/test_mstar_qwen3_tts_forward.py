@@ -24,7 +24,6 @@ from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mmcache.mstar.qwen3_tts import prefill_rows_media, qwen3_tts_reuse  # noqa: E402
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers.mstar_qwen3_tts import (  # noqa: E402
     DECODE, LABEL, PREFILL, dense_reference, greedy, install_code_predictor_kernels, save_checkpoint, talker_engine,
     walk)
@@ -40,10 +39,11 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
-def sampled(monkeypatch):
-    record = kernels.install(monkeypatch)
+def sampled(sampled, monkeypatch):
+    """The shared stand-ins (``conftest.sampled``) and the Talker's own two (``install_code_predictor_kernels``: the
+    RoPE and decode attention ``components/talker.py`` imports by name)."""
     install_code_predictor_kernels(monkeypatch)
-    return record
+    return sampled
 
 
 def text(n: int, seed: int) -> list[int]:

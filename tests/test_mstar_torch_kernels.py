@@ -19,11 +19,6 @@ from mstar.engine.resources.kv.plan import SequenceView, build_paged_indptrs  # 
 HQ, HKV, D, P = 4, 2, 8, 4  # query heads, KV heads (GQA, groups of 2), head dim, page size
 
 
-@pytest.fixture
-def standins(monkeypatch):
-    return kernels.install(monkeypatch)
-
-
 def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Causal softmax attention of the last ``n`` positions of an unpaged sequence: ``q`` [n, HQ, D], ``keys`` /
     ``values`` [L, HKV, D]; query ``j`` sits at position ``L - n + j``."""
@@ -57,7 +52,7 @@ def two_requests_sharing_a_prefix():
     return {"a": a, "b": b, "c": c}, {"a": [11, 3, 6], "b": [11, 3, 14, 2], "c": [7]}
 
 
-def test_paged_prefill_matches_dense_causal_attention(standins):
+def test_paged_prefill_matches_dense_causal_attention(sampled):
     from mstar.engine.resources.attn.wrappers import FlashInferPrefillWrapper
     seqs, pages_of = two_requests_sharing_a_prefix()
     layer = paged(seqs, pages_of)
@@ -75,7 +70,7 @@ def test_paged_prefill_matches_dense_causal_attention(standins):
         at += n
 
 
-def test_paged_decode_matches_dense_attention_over_every_key(standins):
+def test_paged_decode_matches_dense_attention_over_every_key(sampled):
     from mstar.engine.resources.attn.wrappers import FlashInferDecodeWrapper
     seqs, pages_of = two_requests_sharing_a_prefix()
     layer = paged(seqs, pages_of)
@@ -89,7 +84,7 @@ def test_paged_decode_matches_dense_attention_over_every_key(standins):
         torch.testing.assert_close(out[i:i + 1], want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_query_row_does_not_depend_on_the_rest_of_the_batch(standins):
+def test_a_query_row_does_not_depend_on_the_rest_of_the_batch(sampled):
     """What lets reuse on and off compare bit for bit: ``b``'s last position attended alone equals it attended in
     a 5-row prefill beside two other requests."""
     from mstar.engine.resources.attn.wrappers import FlashInferPrefillWrapper
@@ -119,7 +114,7 @@ def llama3_rope_reference(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor):
     return rq[0].transpose(0, 1), rk[0].transpose(0, 1)
 
 
-def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(standins):
+def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(sampled):
     from mstar.engine.resources.position import rope  # noqa: F401  (registers the op)
     from workloads.peers.mstar_orpheus import CFG
     pos = torch.tensor([0, 1, 5, 37, 1000, 8191, 8192, 20000, 100000])
@@ -139,7 +134,7 @@ def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(standins):
 
 @pytest.mark.parametrize("llama31", [{}, dict(low_freq_factor=1.0, high_freq_factor=1.0, old_context_len=8192)],
                          ids=["plain", "llama31-unscaled"])
-def test_plain_rope_through_m_star_s_op_matches_transformers_default_rope(standins, llama31):
+def test_plain_rope_through_m_star_s_op_matches_transformers_default_rope(sampled, llama31):
     """Qwen3's RoPE (theta 1e6, no scaling) as M*'s op reaches FlashInfer: plain, and as M*'s Higgs Audio LLM sends
     it (``ParallelAttention``'s default llama3.1 factors, low = high = 1, which the kernel's clamp makes plain)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -168,7 +163,7 @@ def test_m_star_s_rope_op_raises_on_cpu_without_the_standins():
                                               1.0, 1e4)
 
 
-def test_greedy_sampler_applies_the_penalty_then_takes_the_argmax(standins):
+def test_greedy_sampler_applies_the_penalty_then_takes_the_argmax(sampled):
     from mstar.engine.resources.sampler import utils
     logits = torch.tensor([[2.0, 1.9, -1.0], [-0.5, -0.6, -3.0]])
     seen = torch.tensor([[True, False, False], [True, False, False]])
@@ -176,6 +171,6 @@ def test_greedy_sampler_applies_the_penalty_then_takes_the_argmax(standins):
                               seen_token_mask=seen)
     assert got.tolist() == [1, 1] and got.dtype == torch.int32  # 2/1.3 < 1.9; -0.5*1.3 < -0.6
     assert utils.sample_tokens(logits, temperature=torch.zeros(2)).tolist() == [0, 0]
-    assert torch.equal(standins.logits[-1], logits)
+    assert torch.equal(sampled.logits[-1], logits)
     with pytest.raises(NotImplementedError, match="greedy only"):
         utils.sample_tokens(logits, temperature=torch.tensor([0.0, 0.6]))

@@ -14,7 +14,7 @@ from tier_traffic import complete
 
 from mmcache import Fingerprint, HostPagePool, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
-from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack, mooncake, stack
+from mmcache.tiers import EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack, mooncake, stack
 
 P = 4
 WHY = mooncake.available()
@@ -236,5 +236,20 @@ def test_pages_a_hit_gives_up_are_freed_only_after_its_copy_up_lands(monkeypatch
         state.fetch.wait()
         assert pool.num_free == free + fresh                      # b's fresh pages, freed once the copy landed
         b.finish("b")
+    finally:
+        store.close()
+
+
+def test_a_store_marked_down_drops_and_counts_what_either_kind_would_publish_reading_none_of_it():
+    """``StoreTier.publishing``: while the store is down a KV page batch and an encoder entry are dropped and counted
+    before anything of them is read (here they are None), and so is a put reaching the publisher."""
+    store = StoreTier(MemoryStore(8), publish_async=False, deadline_s=None, probe_s=3600)
+    try:
+        store._failed()  # marked down; the prober would try it in an hour
+        TierStack(Fingerprint(model="down", page_size=P), store=store).publish(None, [1, 2, 3], [0, 1, 2], None,
+                                                                                None, None, b"")
+        EncoderTiers(store=store).publish(None)
+        store.publish([("mmcache/k", b"v")])
+        assert store.counters["publish_dropped"] == 3 + 1 + 1 and not store.client.get("mmcache/k")
     finally:
         store.close()

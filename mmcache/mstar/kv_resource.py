@@ -173,7 +173,8 @@ class PrefixReuse:
     - ``walk_media(graph_walk, fwd_info, inputs, node_inputs)``: for a step fed embeddings, the ``(offset in the
       step, digest)`` marks of the media items its rows hold (their digests must commit to everything the rows depend
       on: the media bytes as sent, the preprocessing and the encoder's weights), or None when the rows are not
-      described by media: then the seam names nothing and the stream's indexing stops there. A mark enters the names
+      described by media: then the seam names nothing and the stream's indexing stops there. Called once per walk:
+      the walk's step fed again after ``AllocationFailed`` keeps the marks it was given. A mark enters the names
       of its page and, through the chain, of every later page, never of an earlier one: where a walk's attention is
       bidirectional (Pi0.5's prefill) every position's KV depends on the whole walk, and one mark at its first row
       must name all of it (``mmcache.mstar.pi05``).
@@ -351,7 +352,7 @@ class ReuseKVManager(KVManager):
             cut, named.continued = continued[1], continued
             token_ids = token_ids[cut:]
         else:
-            if media and held >= named.media_upto:  # a retried walk announces its marks again: taken once
+            if media and not self._marks_taken(named):  # a retried walk announces its marks again: taken once
                 named.claim.add_media([(held + int(o), d) for o, d in media], self.config.page_size)
                 named.media_upto = held + n
             if (held >= named.prompt_len and n > 1
@@ -364,6 +365,20 @@ class ReuseKVManager(KVManager):
             with self._lock:
                 self._due[named] = None  # a page fills in this step: commit indexes it
         return cut
+
+    def marks_taken(self, rid: str, label: str) -> bool:
+        """Whether (``rid``, ``label``)'s stream stands inside the walk whose media marks it took last (the prompt's,
+        for its first feed): that walk is not written (a step that runs writes all it was fed, through where its
+        marks end), so a walk fed now is that one again, after ``AllocationFailed``. ``feed`` reads such a walk's
+        marks only for being there (the stream's names hold them already), so the caller may hand it the marks it
+        announced for the walk instead of naming its rows again. False for a stream not named (none yet, or
+        forgotten: a reset request is named afresh, from the marks it is fed), and in shadow."""
+        named = self._named.get(label, {}).get(rid)
+        return named is not None and self._marks_taken(named)
+
+    @staticmethod
+    def _marks_taken(named: _Named) -> bool:
+        return named.stream.stored_len < named.media_upto
 
     def feed_rows(self, label: str, rows: dict) -> list:
         """The one-row feeds of a step at once (a decode step's): for each ``rid -> ids`` (one id) what

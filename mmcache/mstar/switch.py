@@ -20,8 +20,9 @@ From outside M*, on the model object the engine loads (no M* file changes):
   (``RowOutputs.restore``), so the node's consumer gets every row as without reuse; a step that
   ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
-  are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives, else by nothing, which
-  stops the stream's indexing there. A one-row feed (a decode step's) is never cut, so
+  are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives (once per walk: a walk
+  retried after ``AllocationFailed`` keeps the marks it was given), else by nothing, which stops the stream's
+  indexing there. A one-row feed (a decode step's) is never cut, so
   ``prepare_inputs`` only keeps it, and ``declare_step`` hands the step's one-row feeds to the KV resource at once
   (``ReuseKVManager.feed_rows``) before M* admits the step. ``declare_step`` also keeps the sampler's repetition
   penalty over the whole prompt, hit or not, so sampling is what it was, and adds the held rows' advance to the step's
@@ -91,6 +92,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     reusing: list = [None, 0, ()]  # the node's resources dict, its size, and its KV resources that name ``label``
     one_row: dict = {}  # KV resource -> {rid: ids}: the step's one-row feeds, fed when it is declared
     one_row_infos: dict = {}  # rid -> its forward pass info (a stream fed alone takes its salt from it)
+    announced: dict[str, tuple] = {}  # rid -> (KV resource, walk, rows, marks): its last media walk, for a retry
 
     def kv_resources(resources: dict) -> tuple:
         """The (key, KV resource) pairs of ``resources`` that name ``label``; found once per resources dict (the
@@ -115,7 +117,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             ids, marks = out.input_ids, ()
             if getattr(out, "input_embeds", None) is not None:
                 if graph_walk not in r.id_walks:
-                    marks = r.walk_media(graph_walk, fwd_info, kwargs.get("inputs"), out) if r.walk_media else None
+                    marks = walk_marks(kv, rid, graph_walk, fwd_info, kwargs.get("inputs"), out) if r.walk_media \
+                        else None
                     ids = None
                 elif ids is None and r.walk_ids is not None:
                     ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
@@ -123,8 +126,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 # a decode step's feed: never cut (a prefill is never cut to one row), so it waits for the step
                 one_row.setdefault(kv, {})[rid] = ids
                 one_row_infos[rid] = fwd_info
-                if full_prompts or walk_starts or advances or restores:  # empty in a decode step, as a rule
-                    for kept in (full_prompts, walk_starts, advances, restores):
+                if full_prompts or walk_starts or advances or restores or announced:  # all empty in a decode step
+                    for kept in (full_prompts, walk_starts, advances, restores, announced):
                         kept.pop(rid, None)
                 continue
             if one_row:  # a one-row feed of an earlier step that was never declared is not this step's
@@ -138,6 +141,10 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             whole = r.needs_every_row is not None and r.needs_every_row(graph_walk, fwd_info)
             held = kv.feed(rid, label, ids, marks or (), salt, int(out.input_seq_len), rows_needed=needed,
                            whole=whole)
+            if marks:
+                announced[rid] = kv, graph_walk, int(out.input_seq_len), marks
+            elif announced:
+                announced.pop(rid, None)
             if advances:
                 advances.pop(rid, None)
             if restores:
@@ -172,6 +179,18 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 if walk_starts:
                     walk_starts.pop(rid, None)
         return out
+
+    def walk_marks(kv, rid: str, graph_walk: str, fwd_info, inputs, out):
+        """The media marks of a walk of embeddings (``PrefixReuse.walk_media``), named once per walk: the walk the
+        seam announced last for ``rid``, fed again where its stream still stands inside it (``marks_taken``: the
+        step refused before it wrote, and fed again by M*'s worker after ``AllocationFailed``), takes the marks it
+        was given then, and its rows (which a model without a carried digest hashes whole) are not named again. Those
+        marks are read for being there only: the stream's names hold them already."""
+        last = announced.get(rid)
+        if (last is not None and last[0] is kv and last[1:3] == (graph_walk, int(out.input_seq_len))
+                and kv.marks_taken(rid, label)):
+            return last[3]
+        return kv.reuse.walk_media(graph_walk, fwd_info, inputs, out)
 
     @functools.wraps(declare)
     def declare_step(graph_walk, request_ids, inputs, *args, **kwargs):
@@ -217,7 +236,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
         def cleanup_request(request_id, *args, **kwargs):
             # what the seam kept for a request it will not see again: one removed before its next step through this
             # node (a hit on its last prefill walk, then done), or whose admit failed (it reaches no postprocess)
-            for kept in (full_prompts, advances, walk_starts, restores):
+            for kept in (full_prompts, advances, walk_starts, restores, announced):
                 kept.pop(request_id, None)
             return cleanup(request_id, *args, **kwargs)
 

@@ -51,10 +51,7 @@ class EncoderTiers:
     def publish(self, entry: StoredBytes) -> None:
         """Queue ``entry`` for the shared store (while it is down: dropped, counted as the publisher counts it); its
         bytes are read before this returns."""
-        if self.store is None:
-            return
-        if not self.store.up:
-            self.store.counters["publish_dropped"] += 1
+        if self.store is None or not self.store.publishing(1):
             return
         payload = encoder_entry.encode(entry, self.store.key)
         if payload is not None:

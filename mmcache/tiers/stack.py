@@ -183,10 +183,7 @@ class TierStack:
                   mids: np.ndarray, salt: bytes) -> None:
         """Put the newly indexed pages ``pages[j]`` (chain position ``j`` for j in ``positions``) to the store. The
         bytes are read now, under the caller's lock; the puts run on the store's publisher thread."""
-        if self.store is None or not positions:
-            return
-        if not self.store.up:  # not put: counted as dropped, like a put the publisher could not make
-            self.store.counters["publish_dropped"] += len(positions)
+        if self.store is None or not positions or not self.store.publishing(len(positions)):
             return
         P = self.fingerprint.page_size
         lineage = RequestLineage(root_lineage(self.fingerprint, salt), seq, mids, P)

@@ -231,6 +231,16 @@ class StoreTier:
                     self._down = False
 
     # ----------------------------------------------------------------- publish
+    def publishing(self, items: int) -> bool:
+        """Whether ``items`` entries may be published now. The one rule for a store marked down: what would be
+        published is dropped and counted (``publish_dropped``), whether a publisher asks before encoding its
+        entries (``TierStack.publish``, ``EncoderTiers.publish``: their bytes are then never read) or the put is
+        about to be made (``_put``, for entries queued before the store went down)."""
+        if not self.up:
+            self.counters["publish_dropped"] += items
+            return False
+        return True
+
     def publish(self, items: list[tuple[str, bytes]], counter: str = "published_pages") -> None:
         """Put ``(key, payload)`` pairs: on the publisher thread with ``publish_async`` (dropped, and counted, when
         its queue is full or the store is down), else now. Each put counts in ``counter`` (``published_pages`` for KV
@@ -285,8 +295,7 @@ class StoreTier:
                 self._queue.task_done()
 
     def _put(self, key: str, payload: bytes, counter: str) -> None:
-        if not self.up:
-            self.counters["publish_dropped"] += 1
+        if not self.publishing(1):  # down since it was queued
             return
         try:
             ok = self.client.put(key, payload)

@@ -52,7 +52,8 @@ class ThinkerSteps:
         self.model, self.processor = q.omni_model(made.weights), q.image_processor()  # the data worker's
 
     def start(self, lv) -> None:
-        from workloads.models.vlm_mstar import TEXT, image_bytes, image_inputs
+        from encoders.base import media_bytes
+        from workloads.models.vlm_mstar import TEXT, image_inputs
 
         q, schedule, rows = self.q, [], 0
         for kind, x in self.workload.walks(lv.req):
@@ -60,7 +61,7 @@ class ThinkerSteps:
                 schedule.append((q.TEXT, torch.tensor(x, dtype=torch.long)))
                 rows += len(x)
                 continue
-            data = image_bytes(x)
+            data = media_bytes(x, "image")
             pixels, grid = image_inputs(self.model, self.processor, data)
             inputs = {"pixel_values": [pixels], "image_grid_thw": [grid], **(self._digest(data) if self.cached else {})}
             schedule.append((q.VISION, inputs))

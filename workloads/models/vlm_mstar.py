@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
+from encoders.base import media_bytes
 from mmcache import Fingerprint, ShadowIndex
 from mmcache.errors import InvalidMedia, InvalidRequest
 from workloads.harness.serving import Request
@@ -80,16 +81,6 @@ def first_turn(parts: Sequence[Part], preamble: str, system: str = vlm_chat.SYST
     walks = [(TEXT, system_ids(system) + [IM_START, USER, NL, *text_ids(preamble + "\n")])]
     walks += [(TEXT, text_ids(p)) if isinstance(p, str) else (IMAGE, p) for p in parts]
     return merged(walks + [(TEXT, [IM_END, NL, IM_START, ASSISTANT, NL])])
-
-
-def image_bytes(part: Part) -> bytes:
-    """An image part's encoded bytes (embedded bytes, or an MMMU file); ``InvalidMedia`` for a missing file."""
-    if isinstance(part, bytes):
-        return part
-    try:
-        return Path(part).read_bytes()
-    except OSError as e:
-        raise InvalidMedia(f"cannot read image {part}: {e}") from e
 
 
 def sessions(items: list[list[list[Part]]], follow_ups: Sequence[str] = vlm_chat.FOLLOW_UPS) -> list[Request]:
@@ -197,11 +188,11 @@ class VlmMstar:
             ids, media = [], []
             try:
                 walks = self.walks(req, stand_in, sent)
-                keys = [xxhash.xxh3_128_digest(image_bytes(x)) if kind == IMAGE else None for kind, x in walks]
+                keys = [xxhash.xxh3_128_digest(media_bytes(x, "image")) if kind == IMAGE else None for kind, x in walks]
                 for (kind, x), key in zip(walks, keys):
                     if kind == IMAGE and key not in rows:
                         model = model or omni_model(self.made.weights)
-                        rows[key] = image_rows(model, processor, image_bytes(x))
+                        rows[key] = image_rows(model, processor, media_bytes(x, "image"))
             except (InvalidMedia, InvalidRequest):  # a request that cannot succeed: not in the ceiling
                 stand_in.pop(req.rid)
                 continue

@@ -29,16 +29,15 @@ end (no stop at end-of-speech), so a session's prompts never depend on when samp
 from __future__ import annotations
 
 import dataclasses
-import io
-import wave
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
+from digests import load_wav
 from mmcache import ShadowIndex
-from mmcache.errors import InvalidMedia, InvalidRequest
+from mmcache.errors import InvalidRequest
 from workloads.harness.serving import Request
 from workloads.models import voice_clone
 from workloads.models.text import prefix_ceiling, trace_order
@@ -81,19 +80,10 @@ def frames_to_tokens(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor) -> li
 
 
 def read_wav(reference: bytes | Path) -> torch.Tensor:
-    """A 16-bit PCM WAV (bytes or a path) as float samples [-1, 1] at 24 kHz, mono; ``InvalidMedia`` otherwise."""
-    try:
-        data = reference if isinstance(reference, bytes) else Path(reference).read_bytes()
-        with wave.open(io.BytesIO(data), "rb") as w:
-            if w.getsampwidth() != 2:
-                raise InvalidMedia(f"{reference if not isinstance(reference, bytes) else 'reference'}: "
-                                   f"{8 * w.getsampwidth()}-bit WAV; 16-bit PCM expected")
-            rate, channels, frames = w.getframerate(), w.getnchannels(), w.readframes(w.getnframes())
-    except (OSError, EOFError, wave.Error) as e:
-        raise InvalidMedia(f"cannot read reference WAV {reference if not isinstance(reference, bytes) else ''}: {e}") \
-            from e
-    x = torch.from_numpy(np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0)
-    x = x.reshape(-1, channels).mean(dim=1)
+    """A PCM WAV (bytes or a path; decoded by ``digests.load_wav``, which raises ``InvalidMedia`` for anything else)
+    as float samples in [-1, 1) at 24 kHz, mono (channels averaged)."""
+    samples, rate = load_wav(reference)
+    x = samples.mean(dim=0)
     if rate != SAMPLE_RATE:
         import torchaudio
         x = torchaudio.functional.resample(x, rate, SAMPLE_RATE)
