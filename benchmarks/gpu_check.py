@@ -7,6 +7,9 @@
 3. The bit-exact gate in bf16 on CUDA (sdpa and eager): a tiny Llama (seeded, no hub) served through the runner
    with PagedKVCache on "cuda" (cache on: the second request reuses the first one's pages) vs a DynamicCache replay
    of the same chunk schedule (cache off), every forward's logits compared with ``torch.equal``.
+4. M*'s KV resource with reuse on CUDA (needs mstar-ai): a decode step whose pages fill, with the fed ids on the
+   device, commits without waiting for the GPU (a 0.2 s GPU spin queued before it; the commit must take far less),
+   and its pages are indexed, under the ids fed, at the first commit after the copy landed.
 Not in it yet (left): the drop-in under M*'s real FlashInfer path (needs flashinfer installed on the GPU machine).
 Without CUDA it exits at once with a message saying so.
 
@@ -17,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +98,68 @@ def gate(P=4, new=5, device="cuda", dtype=torch.bfloat16):
             sys.exit(1)
 
 
+def commit_does_not_wait(requests=64, page=16, prompt=32, device="cuda"):
+    """Check 4 (``device`` only lets the logic be tried on a CPU, where ids are joined at once)."""
+    from mmcache.mstar.requirement import why_unavailable
+    if why_unavailable() is not None:
+        print(f"KV resource on {device}: skipped ({why_unavailable()})")
+        return
+    from mstar.communication.tensors import LocalTransferEngine
+    from mstar.engine.resources import KVConfig, KVSpec, KVStep, Segment, StepContext, StepRunner, SubmoduleStep
+    from mstar.engine.resources.base import EngineResourceInfo, build_resource
+    from mstar.engine.resources.kv.transfer import TransferEngineInfo
+    from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVSpec
+
+    pages = requests * 4 + 16
+    cfg = KVConfig(num_layers=2, num_kv_heads=2, head_dim=64, max_seq_len=pages * page, max_num_pages=pages,
+                   page_size=page)
+    spec = ReuseKVSpec.of(KVSpec(resource_key="kv", nodes={"n"}, config=cfg), PrefixReuse(model="gpu-check"))
+    info = EngineResourceInfo(device=torch.device(device), kv_dtype=torch.bfloat16,
+                              transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")))
+    kv = build_resource(spec, info)
+    runner = StepRunner({"kv": kv})
+    rids = [f"r{i}" for i in range(requests)]
+
+    def run(span):
+        s = SubmoduleStep(segments=[Segment(rid, "main", span) for rid in rids], steps={"kv": KVStep()})
+        s.set_ctx(StepContext(request_ids=rids, graph_walk="decode", slot=0, capture=False))
+        assert runner.admit(s).ok
+        runner.plan(s)
+        t = time.perf_counter()
+        runner.commit(s)
+        return time.perf_counter() - t
+
+    for i, rid in enumerate(rids):
+        runner.ingest_request(rid)
+        kv.feed(rid, "main", torch.arange(prompt) + i * prompt)
+    run(prompt)
+    cached = kv.stats("main").pages_cached
+    tok = torch.tensor([7], device=device)
+    for _ in range(page - 1):
+        kv.feed_rows("main", {rid: tok for rid in rids})
+        run(1)
+    kv.feed_rows("main", {rid: tok for rid in rids})
+    if device == "cuda":
+        torch.cuda._sleep(int(0.2 * torch.cuda.get_device_properties(0).clock_rate * 1e3))  # ~0.2 s of GPU spin
+    waited = run(1)  # every stream's third page fills here
+    if device == "cuda":
+        torch.cuda.synchronize()
+    kv.feed_rows("main", {rid: tok for rid in rids})
+    run(1)  # the copy has landed: this commit indexes the pages
+    indexed = kv.stats("main").pages_cached - cached
+    index = kv.lifecycle("main").index
+    ids_ok = all((index._tokens[p] == 7).all() for p in np.flatnonzero(index.indexed) if index._depth[p] == 2)
+    ok = indexed == requests and ids_ok and (device != "cuda" or waited < 0.05)
+    spin = " beside a 200 ms GPU spin" if device == "cuda" else ""
+    print(f"KV resource on {device}: the filling step's commit took {waited * 1e3:.1f} ms{spin}; "
+          f"{indexed}/{requests} generated pages indexed, ids {'as fed' if ids_ok else 'WRONG'}: "
+          f"{'ok' if ok else 'FAILED'}")
+    for rid in rids:
+        runner.remove_request(rid)
+    if not ok:
+        sys.exit(1)
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here; nothing was checked (run it on a machine with one GPU)")
@@ -101,6 +167,7 @@ def main():
     bandwidth()
     devices()
     gate()
+    commit_does_not_wait()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ attention (``tests/mstar_toy_ar.py``, checked against a dense reference here). R
 logits torch.equal. The ways the old seam served wrong KV are regression tests: a prompt fed in several walks, the
 retry after an allocation failure, and the retry of a chunk whose match was continued."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,10 @@ from mstar_toy_ar import (  # noqa: E402
     weights,
 )
 
+from test_mstar_kv_resource_schedules import PendingCopy, copies_that_land_later  # noqa: E402
+
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
+from mmcache.mstar import kv_resource  # noqa: E402
 from mmcache.errors import InvalidRequest  # noqa: E402
 
 W = weights()
@@ -85,6 +90,37 @@ def test_pages_that_fill_in_one_step_are_named_together_and_a_bad_id_stops_only_
         assert kv.feed(rid + "2", LABEL, torch.tensor(prompts[rid] + fed[rid] + [1, 2])) == want
     for rid in ("a", "b", "a2", "b2"):
         on.runner.remove_request(rid)
+
+
+def test_decode_ids_copied_from_the_device_index_their_pages_when_the_copy_lands():
+    """Ids on a CUDA device reach the host through a copy that the GPU thread does not wait for
+    (``kv_resource.ids_to_host``; stood in on the CPU by a copy that lands when the test says): the pages that filled
+    are indexed at the first commit after it landed, not before; a request that leaves before its copy lands indexes
+    nothing of it and holds no page. Reuse on keeps reuse off's logits."""
+    copies: list[PendingCopy] = []
+    on, prompts = node(W, reuse=REUSE), {"a": list(range(100, 100 + P)), "b": list(range(60, 60 + P))}
+    with mock.patch.object(kv_resource, "ids_to_host", copies_that_land_later(copies)):
+        kv, fed = on.kv, {"a": [], "b": []}
+        for rid, prompt in prompts.items():
+            on.runner.ingest_request(rid)
+        _, got = step(on, "prefill", {rid: ids_feed(prompt) for rid, prompt in prompts.items()})
+        assert kv.stats(LABEL).pages_cached == 2                # the prompt pages: indexed at once (ids on the host)
+        for _ in range(P):                                      # both fill their second page in the last step
+            for rid in fed:
+                fed[rid].append(int(got[rid].argmax()))
+            _, got = step(on, "decode", {rid: ids_feed(fed[rid][-1:]) for rid in fed})
+        assert len(copies) == 1 and kv.stats(LABEL).pages_cached == 2   # its copy has not landed
+        on.runner.remove_request("b")                           # b leaves first: nothing of its copy is indexed
+        copies[0].done = True
+        step(on, "decode", {"a": ids_feed([int(got["a"].argmax())])})   # the next commit indexes a's page
+        assert kv.stats(LABEL).pages_cached == 3
+        on.runner.remove_request("a")
+        assert kv.pool.num_free + kv.stats(LABEL).pages_cached + 1 == kv.pool.num_pages  # + M*'s sink page
+        probe = prompts["a"] + fed["a"] + [3, 4]
+        out, logits = serve(on, "c", probe, 2)
+        assert kv.stats(LABEL).hit_tokens == 2 * P               # a's prompt page and the page its copy brought
+    want = serve(node(W), "c", probe, 2)
+    assert out == want[0] and all_equal(logits, want[1])
 
 
 def test_a_walk_the_names_do_not_cover_is_never_indexed():

@@ -6,6 +6,8 @@ it announced), no page is ever indexed under ids other than those its KV was com
 indexed page holds exactly the K/V that a cold prefill of its chain's verifying ids writes (a check that does not
 wait for a later request to hit the page)."""
 
+from unittest import mock
+
 import numpy as np
 import torch
 from hypothesis import HealthCheck, event, given, settings
@@ -15,6 +17,8 @@ from mstar_helpers import require_mstar
 
 require_mstar()
 from mstar_toy_ar import D, LABEL, P, PrefixReuse, ids_feed, node, project, step, weights  # noqa: E402
+
+from mmcache.mstar import kv_resource  # noqa: E402
 
 W = weights()
 PREFIXES = (list(range(3, 15)), list(range(40, 52)))  # three pages each at the toy's page size 4
@@ -49,13 +53,56 @@ def both(nodes, walk: str, feeds: dict) -> dict:
     return on
 
 
+class PendingCopy:
+    """Stands in for the CUDA event of a copy to the host (``kv_resource.ids_to_host``): done when the schedule says
+    so, or when waited for."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def copies_that_land_later(copies: list):
+    """``ids_to_host`` for the CPU ids of the toy node, as it behaves for ids on a CUDA device: joined and copied, the
+    copy done only when its ``PendingCopy`` (appended to ``copies``) says so; None where the real one refuses."""
+    def start(chunks):
+        if not all(isinstance(chunk, torch.Tensor) for chunk in chunks):
+            return None
+        try:
+            ids = torch.cat(chunks)
+        except (RuntimeError, TypeError, ValueError):
+            return None
+        if ids.dim() != 1:
+            return None
+        copies.append(PendingCopy())
+        return ids.clone(), copies[-1]
+    return start
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_any_schedule_gives_the_logits_of_reuse_off(data):
+@given(st.data(), st.booleans())
+def test_any_schedule_gives_the_logits_of_reuse_off(data, ids_land_later):
+    """With ``ids_land_later``, decode ids reach the host as from a CUDA device: the copy of a step's ids lands when the
+    schedule says (at any later step, or never before the request leaves), and its pages are indexed only then."""
+    copies: list[PendingCopy] = []
+    with mock.patch.object(kv_resource, "ids_to_host", copies_that_land_later(copies) if ids_land_later
+                           else kv_resource.ids_to_host):
+        run_schedule(data, copies)
+
+
+def run_schedule(data, copies: list) -> None:
     nodes = (node(W, pages=128, reuse=PrefixReuse(model="toy@0")), node(W, pages=128))
     live: dict[str, int] = {}  # rid -> the token its next decode feeds
     made = 0
     for _ in range(data.draw(st.integers(3, 14), label="steps")):
+        for copy in copies:
+            if not copy.done:
+                copy.done = data.draw(st.booleans(), label="a copy of ids lands")
         op = data.draw(st.sampled_from(OPS), label="op") if live else "new"
         if op == "new":
             rid, made = f"r{made}", made + 1
@@ -94,6 +141,7 @@ def test_any_schedule_gives_the_logits_of_reuse_off(data):
             n.runner.remove_request(rid)
     on = nodes[0].kv
     event(f"prompt tokens reused: {'some' if on.stats(LABEL).hit_tokens else 'none'}")
+    event(f"ids copied to the host later: {'some' if copies else 'none'}")
     assert on.pool.num_free + on.stats(LABEL).pages_cached + 1 == on.pool.num_pages  # + M*'s sink page
 
 

@@ -20,7 +20,10 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
   under ids other than those its KV was computed from. A retried step (after ``AllocationFailed``) feeds the prompt
   again and is cut at what is held. A feed's positions count as named once the stream holds exactly them, settled at
   the stream's next feed or, for a feed that fills a page, at its commit: a decode step costs one ``feed`` per
-  request, and the pages that fill in a step are indexed in one ``PrefixLifecycle.commit_many``.
+  request, and the pages that fill in a step are indexed in one ``PrefixLifecycle.commit_many``. M*'s GPU thread
+  commits right after it launches the step's forward, so fed ids on a CUDA device (a decode step's sampled tokens)
+  are never read there with a blocking copy: they are copied to pinned host memory behind an event
+  (``ids_to_host``), and their pages are indexed at the first commit after the copy landed.
 - Row outputs (``PrefixReuse.row_outputs``, ``mmcache.mstar.row_outputs``): a ``SideRows`` beside the arena, indexed
   by the same page ids, so a page's rows live and die with it. The allocator forgets a page's rows whenever it hands
   the page out; ``commit`` stores the rows the watched forward recorded between the step's ``admit`` and it (none
@@ -35,8 +38,9 @@ With no ``PrefixReuse`` (``reuse=None``) nothing is matched or indexed: M*'s own
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -95,6 +99,37 @@ def _append_generated(named: _Named, ids: np.ndarray) -> None:
         named.spare = room
     room[n:n + k] = ids
     named.generated = room[:n + k]
+
+
+def ids_to_host(chunks: list) -> tuple[torch.Tensor, object] | None:
+    """Fed id tensors on a CUDA device (a decode step's sampled tokens, fed back), joined there and copied to pinned
+    host memory without waiting: ``(host tensor, the copy's event)``. M*'s GPU thread commits a step right after
+    launching its forward, so a blocking copy there would wait for that forward. None for anything else (ids on the
+    host are joined where they are, at once)."""
+    first = chunks[0]
+    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+        return None
+    try:
+        ids = torch.cat(chunks)
+    except (RuntimeError, TypeError, ValueError):  # chunks one call does not join: the host path says what is wrong
+        return None
+    if ids.dim() != 1:
+        return None
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class _Landing(NamedTuple):
+    """Pages that filled in a step whose fed ids are on their way to the host (``ids_to_host``): the streams, how
+    many of the ids each fed, the host tensor and the copy's event."""
+
+    streams: list
+    sizes: list[int]
+    host: torch.Tensor
+    event: object
 
 
 class CountedPageAllocator(PageAllocator):
@@ -245,6 +280,8 @@ class _Named:
     pending: tuple | None = None
     continued: tuple | None = None  # (start, rows cut, rows fed) of the last feed a continued match cut
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
+    in_flight: int = 0  # fed ids on their way to the host (``_Landing``), not yet in ``generated``
+    live: bool = True  # False once the request's stream is forgotten: a landing then indexes nothing of it
 
 
 class ReuseKVManager(KVManager):
@@ -273,6 +310,7 @@ class ReuseKVManager(KVManager):
         self._lifecycles: dict[str, PrefixLifecycle] = {}
         self._named: dict[str, dict[str, _Named]] = {}  # label -> rid -> its stream's names
         self._due: dict[_Named, None] = {}  # streams whose announced feed reaches a page end, in feed order
+        self._landing: collections.deque[_Landing] = collections.deque()  # oldest first
         labels = frozenset(reuse.labels) if reuse is not None else frozenset()
         self._reused = labels if reuse is not None and not reuse.shadow else frozenset()
         self._shadowed = labels - self._reused
@@ -633,14 +671,17 @@ class ReuseKVManager(KVManager):
             super().commit(step, ctx)
             if rows is not None:
                 self._write_rows(rows)
-            if self._due and step.commit:
+            if step.commit and (self._due or self._landing):
                 self._commit_due()
 
     def _commit_due(self) -> None:
         """Index the pages that filled: of the streams whose announced feed reaches a page end (``_due``), those
-        whose feed is now written; their fed ids joined at once (``_flush``), then one ``commit_many`` per label. A
-        stream whose step has not committed yet stays."""
-        P, ready = self.config.page_size, []
+        whose feed is now written; their fed ids joined at once (``_flush``), then one ``commit_many`` per label. Ids
+        on a CUDA device are copied to the host without waiting (``_park``) and their pages indexed at a later commit,
+        once the copy has landed (``_land``). A stream whose step has not committed yet stays."""
+        if self._landing:
+            self._land(wait=False)
+        ready = []
         for named in list(self._due):
             stream = named.stream
             self._settle(named, stream.stored_len, unwritten_stays=True)
@@ -649,8 +690,14 @@ class ReuseKVManager(KVManager):
             del self._due[named]
             if named.covered and min(stream.stored_len, named.named) >= named.due:
                 ready.append(named)
-        written = {}
-        for named, ok in zip(ready, self._flush(ready)):
+        if ready and not self._park(ready):
+            self._index_written(ready, self._flush(ready))
+
+    def _index_written(self, streams: Sequence[_Named], joined: Sequence[bool]) -> None:
+        """``commit_many`` (one per label) of the pages ``streams`` wrote and named, for each whose ids ``joined``
+        into ``generated``; the next page end each is due at."""
+        P, written = self.config.page_size, {}
+        for named, ok in zip(streams, joined):
             if ok:
                 stream = named.stream
                 item = Written(named.claim, stream.page_indices, stream.stored_len, named.generated, named.named)
@@ -660,12 +707,53 @@ class ReuseKVManager(KVManager):
             for named, _ in items:
                 named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
 
-    @staticmethod
-    def _flush(streams: Sequence[_Named]) -> list[bool]:
+    def _park(self, streams: list[_Named]) -> bool:
+        """Start the host copy of ``streams``' chunks when they are device tensors (``ids_to_host``); their pages are
+        indexed when it lands, and each is due at its next page end meanwhile. False (nothing changed) otherwise."""
+        chunks = [chunk for named in streams for chunk in named.chunks]
+        started = ids_to_host(chunks) if chunks else None
+        sizes = [named.named - named.prompt_len - named.generated.size - named.in_flight for named in streams]
+        if started is None or started[0].numel() != sum(sizes):
+            return False
+        P = self.config.page_size
+        for named, size in zip(streams, sizes):
+            named.chunks, named.in_flight = [], named.in_flight + size
+            named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
+        self._landing.append(_Landing(streams, sizes, *started))
+        return True
+
+    def _land(self, wait: bool) -> None:
+        """Index the pages of every parked step whose ids reached the host, oldest first (a stream's ids join its
+        ``generated`` in the order it fed them); stop at the first copy still running, or, with ``wait``, wait for
+        every one. A stream forgotten meanwhile gets nothing indexed (its pages may be gone); a fed id that is no
+        token id stops its own stream's naming, as on the host."""
+        while self._landing:
+            landing = self._landing[0]
+            if not wait and not landing.event.query():
+                return
+            landing.event.synchronize()
+            self._landing.popleft()
+            joined, at = [], 0
+            for named, size in zip(landing.streams, landing.sizes):
+                part, at = landing.host[at:at + size], at + size
+                named.in_flight -= size
+                # still named: no bad id stopped the stream's names since (``_stop_naming`` cuts them to the prompt)
+                ok = named.live and named.named >= named.prompt_len + named.generated.size + size
+                if ok:
+                    try:
+                        _append_generated(named, as_tokens(part))
+                    except InvalidRequest:
+                        ok = self._stop_naming(named)
+                joined.append(ok)
+            self._index_written(landing.streams, joined)
+
+    def _flush(self, streams: Sequence[_Named]) -> list[bool]:
         """Join each stream's chunks fed since its last flush to its int32 ``generated`` (which then holds the ids of
-        positions ``prompt_len..named-1``): every stream's chunks in one join (one device copy for a decode step's
-        tensors), split by what each stream's names cover; a stream whose chunks do not join so is joined alone. Per
-        stream: False (and nothing of it from here on is named) when a fed id is no token id."""
+        positions ``prompt_len..named-1``), after any still on their way to the host (``_land``, waited for): every
+        stream's chunks in one join, split by what each stream's names cover; a stream whose chunks do not join so is
+        joined alone. Per stream: False (and nothing of it from here on is named) when a fed id is no token id."""
+        if self._landing:
+            self._land(wait=True)
         todo = [named for named in streams if named.chunks]
         if len(todo) > 1:
             sizes = [named.named - named.prompt_len - named.generated.size for named in todo]
@@ -685,11 +773,17 @@ class ReuseKVManager(KVManager):
                 try:
                     _append_generated(named, _joined_tokens(chunks))
                 except InvalidRequest:
-                    named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
-                    out.append(False)
+                    out.append(self._stop_naming(named))
                     continue
             out.append(True)
         return out
+
+    @staticmethod
+    def _stop_naming(named: _Named) -> bool:
+        """A fed id of ``named``'s stream is no token id: nothing of it past the prompt is named or indexed from here
+        on. Returns False (what the stream's join gave)."""
+        named.covered, named.named, named.due = False, min(named.named, named.prompt_len), 1 << 62
+        return False
 
     def reset_request(self, rid: str, free: bool = False):
         self._forget(rid, finished=False)  # first: the chain is touched while the stream still holds it
@@ -711,10 +805,13 @@ class ReuseKVManager(KVManager):
         with self._lock:
             if self._shadow_fed:
                 self._end_shadow(rid, finished)
+            if self._landing:  # the request's last pages, as a rule landed already: index them while it holds them
+                self._land(wait=False)
             for of_label in self._named.values():
                 named = of_label.pop(rid, None)
                 if named is None:
                     continue
+                named.live = False
                 self._due.pop(named, None)
                 named.life.touch(named.claim)
 
