@@ -727,25 +727,26 @@ class ReuseKVManager(KVManager):
         ``generated`` in the order it fed them); stop at the first copy still running, or, with ``wait``, wait for
         every one. A stream forgotten meanwhile gets nothing indexed (its pages may be gone); a fed id that is no
         token id stops its own stream's naming, as on the host."""
-        while self._landing:
-            landing = self._landing[0]
-            if not wait and not landing.event.query():
-                return
-            landing.event.synchronize()
-            self._landing.popleft()
-            joined, at = [], 0
-            for named, size in zip(landing.streams, landing.sizes):
-                part, at = landing.host[at:at + size], at + size
-                named.in_flight -= size
-                # still named: no bad id stopped the stream's names since (``_stop_naming`` cuts them to the prompt)
-                ok = named.live and named.named >= named.prompt_len + named.generated.size + size
-                if ok:
-                    try:
-                        _append_generated(named, as_tokens(part))
-                    except InvalidRequest:
-                        ok = self._stop_naming(named)
-                joined.append(ok)
-            self._index_written(landing.streams, joined)
+        with self._lock:
+            while self._landing:
+                landing = self._landing[0]
+                if not wait and not landing.event.query():
+                    return
+                landing.event.synchronize()
+                self._landing.popleft()
+                joined, at = [], 0
+                for named, size in zip(landing.streams, landing.sizes):
+                    part, at = landing.host[at:at + size], at + size
+                    named.in_flight -= size
+                    # still named: no bad id stopped the stream's names since (``_stop_naming`` cuts them to the prompt)
+                    ok = named.live and named.named >= named.prompt_len + named.generated.size + size
+                    if ok:
+                        try:
+                            _append_generated(named, as_tokens(part))
+                        except InvalidRequest:
+                            ok = self._stop_naming(named)
+                    joined.append(ok)
+                self._index_written(landing.streams, joined)
 
     def _flush(self, streams: Sequence[_Named]) -> list[bool]:
         """Join each stream's chunks fed since its last flush to its int32 ``generated`` (which then holds the ids of
