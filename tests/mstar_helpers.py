@@ -8,6 +8,7 @@ from mmcache.mstar.requirement import why_unavailable
 
 
 def require_mstar():
+    """Skip the calling test module, with the line to run, unless mstar-ai 0.2.1 imports."""
     why = why_unavailable()
     if why is not None:
         pytest.skip(why, allow_module_level=True)
