@@ -84,9 +84,13 @@ def as_tokens(token_ids, limit: int = _TOKEN_LIMIT) -> np.ndarray:
         arr = arr[0]
     if arr.size and (arr.dtype.kind not in "iu"):
         raise InvalidRequest(f"token ids must be integers, got dtype {arr.dtype}")
-    # int32 ids are below the default limit by construction, so the common case needs only the min.
-    if arr.size and (int(arr.min()) < 0 or (not (arr.dtype == TOKEN_DTYPE and limit == _TOKEN_LIMIT)
-                                            and int(arr.max()) >= limit)):
+    # int32 ids are checked in one pass: read as uint32, a negative id is 2**31 or more, above every bound (and every
+    # int32 id is below a limit of the int32 maximum or more).
+    if arr.dtype == TOKEN_DTYPE:
+        bad = arr.size and int(arr.view(np.uint32).max()) >= (1 << 31 if limit >= _TOKEN_LIMIT else limit)
+    else:
+        bad = arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limit)
+    if bad:
         raise InvalidRequest(f"token ids must lie in [0, {limit}), got range [{arr.min()}, {arr.max()}]")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
 

@@ -159,10 +159,10 @@ class PagePool:
         if idx is None:
             return
         with self.lock:
-            if (self._counts[idx] <= 0).any():
-                bad = idx[self._counts[idx] <= 0].tolist()
-                raise PageOwnershipError(f"retain of unowned page(s) {bad[:8]}")
-            self._counts[idx] += mult
+            held = self._counts[idx]  # one gather: checked, then written back (the ids are unique here)
+            if held.min() <= 0:
+                raise PageOwnershipError(f"retain of unowned page(s) {idx[held <= 0].tolist()[:8]}")
+            self._counts[idx] = held + mult
 
     def release(self, pages, distinct: bool = False) -> list[int]:
         """Drop one owner from each page; pages whose count reaches 0 return to the free list and are returned.
@@ -172,11 +172,11 @@ class PagePool:
         if idx is None:
             return []
         with self.lock:
-            short = self._counts[idx] < mult
-            if short.any():
-                raise PageOwnershipError(f"release of free or over-released page(s) {idx[short].tolist()[:8]}")
-            self._counts[idx] -= mult
-            freed = idx[self._counts[idx] == 0].tolist()
+            left = self._counts[idx] - mult  # one gather: checked, then written back (the ids are unique here)
+            if left.min() < 0:
+                raise PageOwnershipError(f"release of free or over-released page(s) {idx[left < 0].tolist()[:8]}")
+            self._counts[idx] = left
+            freed = idx[left == 0].tolist()
             self._free.extend(freed)
         return freed
 
@@ -185,7 +185,7 @@ class PagePool:
         idx = as_ids(pages, "page ids")
         if idx.size == 0:
             return None, None
-        if idx.min() < 0 or idx.max() >= self.num_pages:
+        if int(idx.view(np.uint64).max()) >= self.num_pages:  # one pass: a negative id reads as 2**63 or more
             raise PageOwnershipError(f"page id outside the pool of {self.num_pages} pages")
         if idx.size == 1 or distinct:
             return idx, 1
