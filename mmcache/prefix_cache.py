@@ -197,12 +197,8 @@ class PrefixCache:
         with self._lock:
             checked = []
             for rid, total_tokens, output_ids in marks:
-                total_tokens = as_int(total_tokens, "total_tokens")
                 rec = self._get(rid, live=True)
-                if not rec.computed <= total_tokens <= rec.seq_len:
-                    raise InvalidRequest(f"request {rid!r}: computed tokens must stay within "
-                                         f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
-                checked.append((rec, total_tokens, self._generated(rec, output_ids)))
+                checked.append((rec, self._computed(rec, total_tokens), self._generated(rec, output_ids)))
             if len({id(rec) for rec, _, _ in checked}) < len(checked):
                 raise InvalidRequest("mark_computed_many: a request is marked more than once")
             for rec, total_tokens, _ in checked:
@@ -213,14 +209,17 @@ class PrefixCache:
         with self._lock:
             return self._get(rid).state(self.page_size)
 
-    def finish(self, rid: Hashable, output_ids=()) -> int:
+    def finish(self, rid: Hashable, output_ids=(), computed_tokens: int | None = None) -> int:
         """Tear a request down: commit every full, written page of prompt + ``output_ids`` not yet indexed, then
         release the request's pages (indexed ones stay the index's). Returns the pages the request indexed over its
         life. A page whose name another request indexed first with equal verifying ids is not duplicated; a name
-        held by different ids stops indexing there."""
+        held by different ids stops indexing there. ``computed_tokens``: first record that the KV of that many tokens
+        is written, as ``mark_computed`` does (one call for a request's last pages and its teardown)."""
         with self._lock:
             rec = self._get(rid, live=True)
+            computed = rec.computed if computed_tokens is None else self._computed(rec, computed_tokens)
             generated = self._generated(rec, output_ids)
+            rec.computed = computed
             self._commit([(rec, generated)])
             if rec.claim is not None:
                 self.lifecycle.touch(rec.claim)
@@ -341,6 +340,14 @@ class PrefixCache:
     def _not_live(self, rid: Hashable) -> None:
         if rid in self._live:
             raise DuplicateRequest(f"request {rid!r} is already live")
+
+    def _computed(self, rec: _Request, total_tokens) -> int:
+        """``total_tokens`` checked as a new computed length of ``rec`` (never decreases, never past seq_len)."""
+        total_tokens = as_int(total_tokens, "total_tokens")
+        if not rec.computed <= total_tokens <= rec.seq_len:
+            raise InvalidRequest(f"request {rec.rid!r}: computed tokens must stay within "
+                                 f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
+        return total_tokens
 
     def _generated(self, rec: _Request, output_ids) -> np.ndarray:
         """``output_ids`` checked as token ids (before any state changes); an unnamed request's name nothing."""

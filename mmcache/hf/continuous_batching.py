@@ -285,12 +285,13 @@ def allocator_class():
         def _commit(self, rids: list[str]) -> None:
             """Tell the ``PrefixCache`` how far each of ``rids`` has written (one index update for all) and take them
             off ``_pending``: past the prompt, the ids generated so far name the pages."""
-            P, marks = self.tokens_per_page, []
-            for rid in rids:
-                self._pending.pop(rid, None)
-                done, n = self._full[rid] * P, self._prompt_len.get(rid)
-                marks.append((rid, done, self._tokens[rid][n:done] if n is not None and done > n else None))
-            self.cache.mark_computed_many(marks)
+            self.cache.mark_computed_many([self._mark(rid) for rid in rids])
+
+        def _mark(self, rid: str) -> tuple[str, int, list[int] | None]:
+            """``rid`` off ``_pending``, and what it has written: ``(rid, tokens written, ids generated in them)``."""
+            self._pending.pop(rid, None)
+            done, n = self._full[rid] * self.tokens_per_page, self._prompt_len.get(rid)
+            return rid, done, self._tokens[rid][n:done] if n is not None and done > n else None
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
             """Teardown: the written pages of prompt + output are in the index, then the request is released, or
@@ -299,8 +300,9 @@ def allocator_class():
                 self._end(request_id, index=not no_cache)
 
         def _end(self, rid: str, index: bool) -> None:
-            if rid in self._pending:  # its written pages are indexed either way (their KV is good)
-                self._commit([rid])
+            """Release ``rid``: the pages it wrote are indexed either way (their KV is good), by ``finish`` along
+            with the teardown, or before ``abort``."""
+            _, done, out = self._mark(rid) if rid in self._pending else (rid, None, None)
             for b in self.block_table.pop(rid):
                 p = b - self.reserved
                 if self._live[p] == 1:
@@ -313,8 +315,10 @@ def allocator_class():
             if self._prompt_len.pop(rid, None) is not None and index:
                 self._written += 1
                 self._salt.pop(rid, None)  # done; after a no_cache free the engine may send the request back
-                self.cache.finish(rid)  # every written page is indexed already: it touches and releases
+                self.cache.finish(rid, out or (), computed_tokens=done)
             else:
+                if done is not None:
+                    self.cache.mark_computed(rid, done, output_ids=out)
                 self.cache.abort(rid)
 
         def fork_blocks(self, source_request_id, dest_request_id, past_length):
