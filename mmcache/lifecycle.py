@@ -180,9 +180,9 @@ class PrefixLifecycle:
             idx = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
             n = servable(idx) if servable is not None and idx.size else idx.size
             stopped, idx = n < idx.size, idx[:n]
-            self.pool.retain(idx, distinct=True)
-            self.index.touch(idx)
             pages, fetch = idx.tolist(), None
+            self.pool.retain(pages, distinct=True)  # a list: counted one by one (PagePool's scalar path)
+            self.index.touch(idx)
             lower = (self.tiers is not None and not stopped and idx.size < limit
                      and self.tiers.nominates(prompt.names[idx.size]))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)

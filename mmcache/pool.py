@@ -11,6 +11,7 @@ host pages' only owner, and releasing them returns them to the host free list.
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 import threading
@@ -21,6 +22,8 @@ import torch
 
 from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
+
+_SCALAR_PAGES = 64  # a list of at most this many page ids is counted one by one, not through numpy (see PagePool)
 
 
 class Clock:
@@ -60,6 +63,11 @@ class PagePool:
     One pool per node: the caches on it (prefix indexes, an encoder store) register in ``evictables``, order their
     entries by the one ``clock`` and take the one ``cache_lock`` (see ``mmcache.reclaim``), so a shortfall of any
     owner evicts the coldest cached pages of either kind.
+
+    The counts live in one ``array('i')`` that ``_counts`` views as numpy: a list of a few page ids (a request's
+    pages) is checked and counted one by one on the array, a larger or numpy one through the view. Both make the same
+    checks; the scalar path exists because an engine calls between forwards, when each numpy call runs cold and costs
+    tens of microseconds.
     """
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
@@ -78,7 +86,8 @@ class PagePool:
         self.clock = Clock()
         self.cache_lock = threading.RLock()  # taken before ``lock``, never after
         self.evictables: list = []
-        self._counts = np.zeros(self.num_pages, dtype=np.int32)
+        self._count_ids = array.array("i", bytes(4 * self.num_pages))  # never resized: _counts views its memory
+        self._counts = np.frombuffer(self._count_ids, dtype=np.int32)
         # A stack popped from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
 
@@ -127,7 +136,12 @@ class PagePool:
                 raise OutOfPages(n - len(self._free), requested=n)
             pages = self._free[-n:]
             del self._free[-n:]
-            self._counts[pages] = 1
+            if n <= _SCALAR_PAGES:
+                counts = self._count_ids
+                for p in pages:
+                    counts[p] = 1
+            else:
+                self._counts[pages] = 1
         return pages
 
     def alloc_split(self, counts: Sequence[int]) -> list[list[int]] | None:
@@ -155,37 +169,74 @@ class PagePool:
 
         ``distinct=True`` is the caller's promise that no page repeats (a verified chain), which skips a sort.
         """
+        few = self._few(pages, distinct)
+        if few is not None:
+            with self.lock:
+                counts = self._count_ids
+                for p in few:
+                    if counts[p] <= 0:
+                        raise PageOwnershipError(f"retain of unowned page(s) {[q for q in few if counts[q] <= 0][:8]}")
+                for p in few:
+                    counts[p] += 1
+            return
         idx, mult = self._checked(pages, distinct)
         if idx is None:
             return
         with self.lock:
-            if (self._counts[idx] <= 0).any():
-                bad = idx[self._counts[idx] <= 0].tolist()
-                raise PageOwnershipError(f"retain of unowned page(s) {bad[:8]}")
-            self._counts[idx] += mult
+            held = self._counts[idx]  # one gather: checked, then written back (the ids are unique here)
+            if held.min() <= 0:
+                raise PageOwnershipError(f"retain of unowned page(s) {idx[held <= 0].tolist()[:8]}")
+            self._counts[idx] = held + mult
 
     def release(self, pages, distinct: bool = False) -> list[int]:
         """Drop one owner from each page; pages whose count reaches 0 return to the free list and are returned.
         ``distinct=True`` is the caller's promise that no page repeats (a request's own page list), which skips a
         sort."""
+        few = self._few(pages, distinct)
+        if few is not None:
+            with self.lock:
+                counts, freed = self._count_ids, []
+                for p in few:
+                    if counts[p] <= 0:
+                        raise PageOwnershipError(f"release of free or over-released page(s) "
+                                                 f"{[q for q in few if counts[q] <= 0][:8]}")
+                for p in few:
+                    left = counts[p] = counts[p] - 1
+                    if not left:
+                        freed.append(p)
+                self._free.extend(freed)
+            return freed
         idx, mult = self._checked(pages, distinct)
         if idx is None:
             return []
         with self.lock:
-            short = self._counts[idx] < mult
-            if short.any():
-                raise PageOwnershipError(f"release of free or over-released page(s) {idx[short].tolist()[:8]}")
-            self._counts[idx] -= mult
-            freed = idx[self._counts[idx] == 0].tolist()
+            left = self._counts[idx] - mult  # one gather: checked, then written back (the ids are unique here)
+            if left.min() < 0:
+                raise PageOwnershipError(f"release of free or over-released page(s) {idx[left < 0].tolist()[:8]}")
+            self._counts[idx] = left
+            freed = idx[left == 0].tolist()
             self._free.extend(freed)
         return freed
+
+    def _few(self, pages, distinct: bool) -> list[int] | tuple[int, ...] | None:
+        """``pages`` when the scalar path takes them: a list or tuple of at most ``_SCALAR_PAGES`` distinct Python ints
+        inside the pool; None sends them to ``_checked`` (which also refuses what is malformed)."""
+        if type(pages) not in (list, tuple) or len(pages) > _SCALAR_PAGES:
+            return None
+        n = self.num_pages
+        for p in pages:
+            if type(p) is not int or not 0 <= p < n:
+                return None
+        if not distinct and len(set(pages)) < len(pages):
+            return None
+        return pages
 
     def _checked(self, pages, distinct: bool = False):
         """Page ids as unique ids with multiplicities; raises on non-integer ids and ids outside the pool."""
         idx = as_ids(pages, "page ids")
         if idx.size == 0:
             return None, None
-        if idx.min() < 0 or idx.max() >= self.num_pages:
+        if int(idx.view(np.uint64).max()) >= self.num_pages:  # one pass: a negative id reads as 2**63 or more
             raise PageOwnershipError(f"page id outside the pool of {self.num_pages} pages")
         if idx.size == 1 or distinct:
             return idx, 1

@@ -24,7 +24,7 @@ import numpy as np
 
 from mmcache.checks import as_int
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, RefusedByGroup, UnknownRequest
-from mmcache.lifecycle import Claim, GroupAgreement, LowerTier, PrefixLifecycle, Readiness
+from mmcache.lifecycle import Claim, GroupAgreement, LowerTier, PrefixLifecycle, Readiness, Written
 from mmcache.prefix_index import IndexObserver
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
@@ -186,30 +186,41 @@ class PrefixCache:
         """Record that the KV of the first ``total_tokens`` tokens is written (never decreases, never past seq_len),
         and index the full pages that are now written: the prompt's, and with ``output_ids`` (every id generated so
         far) the generated pages too. A windowed request indexes only its protected run."""
-        total_tokens = as_int(total_tokens, "total_tokens")
         with self._lock:
-            rec = self._get(rid, live=True)
-            if not rec.computed <= total_tokens <= rec.seq_len:
-                raise InvalidRequest(f"request {rid!r}: computed tokens must stay within "
-                                     f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
-            generated = self._generated(rec, output_ids)
-            rec.computed = total_tokens
-            self._commit(rec, generated)
-            return rec.state(self.page_size)
+            self.mark_computed_many([(rid, total_tokens, output_ids)])
+            return self._live[rid].state(self.page_size)
+
+    def mark_computed_many(self, marks: Sequence[tuple[Hashable, int, object]]) -> None:
+        """``mark_computed`` of several requests, each ``(rid, total_tokens, output_ids)``, in one lock hold and one
+        index update (``PrefixLifecycle.commit_many``). Every mark is checked before anything changes; a request
+        appears at most once."""
+        with self._lock:
+            checked = []
+            for rid, total_tokens, output_ids in marks:
+                rec = self._get(rid, live=True)
+                checked.append((rec, self._computed(rec, total_tokens), self._generated(rec, output_ids)))
+            if len({id(rec) for rec, _, _ in checked}) < len(checked):
+                raise InvalidRequest("mark_computed_many: a request is marked more than once")
+            for rec, total_tokens, _ in checked:
+                rec.computed = total_tokens
+            self._commit([(rec, generated) for rec, _, generated in checked])
 
     def state(self, rid: Hashable) -> RequestState:
         with self._lock:
             return self._get(rid).state(self.page_size)
 
-    def finish(self, rid: Hashable, output_ids=()) -> int:
+    def finish(self, rid: Hashable, output_ids=(), computed_tokens: int | None = None) -> int:
         """Tear a request down: commit every full, written page of prompt + ``output_ids`` not yet indexed, then
         release the request's pages (indexed ones stay the index's). Returns the pages the request indexed over its
         life. A page whose name another request indexed first with equal verifying ids is not duplicated; a name
-        held by different ids stops indexing there."""
+        held by different ids stops indexing there. ``computed_tokens``: first record that the KV of that many tokens
+        is written, as ``mark_computed`` does (one call for a request's last pages and its teardown)."""
         with self._lock:
             rec = self._get(rid, live=True)
+            computed = rec.computed if computed_tokens is None else self._computed(rec, computed_tokens)
             generated = self._generated(rec, output_ids)
-            self._commit(rec, generated)
+            rec.computed = computed
+            self._commit([(rec, generated)])
             if rec.claim is not None:
                 self.lifecycle.touch(rec.claim)
             self.lifecycle.release(rec.pages)
@@ -330,6 +341,14 @@ class PrefixCache:
         if rid in self._live:
             raise DuplicateRequest(f"request {rid!r} is already live")
 
+    def _computed(self, rec: _Request, total_tokens) -> int:
+        """``total_tokens`` checked as a new computed length of ``rec`` (never decreases, never past seq_len)."""
+        total_tokens = as_int(total_tokens, "total_tokens")
+        if not rec.computed <= total_tokens <= rec.seq_len:
+            raise InvalidRequest(f"request {rec.rid!r}: computed tokens must stay within "
+                                 f"[{rec.computed}, {rec.seq_len}], got {total_tokens}")
+        return total_tokens
+
     def _generated(self, rec: _Request, output_ids) -> np.ndarray:
         """``output_ids`` checked as token ids (before any state changes); an unnamed request's name nothing."""
         if output_ids is None or (type(output_ids) in (tuple, list) and not output_ids):
@@ -337,12 +356,12 @@ class PrefixCache:
         out = as_tokens(output_ids, self.lifecycle.vocab_size)
         return _NO_TOKENS if rec.claim is None else out
 
-    def _commit(self, rec: _Request, generated: np.ndarray) -> None:
-        """Index what is written and named; a windowed request only within its protected run."""
-        if rec.claim is None:
-            return
-        written = rec.computed if rec.protected is None else min(rec.computed, rec.protected)
-        self.lifecycle.commit(rec.claim, rec.pages, written, generated)
+    def _commit(self, recs: Sequence[tuple[_Request, np.ndarray]]) -> None:
+        """Index what each ``(request, generated ids)`` has written and named, in one index update; a windowed
+        request only within its protected run, an unnamed one nothing."""
+        self.lifecycle.commit_many([
+            Written(rec.claim, rec.pages, rec.computed if rec.protected is None else min(rec.computed, rec.protected),
+                    generated) for rec, generated in recs if rec.claim is not None])
 
     def _get(self, rid: Hashable, live: bool = False) -> _Request:
         rec = self._live.get(rid)

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 from itertools import repeat
 from typing import Callable, NamedTuple, Protocol, Sequence
 
@@ -27,6 +28,7 @@ from mmcache.pool import PagePool
 from mmcache.reclaim import eviction_key
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
+_SCALAR_PAGES = 64  # up to this many pages, ticks are written one by one on the array (see PrefixIndex.__init__)
 _NO_PAGES.flags.writeable = False
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -101,9 +103,15 @@ class PrefixIndex:
         self._parent = np.full(n, -1, dtype=np.int32)
         self._salt = np.zeros(n, dtype=np.int32)
         self._depth = np.zeros(n, dtype=np.int32)
-        self._tick = np.zeros(n, dtype=np.int64)
-        self._serial = np.zeros(n, dtype=np.int64)
-        self._indexed = np.zeros(n, dtype=bool)
+        # Ticks, serials and indexed flags live in arrays of the ``array`` module that numpy views (never resized): a
+        # request's few pages are read and written one by one on the arrays (``_ticks``, ``_serials``, ``_flags``),
+        # whole-pool work goes through the views. An engine calls between forwards, when every numpy call runs cold.
+        self._ticks = array.array("q", bytes(8 * n))
+        self._serials = array.array("q", bytes(8 * n))
+        self._flags = array.array("b", bytes(n))
+        self._tick = np.frombuffer(self._ticks, dtype=np.int64)
+        self._serial = np.frombuffer(self._serials, dtype=np.int64)
+        self._indexed = np.frombuffer(self._flags, dtype=bool)
         self._next_serial = 1
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
@@ -130,7 +138,7 @@ class PrefixIndex:
 
     def serial(self, page: int) -> int:
         """The serial of ``page``'s current indexing (0 when not indexed)."""
-        return int(self._serial[page]) if self._indexed[page] else 0
+        return self._serials[page] if self._flags[page] else 0
 
     def match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int,
               parent: int = -1) -> np.ndarray:
@@ -165,7 +173,11 @@ class PrefixIndex:
 
     def touch(self, pages) -> None:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains)."""
-        if len(pages):
+        if type(pages) is list and len(pages) <= _SCALAR_PAGES:  # a request's chain: one by one on the array
+            tick, ticks = self.pool.clock.tick(), self._ticks
+            for page in pages:
+                ticks[page] = tick
+        elif len(pages):
             self._tick[pages] = self.pool.clock.tick()
 
     def insert(self, pages: Sequence[int], names: Sequence[int], page_tokens: np.ndarray, mids: np.ndarray,
@@ -189,13 +201,13 @@ class PrefixIndex:
         (``PrefixLifecycle.touch``). One owner update for all runs. ``media`` (a run's media blobs by chain position)
         only tells the observer which media each page holds.
         """
-        out, adopted_all, fresh = [], [], None
+        out, adopted_all, fresh, flags, ticks = [], [], None, self._flags, self._ticks
         for run in runs:
             new, chain_pages, parent, ok = [], [], run.parent, True
             pages, rows, mids = run.pages, run.rows, run.mids
             for j, name in enumerate(run.names):
                 page = pages[j]
-                if not self._indexed[page]:
+                if not flags[page]:
                     other = self._pages.get(name)
                     if other is None:
                         self._pages[name] = page
@@ -217,12 +229,12 @@ class PrefixIndex:
                                       run.media or {})
             if chain_pages:  # the parent's tick: ticks never increase along the chain, and no prefix is touched
                 if run.parent >= 0:
-                    tick = self._tick[run.parent]
+                    tick = ticks[run.parent]
                 else:
                     tick = fresh = self.pool.clock.tick() if fresh is None else fresh
-                if len(chain_pages) <= 2:
+                if len(chain_pages) <= _SCALAR_PAGES:
                     for page in chain_pages:
-                        self._tick[page] = tick
+                        ticks[page] = tick
                 else:
                     self._tick[chain_pages] = tick
             out.append(Inserted(new, chain_pages, ok))
@@ -240,10 +252,10 @@ class PrefixIndex:
         tick. Callers checked each parent is still the page they saw (``serial``)."""
         if self._observer is not None:
             return []
-        handled, index_of = [], self._pages
+        handled, index_of, flags = [], self._pages, self._flags
         for j, name in enumerate(names):
             page = pages[j]
-            if not self._indexed[page] and name not in index_of:
+            if not flags[page] and name not in index_of:
                 index_of[name] = page
                 handled.append(j)
         if not handled:
@@ -282,8 +294,12 @@ class PrefixIndex:
                 self._parent[page] = parents[q]
                 self._salt[page] = salt_id
                 self._depth[page] = depth + j
-                self._serial[page] = serial + q
-                self._indexed[page] = True
+                self._serials[page] = serial + q
+                self._flags[page] = 1
+            return
+        if len(new) == len(rows):  # every position of the run adopted (fresh pages): no gathers
+            self._write(np.asarray(adopted, dtype=np.int64), names, rows, mids[:, 0], mids[:, 1], parents, salt_id,
+                        np.arange(depth, depth + len(new), dtype=np.int32), serial)
             return
         self._write(np.asarray(adopted, dtype=np.int64), names, rows[new], mids[new, 0], mids[new, 1], parents,
                     salt_id, np.asarray(new, dtype=np.int32) + depth, serial)

@@ -10,6 +10,8 @@
 - two tenants with salts share nothing, one tenant twice does;
 - a pool barely larger than one request evicts cold pages as live requests need them and still serves every request;
 - a pool so tight that the engine preempts requests keeps every output, and counts a waiting request's lookup once;
+- driven call by call: a lookup sees exactly the blocks written before it (another request's, while that one still
+  runs; none it has not written), and a request freed with ``no_cache`` leaves the blocks it wrote indexed;
 - bad input is refused before anything changes, and an engine of a model not enabled keeps transformers' allocator.
 """
 
@@ -149,3 +151,39 @@ def test_bad_input_is_refused_and_other_models_keep_transformers_allocator(tiny_
         e.replay([Call("r0", "s0", prompts[0])])
         allocator = e.manager.batch_processor.cache.cache_allocators["full_attention"]
     assert type(allocator) is FullAttentionCacheAllocator and not isinstance(allocator, allocator_class())
+
+
+def test_a_lookup_sees_exactly_the_blocks_written_before_it(tiny_llama):
+    """The allocator driven as the engine drives it, one call at a time: blocks are indexed before the next lookup
+    (never before the engine has written them), and a ``no_cache`` free (offload) keeps what was written indexed."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.distributed import DistributedHelper
+
+    class State:  # what can_store_request_tokens reads of the engine's request state
+        def __init__(self, rid):
+            self.request_id = rid
+
+        def current_len(self):
+            return 0
+
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(3, 32000, (3 * P + 5,), generator=g).tolist()
+    with enable_prefix_cache(tiny_llama) as mm:
+        config = ContinuousBatchingConfig(page_size=P, num_blocks=32, max_batch_tokens=128, allow_block_sharing=True,
+                                          max_memory_percent=0.5)
+        cache = PagedAttentionCache(tiny_llama.config.get_text_config(), config, "cpu", DistributedHelper(None, None),
+                                    dtype=torch.float32)
+        allocator = cache.cache_allocators["full_attention"]
+        assert cache.search_prefix_match("a", head + [7]) == 0
+        assert cache.can_store_request_tokens(State("a"), len(head) + 1)
+        assert cache.search_prefix_match("b", head + [8]) == 0  # a has written nothing yet
+        allocator.mark_complete_blocks("a", head + [7], 2)
+        assert cache.search_prefix_match("b", head + [8]) == 2 * P  # a still runs: b shares the two it wrote
+        allocator.mark_complete_blocks("a", head + [7], 1)
+        cache.free_blocks("a", no_cache=True)  # offloaded: the three blocks it wrote stay indexed
+        assert cache.search_prefix_match("c", head + [9]) == 3 * P
+        for rid in ("b", "c"):
+            cache.free_blocks(rid)
+        stats = mm.cache.stats()
+    assert stats.pages_live == 0 and stats.pages_cached == 3 and stats.queries == 4 and not allocator.block_table

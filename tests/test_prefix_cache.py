@@ -347,3 +347,32 @@ def test_a_reused_parent_page_never_verifies_a_stale_child():
     st = c.admit("victim", [5, 5, 2, 2, 3, 3, 9], names=[20, 11, 12])
     served = [int(pool.data[p][0]) for p in st.page_indices]
     assert served in ([], [200], [200, 201]), served            # never a page computed after another prefix
+
+
+def test_marks_of_several_requests_and_a_finish_that_marks_index_what_one_by_one_marks_do():
+    """``mark_computed_many`` and ``finish(computed_tokens=)`` (the continuous-batching allocator's calls) index
+    exactly what ``mark_computed`` then ``finish`` would; a bad mark or a repeated request changes nothing."""
+    prompts = {"a": list(range(10, 21)), "b": list(range(10, 19)) + [50, 51]}
+    caches = [make(), make()]
+    for cache in caches:
+        for rid, p in prompts.items():
+            cache.admit(rid, p)
+            cache.grow(rid, len(p) + 6)
+    one, many = caches
+    for rid in prompts:
+        one.mark_computed(rid, 8)
+    many.mark_computed_many([(rid, 8, None) for rid in prompts])
+    with pytest.raises(InvalidRequest):
+        many.mark_computed_many([("a", 12, None), ("b", 40, None)])   # b beyond what it holds
+    with pytest.raises(InvalidRequest, match="more than once"):
+        many.mark_computed_many([("a", 12, None), ("a", 12, None)])
+    with pytest.raises(InvalidRequest):
+        many.finish("a", [1, 2, 3, 4, 5], computed_tokens=4)              # below what is computed
+    assert many.state("a").computed_tokens == many.state("b").computed_tokens == 8
+    one.mark_computed("a", 16, output_ids=[1, 2, 3, 4, 5])
+    assert one.finish("a", [1, 2, 3, 4, 5]) == many.finish("a", [1, 2, 3, 4, 5], computed_tokens=16) == 4
+    for cache in caches:
+        cache.finish("b")
+    assert one.stats() == many.stats()
+    assert one.admit("c", prompts["a"] + [1, 2, 3, 4, 5, 9]).matched_tokens == 16
+    assert many.admit("c", prompts["a"] + [1, 2, 3, 4, 5, 9]).matched_tokens == 16

@@ -11,10 +11,11 @@ What changes inside the engine (and nothing else does: the scheduler, the model 
 
 - matching: ``admit`` walks the page-name chain (fingerprint root, the request's salt) and compares the stored
   token ids before a block is used; a 64-bit collision costs a comparison, never a wrong block;
-- completed blocks: each forward's full blocks are ``mark_computed`` with the ids generated so far, so they are
-  indexed as they are written (a request admitted meanwhile shares them); at teardown ``finish`` indexes what is left
-  of prompt + output (a cancelled request too, its KV is good), ``abort`` when the engine frees with ``no_cache``
-  (offload: nothing more is indexed), so nothing is ever de-duplicated by hash alone;
+- completed blocks: the full blocks each forward writes are indexed before the next lookup (every request that
+  wrote since in one ``mark_computed_many``, with the ids generated so far), so a request admitted while another
+  runs shares what that one has written; at teardown a request's own are indexed and ``finish`` releases it (a
+  cancelled request too, its KV is good), ``abort`` after them when the engine frees with ``no_cache`` (offload:
+  nothing more is indexed), so nothing is ever de-duplicated by hash alone;
 - eviction: the engine's free-block count is the pages no live request holds, so its safety margin never flushes
   the cache; ``grow`` evicts cold tails only as many pages as a live request is short (``evict_batch_pages=1``).
 
@@ -35,7 +36,6 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-import numpy as np
 
 from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
@@ -191,7 +191,9 @@ def allocator_class():
         ``page_indices`` shifted by ``reserved`` (pages only ever append while a request lives, so each admit and
         grow appends the new ones); ``_live`` counts, per page, the live requests holding it (the pages the
         ``PrefixCache`` counts as live, kept here so the engine's frequent free-capacity checks cost nothing);
-        ``_full[rid]`` counts the leading pages whose KV the engine has written (matched ones included)."""
+        ``_full[rid]`` counts the leading pages whose KV the engine has written (matched ones included), and
+        ``_pending`` holds the requests whose written pages the ``PrefixCache`` has not been told of yet: it is
+        empty whenever a lookup runs, so every lookup sees every page written before it."""
 
         def __new__(cls, *args, **kwargs):
             handle = _BOUND.get(id(kwargs.get("config")))
@@ -212,6 +214,7 @@ def allocator_class():
             self._tokens: dict[str, list[int]] = {}
             self._salt: dict[str, bytes] = {}  # kept from first admission until the engine is done with the request
             self._written = 0  # counts the events that may index pages (blocks completed, requests finished)
+            self._pending: dict[str, None] = {}  # requests with blocks completed since their last commit, in order
             self._looked_up: dict[str, int] = {}  # rid -> ``_written`` when it was admitted
             self._claim()
 
@@ -243,7 +246,9 @@ def allocator_class():
                 self._salt[rid] = self.handle.take_salt(rid)
             salt = self._salt[rid]
             names = self.handle.namer(self.cache.fingerprint, prompt_ids, salt) if self.handle.namer else None
-            state = self.cache.admit(rid, np.asarray(prompt_ids, dtype=np.int32), salt=salt, names=names)
+            if self._pending:  # what the running requests wrote since the last lookup, indexed before this one
+                self._commit(list(self._pending))
+            state = self.cache.admit(rid, prompt_ids, salt=salt, names=names)
             self._sync(rid, state)
             self._full[rid] = len(state.page_indices)
             self._prompt_len[rid] = len(prompt_ids)
@@ -269,22 +274,35 @@ def allocator_class():
                 self._sync(request_id, self.cache.grow(request_id, total))
 
         def mark_complete_blocks(self, request_id: str, token_ids: list[int], new_new_blocks: int) -> None:
-            """The last forward completed ``new_new_blocks`` more leading blocks: their KV is written."""
+            """The last forward completed ``new_new_blocks`` more leading blocks: their KV is written. They are
+            indexed at the next lookup or at the request's teardown, whichever comes first (``_commit``): the
+            engine calls this after every forward, and most forwards are followed by no lookup."""
             self._full[request_id] += new_new_blocks
-            self._tokens[request_id] = token_ids
+            self._tokens[request_id] = token_ids  # the engine builds a new list for every call
             self._written += 1
-            done, n = self._full[request_id] * self.tokens_per_page, self._prompt_len.get(request_id)
-            # pages are indexed as they are written: past the prompt, the generated ids name them
-            out = token_ids[n:done] if n is not None and done > n else None
-            self.cache.mark_computed(request_id, done, output_ids=out)
+            self._pending[request_id] = None
+
+        def _commit(self, rids: list[str]) -> None:
+            """Tell the ``PrefixCache`` how far each of ``rids`` has written (one index update for all) and take them
+            off ``_pending``: past the prompt, the ids generated so far name the pages."""
+            self.cache.mark_computed_many([self._mark(rid) for rid in rids])
+
+        def _mark(self, rid: str) -> tuple[str, int, list[int] | None]:
+            """``rid`` off ``_pending``, and what it has written: ``(rid, tokens written, ids generated in them)``."""
+            self._pending.pop(rid, None)
+            done, n = self._full[rid] * self.tokens_per_page, self._prompt_len.get(rid)
+            return rid, done, self._tokens[rid][n:done] if n is not None and done > n else None
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
-            """Teardown: written pages of prompt + output go to the index, or nothing does with ``no_cache`` (the
-            engine offloads the request and will bring it back or recompute it)."""
+            """Teardown: the written pages of prompt + output are in the index, then the request is released, or
+            aborted with ``no_cache`` (the engine offloads the request and will bring it back or recompute it)."""
             if request_id in self.block_table:
                 self._end(request_id, index=not no_cache)
 
         def _end(self, rid: str, index: bool) -> None:
+            """Release ``rid``: the pages it wrote are indexed either way (their KV is good), by ``finish`` along
+            with the teardown, or before ``abort``."""
+            _, done, out = self._mark(rid) if rid in self._pending else (rid, None, None)
             for b in self.block_table.pop(rid):
                 p = b - self.reserved
                 if self._live[p] == 1:
@@ -293,12 +311,14 @@ def allocator_class():
                     self._live[p] -= 1
             self._full.pop(rid, None)
             self._looked_up.pop(rid, None)
-            n, tokens = self._prompt_len.pop(rid, None), self._tokens.pop(rid, [])
-            if index and n is not None:
+            self._tokens.pop(rid, None)
+            if self._prompt_len.pop(rid, None) is not None and index:
                 self._written += 1
                 self._salt.pop(rid, None)  # done; after a no_cache free the engine may send the request back
-                self.cache.finish(rid, np.asarray(tokens[n:], dtype=np.int32))
+                self.cache.finish(rid, out or (), computed_tokens=done)
             else:
+                if done is not None:
+                    self.cache.mark_computed(rid, done, output_ids=out)
                 self.cache.abort(rid)
 
         def fork_blocks(self, source_request_id, dest_request_id, past_length):
