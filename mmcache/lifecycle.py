@@ -304,7 +304,7 @@ class PrefixLifecycle:
                 if lo and serial(claim.chain[-1]) != claim.parent_serial:
                     claim.open = False  # the parent left the index (evicted or discarded): no child may hang on it
                     continue
-                if (m == lo + 1 == len(claim.names) + 1 and lo and lo * P >= prompt.tokens.size
+                if (m == lo + 1 == len(claim.names) + 1 and lo and (lo + 1) * P > prompt.tokens.size
                         and lo not in claim.media and self.tiers is None):
                     children.append((i, w, lo))  # a decode step's page that filled: indexed with the others at once
                     continue
@@ -340,8 +340,9 @@ class PrefixLifecycle:
             return out
 
     def _commit_children(self, children: list, out: list[int]) -> list:
-        """Index, as arrays, one generated page per request continuing its chain (``children``: ``(i, Written,
-        position)``, every position before it indexed and named, no media on it): their names from their parents',
+        """Index, as arrays, one page per request that generated ids filled (the prompt's last, part-filled page or
+        a wholly generated one) continuing its chain (``children``: ``(i, Written, position)``, every position before
+        it indexed and named, no media on it): their names from their parents',
         then ``PrefixIndex.insert_children``; each adopted page joins its claim's chain (``out[i]`` = 1). Returns those
         the index left (a name or page it holds already), their names computed, for a run of their own. Under the
         lock."""
@@ -351,7 +352,11 @@ class PrefixLifecycle:
         for j, (_, w, lo) in enumerate(children):
             claim = w.claim
             start = lo * P - claim.prompt.tokens.size
-            rows[j] = w.generated[start:start + P]
+            if start >= 0:
+                rows[j] = w.generated[start:start + P]
+            else:  # the prompt's last, part-filled page, filled by what was generated after it
+                rows[j, :-start] = claim.prompt.tokens[lo * P:]
+                rows[j, -start:] = w.generated[:P + start]
             last_names.append(claim.names[-1])
             pages.append(int(w.pages[lo]))
             parents.append(claim.chain[-1])

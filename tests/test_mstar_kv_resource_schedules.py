@@ -70,7 +70,8 @@ class PendingCopy:
 def copies_that_land_later(copies: list):
     """``ids_to_host`` for the CPU ids of the toy node, as it behaves for ids on a CUDA device: joined and copied, the
     copy done only when its ``PendingCopy`` (appended to ``copies``) says so; None where the real one refuses."""
-    def start(chunks):
+    def start(streams):
+        chunks = [chunk for stream in streams for chunk in stream]
         if not all(isinstance(chunk, torch.Tensor) for chunk in chunks):
             return None
         try:

@@ -101,16 +101,16 @@ def _append_generated(named: _Named, ids: np.ndarray) -> None:
     named.generated = room[:n + k]
 
 
-def ids_to_host(chunks: list) -> tuple[torch.Tensor, object] | None:
-    """Fed id tensors on a CUDA device (a decode step's sampled tokens, fed back), joined there and copied to pinned
-    host memory without waiting: ``(host tensor, the copy's event)``. M*'s GPU thread commits a step right after
-    launching its forward, so a blocking copy there would wait for that forward. None for anything else (ids on the
-    host are joined where they are, at once)."""
-    first = chunks[0]
+def ids_to_host(chunks: list[list]) -> tuple[torch.Tensor, object] | None:
+    """Fed id tensors on a CUDA device (a decode step's sampled tokens, fed back; ``chunks``: each stream's, in
+    order), joined there and copied to pinned host memory without waiting: ``(host tensor, the copy's event)``. M*'s
+    GPU thread commits a step right after launching its forward, so a blocking copy there would wait for that forward.
+    None for anything else (ids on the host are joined where they are, at once)."""
+    first = chunks[0][0]
     if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
         return None
     try:
-        ids = torch.cat(chunks)
+        ids = torch.cat([chunk for stream in chunks for chunk in stream])
     except (RuntimeError, TypeError, ValueError):  # chunks one call does not join: the host path says what is wrong
         return None
     if ids.dim() != 1:
@@ -710,7 +710,7 @@ class ReuseKVManager(KVManager):
     def _park(self, streams: list[_Named]) -> bool:
         """Start the host copy of ``streams``' chunks when they are device tensors (``ids_to_host``); their pages are
         indexed when it lands, and each is due at its next page end meanwhile. False (nothing changed) otherwise."""
-        chunks = [chunk for named in streams for chunk in named.chunks]
+        chunks = [named.chunks for named in streams if named.chunks]
         started = ids_to_host(chunks) if chunks else None
         sizes = [named.named - named.prompt_len - named.generated.size - named.in_flight for named in streams]
         if started is None or started[0].numel() != sum(sizes):
