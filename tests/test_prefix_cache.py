@@ -57,6 +57,29 @@ def test_forced_collision_all_names_equal_stays_exact():
     assert cache.stats().pages_cached == 1
 
 
+@pytest.mark.parametrize("pages", [6, 70])  # page by page (a request's few pages) and vectorized (many)
+@pytest.mark.parametrize("differ", ["token", "media", "salt", "parent"])
+def test_every_verifying_id_is_compared_on_both_match_paths(pages, differ):
+    cache = make(num_pages=4 * pages)
+    n, k = pages * P + 1, pages // 2  # page k is where the second prompt's verifying ids differ
+    a = list(range(n))
+    media_a = [(k * P, b"image-a")]
+    serve(cache, "a", a, media=media_a, salt=b"s")
+    names = page_names(FP, a, media_a, salt=b"s")
+    b, media_b, salt_b = list(a), list(media_a), b"s"
+    if differ == "token":
+        b[k * P + 1] += 1000
+    elif differ == "media":
+        media_b = [(k * P, b"image-b")]
+    elif differ == "salt":
+        salt_b, k = b"t", 0
+    else:  # a name that repeats an earlier page's: nominated, then refused by the parent check
+        names = names[:k] + [names[k - 1]] + names[k + 1:]
+    st = cache.admit("b", b, media=media_b, salt=salt_b, names=names)
+    assert st.matched_tokens == k * P
+    assert cache.stats().collisions == 1
+
+
 def test_salts_never_share_pages():
     cache = make()
     serve(cache, "a", list(range(12)), salt=b"tenant-a")
