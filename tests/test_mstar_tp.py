@@ -40,6 +40,7 @@ def _rank(rank: int, world: int, port: int) -> None:
         if rank == world - 1:
             on.kv.lifecycle(LABEL).index.clear()                      # one rank lost its cached pages
         assert both("c", prompt + [6]) == 0                           # ...so the group keeps none this time
+        dist.barrier()  # neither rank tears its gloo group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
