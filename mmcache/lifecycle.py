@@ -342,10 +342,9 @@ class PrefixLifecycle:
     def _commit_children(self, children: list, out: list[int]) -> list:
         """Index, as arrays, one page per request that generated ids filled (the prompt's last, part-filled page or
         a wholly generated one) continuing its chain (``children``: ``(i, Written, position)``, every position before
-        it indexed and named, no media on it): their names from their parents',
-        then ``PrefixIndex.insert_children``; each adopted page joins its claim's chain (``out[i]`` = 1). Returns those
-        the index left (a name or page it holds already), their names computed, for a run of their own. Under the
-        lock."""
+        it indexed and named, no media on it): their names from their parents', then ``PrefixIndex.insert_children``;
+        each adopted page joins its claim's chain (``out[i]`` = 1). Returns those the index left (a name or page it
+        holds already), their names computed, for a run of their own. Under the lock."""
         P, n = self.page_size, len(children)
         rows = np.empty((n, P), dtype=np.int32)
         last_names, pages, parents, salt_ids, depths = [], [], [], [], []
