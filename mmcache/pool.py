@@ -23,7 +23,9 @@ import torch
 from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
 
-_SCALAR_PAGES = 64  # a list of at most this many page ids is counted one by one, not through numpy (see PagePool)
+# A request-sized list of at most this many page ids is counted (and, in the prefix index, stamped) one by one on
+# the arrays, not through numpy: see PagePool.
+SCALAR_PAGES = 64
 
 
 class Clock:
@@ -136,7 +138,7 @@ class PagePool:
                 raise OutOfPages(n - len(self._free), requested=n)
             pages = self._free[-n:]
             del self._free[-n:]
-            if n <= _SCALAR_PAGES:
+            if n <= SCALAR_PAGES:
                 counts = self._count_ids
                 for p in pages:
                     counts[p] = 1
@@ -219,9 +221,9 @@ class PagePool:
         return freed
 
     def _few(self, pages, distinct: bool) -> list[int] | tuple[int, ...] | None:
-        """``pages`` when the scalar path takes them: a list or tuple of at most ``_SCALAR_PAGES`` distinct Python ints
+        """``pages`` when the scalar path takes them: a list or tuple of at most ``SCALAR_PAGES`` distinct Python ints
         inside the pool; None sends them to ``_checked`` (which also refuses what is malformed)."""
-        if type(pages) not in (list, tuple) or len(pages) > _SCALAR_PAGES:
+        if type(pages) not in (list, tuple) or len(pages) > SCALAR_PAGES:
             return None
         n = self.num_pages
         for p in pages:

@@ -24,11 +24,10 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from mmcache.pool import PagePool
+from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import eviction_key
 
 _NO_PAGES = np.zeros(0, dtype=np.int64)
-_SCALAR_PAGES = 64  # up to this many pages, ticks are written one by one on the array (see PrefixIndex.__init__)
 _NO_PAGES.flags.writeable = False
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -173,7 +172,7 @@ class PrefixIndex:
 
     def touch(self, pages) -> None:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains)."""
-        if type(pages) is list and len(pages) <= _SCALAR_PAGES:  # a request's chain: one by one on the array
+        if type(pages) is list and len(pages) <= SCALAR_PAGES:  # a request's chain: one by one on the array
             tick, ticks = self.pool.clock.tick(), self._ticks
             for page in pages:
                 ticks[page] = tick
@@ -232,7 +231,7 @@ class PrefixIndex:
                     tick = ticks[run.parent]
                 else:
                     tick = fresh = self.pool.clock.tick() if fresh is None else fresh
-                if len(chain_pages) <= _SCALAR_PAGES:
+                if len(chain_pages) <= SCALAR_PAGES:
                     for page in chain_pages:
                         ticks[page] = tick
                 else:
