@@ -57,9 +57,11 @@ def test_forced_collision_all_names_equal_stays_exact():
     assert cache.stats().pages_cached == 1
 
 
-@pytest.mark.parametrize("pages", [6, 70])  # page by page (a request's few pages) and vectorized (many)
+@pytest.mark.parametrize("pages", [6, 70])  # a request's few pages, and a chain longer than the pool's scalar paths
 @pytest.mark.parametrize("differ", ["token", "media", "salt", "parent"])
-def test_every_verifying_id_is_compared_on_both_match_paths(pages, differ):
+def test_every_verifying_id_is_compared_on_short_and_long_chains(pages, differ):
+    """Names forced equal to the cached prompt's: the one verifying id that differs (a token, the media, the salt, the
+    parent) stops the match at its page, costing one counted collision."""
     cache = make(num_pages=4 * pages)
     n, k = pages * P + 1, pages // 2  # page k is where the second prompt's verifying ids differ
     a = list(range(n))
