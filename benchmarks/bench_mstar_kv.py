@@ -10,7 +10,8 @@ counted pool alone), and with reuse on (plus the seam's ``feed_rows`` of the ste
 indexing the pages that fill). The forward is not run: what is timed is the resource's own work. ms per step, best of
 repeats, spread = max/min over repeats; rows are interleaved repeat by repeat so load on the machine hits every row
 alike. A last row times, alone, what any resource that names the decoded ids must do with what M* 0.2.1 hands it:
-join the step's one-element id tensors (one per request, ``torch.cat``); it is part of the reuse-on row.
+join the step's one-element id tensors (one per request) into ints (``torch.cat``, ``tolist``); it is part of the
+reuse-on row.
 
 A second table times the seam itself (``mmcache.mstar.switch``): a decode step's ``prepare_inputs`` (one token) for
 every request and its ``declare_step``, bare and with the seam on them (which feeds the step's tokens through
@@ -75,13 +76,18 @@ def once(kind: str, requests: int, page: int, steps: int) -> float:
         if reuse:  # distinct prompts: what is measured is the bookkeeping, not hits
             kv.feed(rid, "main", torch.arange(PROMPT) + i * PROMPT)
     run_step(runner, rids, PROMPT)
-    tok = torch.tensor([7])
-    t = time.perf_counter()
-    for _ in range(steps):
-        if reuse:  # what the seam hands the resource for a decode step: every request's one id, at once
-            kv.feed_rows("main", {rid: tok for rid in rids})
+    spent = 0.0
+    for k in range(steps):
+        # what the seam hands the resource for a decode step: every request's one id, at once, each a one-element
+        # view of the step's sampled tokens (as M*'s nodes return them, ``new_tokens[i : i + 1]``); made untimed
+        sampled = torch.arange(requests) + k
+        rows = {rid: sampled[i:i + 1] for i, rid in enumerate(rids)} if reuse else None
+        t = time.perf_counter()
+        if reuse:
+            kv.feed_rows("main", rows)
         run_step(runner, rids, 1)
-    return (time.perf_counter() - t) / steps
+        spent += time.perf_counter() - t
+    return spent / steps
 
 
 def seam_us(reuse: bool, requests: int, repeats: int) -> float:
@@ -107,11 +113,12 @@ def seam_us(reuse: bool, requests: int, repeats: int) -> float:
 
 def join_ms(requests: int, repeats: int) -> float:
     """ms to join one decode step's ids as M* 0.2.1 hands them to a node (one one-element tensor per request)."""
-    ids = [torch.tensor([7]) for _ in range(requests)]
+    sampled = torch.arange(requests)
+    ids = [sampled[i:i + 1] for i in range(requests)]
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        torch.cat(ids)
+        torch.cat(ids).tolist()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
 
@@ -133,7 +140,7 @@ def page_table(requests: int, page: int, repeats: int) -> None:
         best = min(times[k])
         print(f"{names[k]:<44} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
     join = join_ms(requests, 50 * repeats)
-    print(f"{'  of which: the step ids joined (torch.cat)':<44} | {join:8.3f} | {join / (base * 1e3):6.2f} |")
+    print(f"{'  of which: the step ids joined (cat, tolist)':<44} | {join:8.3f} | {join / (base * 1e3):6.2f} |")
     print(f"({requests} requests per step, page {page}, {steps} decode steps after a {PROMPT}-token prefill, best of "
           f"{repeats}; {sys.platform}, {torch.get_num_threads()} threads)\n")
 

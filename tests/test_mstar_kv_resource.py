@@ -4,7 +4,6 @@ attention (``tests/mstar_toy_ar.py``, checked against a dense reference here). R
 logits torch.equal. The ways the old seam served wrong KV are regression tests: a prompt fed in several walks, the
 retry after an allocation failure, and the retry of a chunk whose match was continued."""
 
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,10 +17,9 @@ from mstar_toy_ar import (  # noqa: E402
     weights,
 )
 
-from test_mstar_kv_resource_schedules import PendingCopy, copies_that_land_later  # noqa: E402
+from test_mstar_kv_resource_schedules import PendingCopy, ids_as_from_a_device  # noqa: E402
 
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
-from mmcache.mstar import kv_resource  # noqa: E402
 from mmcache.errors import InvalidRequest  # noqa: E402
 
 W = weights()
@@ -70,7 +68,11 @@ def kv_step(n, rids, span: int) -> None:
     n.runner.commit(s)
 
 
-def test_pages_that_fill_in_one_step_are_named_together_and_a_bad_id_stops_only_its_own_stream():
+@pytest.mark.parametrize("by_step", [False, True], ids=["feed", "feed_rows"])
+def test_pages_that_fill_in_one_step_are_named_together_and_a_bad_id_stops_only_its_own_stream(by_step):
+    """Decode ids fed one request at a time (``feed``) or a step at once (``feed_rows``, each request's id a view of
+    the step's sampled tokens, as M*'s nodes return them: joined into ints when fed; a step whose ids one call does
+    not join into integer ids keeps them as fed)."""
     on = node(W, reuse=REUSE)
     kv, prompts = on.kv, {"a": list(range(100, 100 + P)), "b": list(range(200, 200 + P))}
     for rid, prompt in prompts.items():
@@ -79,10 +81,17 @@ def test_pages_that_fill_in_one_step_are_named_together_and_a_bad_id_stops_only_
     kv_step(on, ["a", "b"], P)
     fed = {"a": [], "b": []}
     for t in range(P):  # both streams fill their second page in the same step: one join of both streams' ids
+        sampled = torch.tensor([7 + t, 7 + t])
+        rows = {rid: sampled[i:i + 1] for i, rid in enumerate(fed)}
+        if t == 1:
+            rows["b"] = torch.tensor([7.5])                     # no token id
         for rid in fed:
-            tok = torch.tensor([7.5]) if rid == "b" and t == 1 else torch.tensor([7 + t])  # 7.5: no token id
             fed[rid].append(7 + t)
-            kv.feed(rid, LABEL, tok)
+        if by_step:
+            assert kv.feed_rows(LABEL, rows) == []
+        else:
+            for rid, tok in rows.items():
+                kv.feed(rid, LABEL, tok)
         kv_step(on, ["a", "b"], 1)
     assert kv.stats(LABEL).pages_cached == 3                    # a's two pages and b's prompt page
     for rid, want in (("a", 2 * P), ("b", P)):                  # a later request with the same ids matches that much
@@ -99,7 +108,7 @@ def test_decode_ids_copied_from_the_device_index_their_pages_when_the_copy_lands
     nothing of it and holds no page. Reuse on keeps reuse off's logits."""
     copies: list[PendingCopy] = []
     on, prompts = node(W, reuse=REUSE), {"a": list(range(100, 100 + P)), "b": list(range(60, 60 + P))}
-    with mock.patch.object(kv_resource, "ids_to_host", copies_that_land_later(copies)):
+    with ids_as_from_a_device(copies):
         kv, fed = on.kv, {"a": [], "b": []}
         for rid, prompt in prompts.items():
             on.runner.ingest_request(rid)

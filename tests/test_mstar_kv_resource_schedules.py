@@ -6,6 +6,7 @@ it announced), no page is ever indexed under ids other than those its KV was com
 indexed page holds exactly the K/V that a cold prefill of its chain's verifying ids writes (a check that does not
 wait for a later request to hit the page)."""
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -67,9 +68,11 @@ class PendingCopy:
         self.done = True
 
 
-def copies_that_land_later(copies: list):
-    """``ids_to_host`` for the CPU ids of the toy node, as it behaves for ids on a CUDA device: joined and copied, the
-    copy done only when its ``PendingCopy`` (appended to ``copies``) says so; None where the real one refuses."""
+@contextlib.contextmanager
+def ids_as_from_a_device(copies: list):
+    """The CPU ids of the toy node handled as ids on a CUDA device are: not joined when fed (``_step_ids`` refuses
+    them), and joined and copied to the host by ``ids_to_host``, the copy done only when its ``PendingCopy``
+    (appended to ``copies``) says so; None where the real one refuses."""
     def start(streams):
         chunks = [chunk for stream in streams for chunk in stream]
         if not all(isinstance(chunk, torch.Tensor) for chunk in chunks):
@@ -82,7 +85,9 @@ def copies_that_land_later(copies: list):
             return None
         copies.append(PendingCopy())
         return ids.clone(), copies[-1]
-    return start
+    with mock.patch.object(kv_resource, "ids_to_host", start), \
+            mock.patch.object(kv_resource, "_step_ids", lambda ids: None):
+        yield
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -91,8 +96,7 @@ def test_any_schedule_gives_the_logits_of_reuse_off(data, ids_land_later):
     """With ``ids_land_later``, decode ids reach the host as from a CUDA device: the copy of a step's ids lands when the
     schedule says (at any later step, or never before the request leaves), and its pages are indexed only then."""
     copies: list[PendingCopy] = []
-    with mock.patch.object(kv_resource, "ids_to_host", copies_that_land_later(copies) if ids_land_later
-                           else kv_resource.ids_to_host):
+    with ids_as_from_a_device(copies) if ids_land_later else contextlib.nullcontext():
         run_schedule(data, copies)
 
 

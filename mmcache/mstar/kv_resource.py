@@ -73,18 +73,41 @@ _ROWS_LEFT = 2
 
 
 def _joined_tokens(chunks: list) -> np.ndarray:
-    """The ids of ``chunks`` (what consecutive feeds fed: tensors, arrays or lists, one step's ids each) as one int32
-    array; ``InvalidRequest`` when one is not a flat sequence of token ids. Chunks of one kind are joined by one
-    call of their library (one device copy for tensors), mixed ones id by id."""
+    """The ids of ``chunks`` (what consecutive feeds fed: ints (``feed_rows``' one id a step), tensors, arrays or lists,
+    one step's ids each) as one int32 array; ``InvalidRequest`` when one is not a flat sequence of token ids. Chunks
+    of one kind are joined by one call of their library (one device copy for tensors), mixed ones id by id."""
     first = chunks[0]
     try:
+        if type(first) is int:
+            return as_tokens(chunks)
         if isinstance(first, torch.Tensor):
             return as_tokens(torch.cat(chunks))
         if isinstance(first, np.ndarray):
             return as_tokens(np.concatenate(chunks))
-    except (RuntimeError, TypeError, ValueError):  # chunks no library call joins: the general path says what is wrong
+    except (InvalidRequest, RuntimeError, TypeError, ValueError):  # mixed chunks: the general path says what is wrong
         pass
-    return as_tokens([i for c in chunks for i in (c.tolist() if hasattr(c, "tolist") else c)])
+    return as_tokens([i for c in chunks
+                      for i in ((c,) if type(c) is int else c.tolist() if hasattr(c, "tolist") else c)])
+
+
+_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+
+
+def _step_ids(ids: list) -> list[int] | None:
+    """A decode step's fed ids (one one-element tensor per request, as M* hands them) as ints, joined by one call:
+    a stream then keeps an int a step, not a tensor, and the pages that fill are named from ints. None for ids on a
+    CUDA device (reading them here would wait for the forward just launched: they go through ``ids_to_host``) and
+    for anything one call does not join into one integer id a request (kept as fed, checked where joined)."""
+    first = ids[0]
+    if not isinstance(first, torch.Tensor) or first.device.type == "cuda":
+        return None
+    try:
+        joined = torch.cat(ids)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if joined.dim() != 1 or joined.numel() != len(ids) or joined.dtype not in _INT_DTYPES:
+        return None
+    return joined.tolist()
 
 
 def _append_generated(named: _Named, ids: np.ndarray) -> None:
@@ -421,11 +444,16 @@ class ReuseKVManager(KVManager):
     def feed_rows(self, label: str, rows: dict) -> list:
         """The one-row feeds of a step at once (a decode step's): for each ``rid -> ids`` (one id) what
         ``feed(rid, label, ids)`` does for a stream already named, where a one-row feed is never cut (``_ROWS_LEFT``)
-        and carries no media. Returns the rids left to ``feed`` (a stream not named yet, a label in shadow)."""
+        and carries no media. The step's ids are joined into ints at once where they are on the host (``_step_ids``:
+        one ``torch.cat`` a step, where keeping each request's tensor until its page fills costs a join of a page of
+        one-element views per stream). Returns the rids left to ``feed`` (a stream not named yet, a label in
+        shadow)."""
         if label not in self._reused:
             return list(rows)
         left, due, named_of = [], [], self._named.get(label, {})
-        for rid, ids in rows.items():
+        fed = list(rows.values())
+        ints = _step_ids(fed) if fed else None
+        for rid, ids in zip(rows, fed if ints is None else ints):
             named = named_of.get(rid)
             if named is None:
                 left.append(rid)
