@@ -53,16 +53,15 @@ class ThinkerSteps:
 
     def start(self, lv) -> None:
         from encoders.base import media_bytes
-        from workloads.models.vlm_mstar import TEXT, image_inputs
 
         q, schedule, rows = self.q, [], 0
         for kind, x in self.workload.walks(lv.req):
-            if kind == TEXT:
+            if kind == self.workload.TEXT:
                 schedule.append((q.TEXT, torch.tensor(x, dtype=torch.long)))
                 rows += len(x)
                 continue
             data = media_bytes(x, "image")
-            pixels, grid = image_inputs(self.model, self.processor, data)
+            pixels, grid = q.image_tensors(self.model, self.processor, data)
             inputs = {"pixel_values": [pixels], "image_grid_thw": [grid], **(self._digest(data) if self.cached else {})}
             schedule.append((q.VISION, inputs))
             rows += int(grid.prod()) // 4 + 2  # one row per merged 2 x 2 patch, and the two sentinels

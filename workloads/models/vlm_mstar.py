@@ -135,6 +135,7 @@ class VlmMstar:
     """The ``vlm-mstar`` workload of one run (see the module docstring). ``outputs[rid]``: the token ids a completed
     request generated."""
 
+    TEXT = TEXT  # the kind of a text walk in ``walks``, for what drives the workload
     name = NAME
     engine = ENGINE
 
@@ -209,18 +210,9 @@ class VlmMstar:
         return {"prefix": prefix_ceiling(shadow), **({"image": repeats / images} if images else {})}
 
 
-def image_inputs(model, processor, data: bytes):
-    """``(pixel_values, image_grid_thw)`` of an image as M*'s data worker makes them
-    (``mstar_qwen3_omni.image_tensors``); ``InvalidMedia`` for bytes that do not decode."""
-    from workloads.peers.mstar_qwen3_omni import image_tensors
-
-    try:
-        return image_tensors(model, processor, data)
-    except (RuntimeError, ValueError) as e:  # torchvision's decoder, the processor
-        raise InvalidMedia(f"cannot decode image ({len(data):,} bytes): {e}") from e
-
-
 def image_rows(model, processor, data: bytes) -> int:
     """The rows an image's vision walk feeds the thinker: one per merged 2 x 2 patch of its grid, and its two
     sentinels."""
-    return int(image_inputs(model, processor, data)[1].prod()) // 4 + 2
+    from workloads.peers.mstar_qwen3_omni import image_tensors
+
+    return int(image_tensors(model, processor, data)[1].prod()) // 4 + 2

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from mmcache.errors import InvalidMedia
 from mmcache.mstar.requirement import require_mstar
 
 require_mstar()
@@ -223,11 +224,15 @@ def image_processor():
 def image_tensors(model, processor, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pixel_values, image_grid_thw)`` of an encoded image as M*'s data worker makes them: M*'s
     ``Model.load_image`` decodes it to (C, H, W) floats in [0, 1] (base.py:455-461), then ``process_prompt``'s
-    conversion to uint8 (H, W, C) and its image processor call (qwen3_omni_model.py:1130-1142, 1181-1185)."""
-    img = model.load_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), "cpu").data
-    u8 = (img * 255.0).clamp(0, 255).to(torch.uint8)
-    u8 = u8.permute(1, 2, 0) if u8.dim() == 3 and u8.shape[0] in (1, 3) else u8
-    out = processor(images=[u8.contiguous().numpy()], return_tensors="pt")
+    conversion to uint8 (H, W, C) and its image processor call (qwen3_omni_model.py:1130-1142, 1181-1185).
+    ``InvalidMedia`` for bytes that do not decode."""
+    try:
+        img = model.load_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), "cpu").data
+        u8 = (img * 255.0).clamp(0, 255).to(torch.uint8)
+        u8 = u8.permute(1, 2, 0) if u8.dim() == 3 and u8.shape[0] in (1, 3) else u8
+        out = processor(images=[u8.contiguous().numpy()], return_tensors="pt")
+    except (RuntimeError, ValueError) as e:  # torchvision's decoder, the processor
+        raise InvalidMedia(f"cannot decode image ({len(data):,} bytes): {e}") from e
     return out["pixel_values"], out["image_grid_thw"][0]
 
 
