@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -738,10 +739,14 @@ class ReuseKVManager(KVManager):
     def _park(self, streams: list[_Named]) -> bool:
         """Start the host copy of ``streams``' chunks when they are device tensors (``ids_to_host``); their pages are
         indexed when it lands, and each is due at its next page end meanwhile. False (nothing changed) otherwise."""
-        chunks = [named.chunks for named in streams if named.chunks]
-        started = ids_to_host(chunks) if chunks else None
+        first = next((named.chunks[0] for named in streams if named.chunks), None)
+        if first is None or type(first) is int:  # ids joined when fed (``_step_ids``) are on the host
+            return False
+        started = ids_to_host([named.chunks for named in streams if named.chunks])
+        if started is None:
+            return False
         sizes = [named.named - named.prompt_len - named.generated.size - named.in_flight for named in streams]
-        if started is None or started[0].numel() != sum(sizes):
+        if started[0].numel() != sum(sizes):
             return False
         P = self.config.page_size
         for named, size in zip(streams, sizes):
@@ -787,7 +792,7 @@ class ReuseKVManager(KVManager):
         if len(todo) > 1:
             sizes = [named.named - named.prompt_len - named.generated.size for named in todo]
             try:
-                joined = _joined_tokens([chunk for named in todo for chunk in named.chunks])
+                joined = _joined_tokens(list(itertools.chain.from_iterable(named.chunks for named in todo)))
             except InvalidRequest:
                 joined = None
             if joined is not None and joined.size == sum(sizes):
@@ -795,6 +800,7 @@ class ReuseKVManager(KVManager):
                 for named, size in zip(todo, sizes):
                     _append_generated(named, joined[at:at + size])
                     named.chunks, at = [], at + size
+                return [True] * len(streams)
         out = []
         for named in streams:
             chunks, named.chunks = named.chunks, []
