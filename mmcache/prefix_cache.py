@@ -263,17 +263,16 @@ class PrefixCache:
             if not rec.suspended:
                 raise InvalidRequest(f"request {rid!r} is not suspended")
             j0 = rec.first_page
-            idx = (np.empty(0, dtype=np.int64) if rec.claim is None  # unnamed: shares nothing, so j0 == 0
-                   else self.lifecycle.rematch(rec.claim, j0))
-            gap = j0 - idx.size
+            idx = [] if rec.claim is None else self.lifecycle.rematch(rec.claim, j0)  # unnamed: shares nothing
+            gap = j0 - len(idx)
             try:
                 fresh = self.lifecycle.take(gap + rec.offloaded)
             except OutOfPages:
                 self.lifecycle.release(idx)
                 raise
-            rec.pages = idx.tolist() + fresh + rec.pages  # the gap, then the offloaded positions, then kept pages
+            rec.pages = idx + fresh + rec.pages  # the gap, then the offloaded positions, then kept pages
             rec.first_page, rec.suspended, rec.offloaded = 0, False, 0
-            rec.matched = idx.size * P
+            rec.matched = len(idx) * P
             if gap:
                 rec.computed = min(rec.computed, rec.matched)
             return rec.state(P)
