@@ -181,8 +181,9 @@ class PrefixLifecycle:
             pages = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
             n = servable(np.asarray(pages, dtype=np.int64)) if servable is not None and pages else len(pages)
             stopped, pages, fetch = n < len(pages), pages[:n], None
-            self.pool.retain(pages, distinct=True)  # lists: counted and touched one by one (the scalar paths)
-            self.index.touch(pages)
+            if pages:  # lists: counted and touched one by one (the scalar paths); a new prompt holds nothing
+                self.pool.retain(pages, distinct=True)
+                self.index.touch(pages)
             lower = (self.tiers is not None and not stopped and len(pages) < limit
                      and self.tiers.nominates(prompt.names[len(pages)]))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)

@@ -164,7 +164,7 @@ def chain(parent: int, tokens: np.ndarray, page_size: int, first_page: int = 0,
     n_pages = len(tokens) // page_size
     parent = int(parent)  # a caller's name may be a numpy integer; the xxh64 seed must be an int
     step = page_size * tokens.itemsize
-    buf = memoryview(tokens[: n_pages * page_size]).cast("B")
+    buf = memoryview(tokens).cast("B")  # no slice of the array: the loop reads its full pages only
     hash64 = xxhash.xxh64_intdigest
     names = [0] * n_pages
     if not media:

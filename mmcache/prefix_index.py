@@ -227,6 +227,7 @@ class PrefixIndex:
         for run in runs:
             new, chain_pages, parent, ok = [], [], run.parent, True
             pages, rows, mids, step = run.pages, token_bytes(run.rows), memoryview(run.mids), self._step
+            few = len(run.names) <= SCALAR_PAGES  # written one by one as adopted; a longer run at once (_record)
             for j, name in enumerate(run.names):
                 page = pages[j]
                 if not flags[page]:
@@ -234,6 +235,10 @@ class PrefixIndex:
                     if other is None:
                         self._pages[name] = page
                         new.append(j)
+                        if few:
+                            self._put(page, name, rows[j * step:(j + 1) * step], mids[j, 0], mids[j, 1], parent,
+                                      run.salt_id, run.depth + j, self._next_serial)
+                            self._next_serial += 1
                     elif self._same(other, rows[j * step:(j + 1) * step], mids[j, 0], mids[j, 1], parent,
                                     run.salt_id):
                         page = other
@@ -244,8 +249,9 @@ class PrefixIndex:
                 chain_pages.append(parent := page)
             if new:
                 adopted = [pages[j] for j in new]
-                self._record(adopted, [run.names[j] for j in new], run.rows, run.mids, new,
-                             [chain_pages[j - 1] if j else run.parent for j in new], run.salt_id, run.depth)
+                if not few:
+                    self._record(adopted, [run.names[j] for j in new], run.rows, run.mids, new,
+                                 [chain_pages[j - 1] if j else run.parent for j in new], run.salt_id, run.depth)
                 adopted_all += adopted
                 if self._observer is not None:
                     self._tell_stored(new, run.names, chain_pages, run.parent, run.rows, run.salt_id, run.depth,
@@ -313,18 +319,11 @@ class PrefixIndex:
 
     def _record(self, adopted: list[int], names: list[int], rows: np.ndarray, mids: np.ndarray, new: list[int],
                 parents: list[int], salt_id: int, depth: int) -> None:
-        """Write the verifying ids and chain metadata of the pages ``adopted`` (run positions ``new``) at once, so a
-        later run of the same ``insert_runs`` compares against them. A request's few pages (up to ``SCALAR_PAGES``)
-        are written one by one on the arrays; more, by ``_write``."""
+        """Write the verifying ids and chain metadata of the pages ``adopted`` (run positions ``new``) of a run longer
+        than ``SCALAR_PAGES`` at once, as arrays (``_write``), so a later run of the same ``insert_runs`` compares
+        against them."""
         serial = self._next_serial
         self._next_serial += len(adopted)
-        if len(adopted) <= SCALAR_PAGES:
-            by_row, m, step = token_bytes(rows), memoryview(mids), self._step
-            for q, page in enumerate(adopted):
-                j = new[q]
-                self._put(page, names[q], by_row[j * step:(j + 1) * step], m[j, 0], m[j, 1], parents[q], salt_id,
-                          depth + j, serial + q)
-            return
         if len(new) == len(rows):  # every position of the run adopted (fresh pages): no gathers
             self._write(np.asarray(adopted, dtype=np.int64), names, rows, mids[:, 0], mids[:, 1], parents, salt_id,
                         np.arange(depth, depth + len(new), dtype=np.int32), serial)
