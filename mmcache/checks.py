@@ -16,6 +16,8 @@ from mmcache.errors import InvalidRequest
 
 def as_int(value, what: str) -> int:
     """``value`` as an int; raises ``InvalidRequest`` unless it is an integer (bools refused)."""
+    if type(value) is int:  # the common case, checked first: this runs on every call that takes a count
+        return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
     raise InvalidRequest(f"{what} must be an integer, got {value!r}")

@@ -23,13 +23,14 @@ store's, bounded by its deadline) run outside it.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
 from mmcache.errors import InvalidRequest, RefusedByGroup
-from mmcache.names import Fingerprint, NamedPrompt, chain, chain_children, media_by_page, media_ids
+from mmcache.names import Fingerprint, NamedPrompt, chain, chain_children, media_by_page, media_ids, token_bytes
 from mmcache.pool import PagePool
 from mmcache.prefix_index import ChainRun, IndexObserver, PrefixIndex
 from mmcache.reclaim import take
@@ -177,17 +178,17 @@ class PrefixLifecycle:
         mids = prompt.media_ids(limit)
         with self.lock:
             salt_id = self.index.salt_id(prompt.salt)
-            idx = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
-            n = servable(idx) if servable is not None and idx.size else idx.size
-            stopped, idx = n < idx.size, idx[:n]
-            pages, fetch = idx.tolist(), None
-            self.pool.retain(pages, distinct=True)  # a list: counted one by one (PagePool's scalar path)
-            self.index.touch(idx)
-            lower = (self.tiers is not None and not stopped and idx.size < limit
-                     and self.tiers.nominates(prompt.names[idx.size]))
+            pages = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
+            n = servable(np.asarray(pages, dtype=np.int64)) if servable is not None and pages else len(pages)
+            stopped, pages, fetch = n < len(pages), pages[:n], None
+            if pages:  # lists: counted and touched one by one (the scalar paths); a new prompt holds nothing
+                self.pool.retain(pages, distinct=True)
+                self.index.touch(pages)
+            lower = (self.tiers is not None and not stopped and len(pages) < limit
+                     and self.tiers.nominates(prompt.names[len(pages)]))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
-            pages, fetch = self.tiers.extend(self.index, idx, prompt.names[:limit], prompt.tokens, mids, prompt.salt,
-                                             salt_id, prompt.media)
+            pages, fetch = self.tiers.extend(self.index, np.asarray(pages, dtype=np.int64), prompt.names[:limit],
+                                             prompt.tokens, mids, prompt.salt, salt_id, prompt.media)
         if self.agreement is not None:
             agreed, all_ok = self.agreement.agree(len(pages), True)
             if not all_ok:
@@ -216,7 +217,7 @@ class PrefixLifecycle:
         """Whether every rank of the group is ``ok`` (True without a group): for a step that all ranks take or none."""
         return self.agreement is None or self.agreement.agree(0, ok)[1]
 
-    def rematch(self, claim: Claim, pages: int) -> np.ndarray:
+    def rematch(self, claim: Claim, pages: int) -> list[int]:
         """The verified part of the first ``pages`` pages of ``claim``'s chain, retained (a suspended request coming
         back); not counted as a query."""
         prompt = claim.prompt
@@ -246,11 +247,11 @@ class PrefixLifecycle:
             names = chain(claim.names[-1] if start else claim.prompt.root, tokens[:m * P], P, start, claim.media)
             idx = self.index.match(names, tokens, media_ids(claim.media, range(start, start + m)), claim.salt_id,
                                    claim.chain[-1] if start else -1)
-            if servable is not None and idx.size:
-                idx = idx[:servable(idx)]
+            if servable is not None and idx:
+                idx = idx[:servable(np.asarray(idx, dtype=np.int64))]
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
-            pages = idx.tolist()
+            pages = idx
         if self.agreement is not None:
             agreed, _ = self.agreement.agree(len(pages), True)
             if agreed < len(pages):
@@ -346,21 +347,24 @@ class PrefixLifecycle:
         each adopted page joins its claim's chain (``out[i]`` = 1). Returns those the index left (a name or page it
         holds already), their names computed, for a run of their own. Under the lock."""
         P, n = self.page_size, len(children)
-        rows = np.empty((n, P), dtype=np.int32)
+        ids = array.array("i", bytes(4 * n * P))  # the rows, filled as bytes: no numpy call per request
+        buf = memoryview(ids).cast("B")
         last_names, pages, parents, salt_ids, depths = [], [], [], [], []
         for j, (_, w, lo) in enumerate(children):
             claim = w.claim
-            start = lo * P - claim.prompt.tokens.size
+            at, start = 4 * j * P, 4 * (lo * P - claim.prompt.tokens.size)  # in bytes
+            out_ids = token_bytes(w.generated)
             if start >= 0:
-                rows[j] = w.generated[start:start + P]
+                buf[at:at + 4 * P] = out_ids[start:start + 4 * P]
             else:  # the prompt's last, part-filled page, filled by what was generated after it
-                rows[j, :-start] = claim.prompt.tokens[lo * P:]
-                rows[j, -start:] = w.generated[:P + start]
+                buf[at:at - start] = token_bytes(claim.prompt.tokens)[4 * lo * P:]
+                buf[at - start:at + 4 * P] = out_ids[:4 * P + start]
             last_names.append(claim.names[-1])
             pages.append(int(w.pages[lo]))
             parents.append(claim.chain[-1])
             salt_ids.append(claim.salt_id)
             depths.append(lo)
+        rows = np.frombuffer(ids, dtype=np.int32).reshape(n, P)
         names = chain_children(last_names, rows)
         handled = self.index.insert_children(pages, names, rows, parents, salt_ids, depths)
         serials = self.index.serials(pages)

@@ -24,10 +24,11 @@ from mmcache.errors import InvalidRequest
 
 TOKEN_DTYPE = np.int32
 _TOKEN_LIMIT = np.iinfo(TOKEN_DTYPE).max
-_NO_MEDIA = np.zeros(2, dtype=np.uint64)
 # Up to this many ids, a list's range check runs in Python: an engine names prompts between forwards, when numpy's
-# reductions run cold (~50 us for a min), where Python's min and max over a few thousand ints cost less.
+# reductions run cold (~50 us for a max), where Python's max over a few thousand ints costs less.
 _LIST_CHECKED = 4096
+_NO_MEDIA = np.zeros((4096, 2), dtype=np.uint64)  # media_ids of pages without media (read-only)
+_NO_MEDIA.flags.writeable = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +72,17 @@ def as_tokens(token_ids, limit: int = _TOKEN_LIMIT) -> np.ndarray:
     Any other shape (a scalar, several rows, ragged nesting) is refused rather than flattened into one prompt.
     """
     if type(token_ids) is list and token_ids and type(token_ids[0]) is not bool:
-        try:  # array('i') converts a list ~25% faster than numpy; anything it refuses takes the general path
-            ids = array.array("i", token_ids)
+        try:  # array('I') (4-byte unsigned) converts a list ~25% faster than numpy and refuses a negative id; anything
+            ids = array.array("I", token_ids)  # it refuses takes the general path
         except (TypeError, OverflowError):
             pass
         else:
-            if len(ids) <= _LIST_CHECKED:  # a short list is range-checked by Python's min and max (see above)
-                if min(ids) < 0 or max(ids) >= (1 << 31 if limit >= _TOKEN_LIMIT else limit):
-                    raise InvalidRequest(f"token ids must lie in [0, {limit}), got range [{min(ids)}, {max(ids)}]")
-                return np.frombuffer(ids, dtype=TOKEN_DTYPE)
-            token_ids = np.frombuffer(ids, dtype=TOKEN_DTYPE)
+            # The upper bound of a short list is checked by Python's max over the list itself (see above; over the
+            # array, every id would become an int object again), of a long one by numpy's.
+            top = max(token_ids) if len(ids) <= _LIST_CHECKED else int(np.frombuffer(ids, dtype=np.uint32).max())
+            if top >= (1 << 31 if limit >= _TOKEN_LIMIT else limit):
+                raise InvalidRequest(f"token ids must lie in [0, {limit}), got range [{min(token_ids)}, {top}]")
+            return np.frombuffer(ids, dtype=TOKEN_DTYPE)
     elif hasattr(token_ids, "detach"):  # torch tensor, without importing torch here
         token_ids = token_ids.detach().cpu().numpy()
     try:
@@ -139,11 +141,16 @@ def media_by_page(media: Iterable, page_size: int, num_tokens: int) -> dict[int,
 
 
 def media_ids(blobs: dict[int, bytes], pages: range) -> np.ndarray:
-    """The 128-bit media verifying id of each page in ``pages`` (zero where the page holds no media)."""
+    """The 128-bit media verifying id of each page in ``pages`` (zero where the page holds no media), as a read-only
+    [len(pages), 2] uint64 array: a slice of one shared zero block when none of the pages holds media (an engine names
+    and commits between forwards, when allocating zeros runs cold)."""
+    if len(pages) <= len(_NO_MEDIA) and not any(p in pages for p in blobs):
+        return _NO_MEDIA[:len(pages)]
     out = np.zeros((len(pages), 2), dtype=np.uint64)
     for p, blob in blobs.items():
         if p in pages:
             out[p - pages.start] = np.frombuffer(xxhash.xxh3_128_digest(blob), dtype=np.uint64)
+    out.flags.writeable = False
     return out
 
 
@@ -157,7 +164,7 @@ def chain(parent: int, tokens: np.ndarray, page_size: int, first_page: int = 0,
     n_pages = len(tokens) // page_size
     parent = int(parent)  # a caller's name may be a numpy integer; the xxh64 seed must be an int
     step = page_size * tokens.itemsize
-    buf = memoryview(tokens[: n_pages * page_size]).cast("B")
+    buf = memoryview(tokens).cast("B")  # no slice of the array: the loop reads its full pages only
     hash64 = xxhash.xxh64_intdigest
     names = [0] * n_pages
     if not media:
@@ -171,11 +178,20 @@ def chain(parent: int, tokens: np.ndarray, page_size: int, first_page: int = 0,
     return names
 
 
+def token_bytes(tokens: np.ndarray) -> memoryview:
+    """int32 token ids (flat, or one page a row) as one flat byte view without a numpy call when they are contiguous
+    int32 already: page ``i``'s ids are bytes ``[i * step, (i + 1) * step)`` for ``step = 4 * page_size``."""
+    view = memoryview(tokens)
+    if not view.c_contiguous or view.itemsize != 4:
+        view = memoryview(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE))
+    return view.cast("B")
+
+
 def chain_children(parents: Sequence[int], rows: np.ndarray) -> list[int]:
     """The name of one page (no media) after each of ``parents``: ``chain(parents[j], rows[j], page_size)[0]`` for
     every row of the int32 ``rows`` [n, page_size], in one pass."""
-    step = rows.shape[1] * rows.itemsize
-    buf = memoryview(np.ascontiguousarray(rows)).cast("B")
+    step = rows.shape[1] * 4
+    buf = token_bytes(rows)
     hash64 = xxhash.xxh64_intdigest
     return [hash64(buf[j * step:(j + 1) * step], int(parent)) for j, parent in enumerate(parents)]
 

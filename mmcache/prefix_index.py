@@ -24,11 +24,10 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from mmcache.names import token_bytes
 from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import eviction_key
 
-_NO_PAGES = np.zeros(0, dtype=np.int64)
-_NO_PAGES.flags.writeable = False
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
 
@@ -94,20 +93,30 @@ class PrefixIndex:
         self._spill = spill
         self._observer = observer
         n = pool.num_pages
-        # Verifying ids and chain metadata, preallocated and indexed by page id (valid where _indexed).
-        self._name = np.zeros(n, dtype=np.uint64)
-        self._tokens = np.zeros((n, P), dtype=np.int32)
-        self._media_lo = np.zeros(n, dtype=np.uint64)   # 128-bit media verifying id, split for 1-D gathers
-        self._media_hi = np.zeros(n, dtype=np.uint64)
-        self._parent = np.full(n, -1, dtype=np.int32)
-        self._salt = np.zeros(n, dtype=np.int32)
-        self._depth = np.zeros(n, dtype=np.int32)
-        # Ticks, serials and indexed flags live in arrays of the ``array`` module that numpy views (never resized): a
-        # request's few pages are read and written one by one on the arrays (``_ticks``, ``_serials``, ``_flags``),
-        # whole-pool work goes through the views. An engine calls between forwards, when every numpy call runs cold.
+        # Per page id (valid where indexed): the verifying ids (name, token row, 128-bit media id as two halves,
+        # parent page, salt id), depth, tick, serial and the indexed flag. Each lives in one array of the ``array``
+        # module (never resized) that a numpy view shares: a request's few pages (up to ``SCALAR_PAGES``) are read
+        # and written one by one on the arrays, whole-pool work (eviction, tiers, events, ``insert_children``) goes
+        # through the views. An engine calls between forwards, when every numpy call runs cold (~20-50 us each).
+        self._names = array.array("Q", bytes(8 * n))
+        self._token_ids = array.array("i", bytes(4 * n * P))   # page p's row: [p * P, (p + 1) * P)
+        self._media_los = array.array("Q", bytes(8 * n))
+        self._media_his = array.array("Q", bytes(8 * n))
+        self._parents = array.array("i", [-1]) * n
+        self._page_salts = array.array("i", bytes(4 * n))
+        self._depths = array.array("i", bytes(4 * n))
         self._ticks = array.array("q", bytes(8 * n))
         self._serials = array.array("q", bytes(8 * n))
         self._flags = array.array("b", bytes(n))
+        self._row_bytes = memoryview(self._token_ids).cast("B")  # page p's row: bytes [p * step, (p + 1) * step)
+        self._step = 4 * P
+        self._name = np.frombuffer(self._names, dtype=np.uint64)
+        self._tokens = np.frombuffer(self._token_ids, dtype=np.int32).reshape(n, P)
+        self._media_lo = np.frombuffer(self._media_los, dtype=np.uint64)
+        self._media_hi = np.frombuffer(self._media_his, dtype=np.uint64)
+        self._parent = np.frombuffer(self._parents, dtype=np.int32)
+        self._salt = np.frombuffer(self._page_salts, dtype=np.int32)
+        self._depth = np.frombuffer(self._depths, dtype=np.int32)
         self._tick = np.frombuffer(self._ticks, dtype=np.int64)
         self._serial = np.frombuffer(self._serials, dtype=np.int64)
         self._indexed = np.frombuffer(self._flags, dtype=bool)
@@ -140,16 +149,29 @@ class PrefixIndex:
         return self._serials[page] if self._flags[page] else 0
 
     def match(self, names: Sequence[int], tokens: np.ndarray, mids: np.ndarray, salt_id: int,
-              parent: int = -1) -> np.ndarray:
+              parent: int = -1) -> list[int]:
         """Pages nominated by walking ``names`` to the first miss, cut at the first that fails verification.
 
-        Verification is one vectorized comparison of every nominated page's tokens, media, parent and salt; a page
+        Every nominated page is verified (``_same``: its tokens, media, parent and salt) before it is accepted; a page
         is accepted only if its whole chain back to page 0 is the request's own, so a hash collision costs a miss.
-        ``parent``: the indexed page the first name continues (-1: the chain starts here); ``tokens`` and ``mids``
-        start at the first name's page.
+        ``parent``: the indexed page the first name continues (-1: the chain starts here); ``tokens`` (int32) and
+        ``mids`` (``media_ids``) start at the first name's page. Up to ``SCALAR_PAGES`` names, page by page on the
+        arrays; more, as one vectorized comparison.
         """
         if not len(names) or names[0] not in self._pages:  # a miss at the first page (a new prompt): no arrays built
-            return _NO_PAGES
+            return []
+        if len(names) <= SCALAR_PAGES:
+            rows = token_bytes(tokens)
+            idx, get, m, step = [], self._pages.get, memoryview(mids), self._step
+            for i, name in enumerate(names):
+                page = get(name)
+                if page is None:
+                    break
+                if not self._same(page, rows[i * step:(i + 1) * step], m[i, 0], m[i, 1], parent, salt_id):
+                    self.counters["collisions"] += 1
+                    break
+                idx.append(parent := page)
+            return idx
         # Probing past the first miss in C is cheaper than stopping there in a Python loop.
         idx = np.fromiter(map(self._pages.get, names, repeat(-1)), dtype=np.int64, count=len(names))
         miss = np.flatnonzero(idx < 0)
@@ -157,7 +179,8 @@ class PrefixIndex:
             idx = idx[:miss[0]]
         k, P = idx.size, self.page_size
         if k == 0:
-            return idx
+            return []
+        # ``_same`` for every nominated page at once
         rows = self._tokens[idx]
         expected = tokens[:k * P].reshape(k, P)
         parents = np.empty(k, dtype=np.int32)
@@ -168,7 +191,7 @@ class PrefixIndex:
             ok &= (rows == expected).all(axis=1)
             self.counters["collisions"] += 1
             idx = idx[:int(np.argmin(ok))]
-        return idx
+        return idx.tolist()
 
     def touch(self, pages) -> None:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains)."""
@@ -203,7 +226,8 @@ class PrefixIndex:
         out, adopted_all, fresh, flags, ticks = [], [], None, self._flags, self._ticks
         for run in runs:
             new, chain_pages, parent, ok = [], [], run.parent, True
-            pages, rows, mids = run.pages, run.rows, run.mids
+            pages, rows, mids, step = run.pages, token_bytes(run.rows), memoryview(run.mids), self._step
+            few = len(run.names) <= SCALAR_PAGES  # written one by one as adopted; a longer run at once (_record)
             for j, name in enumerate(run.names):
                 page = pages[j]
                 if not flags[page]:
@@ -211,7 +235,12 @@ class PrefixIndex:
                     if other is None:
                         self._pages[name] = page
                         new.append(j)
-                    elif self._same(other, rows[j], mids[j], parent, run.salt_id):
+                        if few:
+                            self._put(page, name, rows[j * step:(j + 1) * step], mids[j, 0], mids[j, 1], parent,
+                                      run.salt_id, run.depth + j, self._next_serial)
+                            self._next_serial += 1
+                    elif self._same(other, rows[j * step:(j + 1) * step], mids[j, 0], mids[j, 1], parent,
+                                    run.salt_id):
                         page = other
                     else:
                         self.counters["collisions"] += 1
@@ -220,11 +249,12 @@ class PrefixIndex:
                 chain_pages.append(parent := page)
             if new:
                 adopted = [pages[j] for j in new]
-                self._record(adopted, [run.names[j] for j in new], rows, mids, new,
-                             [chain_pages[j - 1] if j else run.parent for j in new], run.salt_id, run.depth)
+                if not few:
+                    self._record(adopted, [run.names[j] for j in new], run.rows, run.mids, new,
+                                 [chain_pages[j - 1] if j else run.parent for j in new], run.salt_id, run.depth)
                 adopted_all += adopted
                 if self._observer is not None:
-                    self._tell_stored(new, run.names, chain_pages, run.parent, rows, run.salt_id, run.depth,
+                    self._tell_stored(new, run.names, chain_pages, run.parent, run.rows, run.salt_id, run.depth,
                                       run.media or {})
             if chain_pages:  # the parent's tick: ticks never increase along the chain, and no prefix is touched
                 if run.parent >= 0:
@@ -259,6 +289,16 @@ class PrefixIndex:
                 handled.append(j)
         if not handled:
             return handled
+        if len(handled) <= SCALAR_PAGES:  # a few requests' pages: one by one on the arrays
+            by_row, step, ticks = token_bytes(rows), self._step, self._ticks
+            for j in handled:
+                page, up = pages[j], parents[j]
+                self._put(page, names[j], by_row[j * step:(j + 1) * step], 0, 0, up, salt_ids[j], depths[j],
+                          self._next_serial)
+                self._next_serial += 1
+                ticks[page] = ticks[up]  # the parent's tick: ticks never increase along a chain
+            self.pool.retain([pages[j] for j in handled], distinct=True)
+            return handled
         at = np.asarray(handled, dtype=np.int64)
         idx = np.asarray(pages, dtype=np.int64)[at]
         up = np.asarray(parents, dtype=np.int64)[at]
@@ -272,36 +312,37 @@ class PrefixIndex:
 
     def serials(self, pages: Sequence[int]) -> list[int]:
         """``serial`` of each of ``pages``."""
+        if len(pages) <= SCALAR_PAGES:
+            return [self.serial(page) for page in pages]
         idx = np.asarray(pages, dtype=np.int64)
         return np.where(self._indexed[idx], self._serial[idx], 0).tolist()
 
     def _record(self, adopted: list[int], names: list[int], rows: np.ndarray, mids: np.ndarray, new: list[int],
                 parents: list[int], salt_id: int, depth: int) -> None:
-        """Write the verifying ids and chain metadata of the pages ``adopted`` (run positions ``new``) at once, so a
-        later run of the same ``insert_runs`` compares against them. A page or two (a decode step's page that
-        filled) is written element by element: numpy's fancy-index setup costs more than the writes."""
+        """Write the verifying ids and chain metadata of the pages ``adopted`` (run positions ``new``) of a run longer
+        than ``SCALAR_PAGES`` at once, as arrays (``_write``), so a later run of the same ``insert_runs`` compares
+        against them."""
         serial = self._next_serial
         self._next_serial += len(adopted)
-        if len(adopted) <= 2:
-            for q, page in enumerate(adopted):
-                j = new[q]
-                mid = mids[j]
-                self._name[page] = names[q]
-                self._tokens[page] = rows[j]
-                self._media_lo[page] = mid[0]
-                self._media_hi[page] = mid[1]
-                self._parent[page] = parents[q]
-                self._salt[page] = salt_id
-                self._depth[page] = depth + j
-                self._serials[page] = serial + q
-                self._flags[page] = 1
-            return
         if len(new) == len(rows):  # every position of the run adopted (fresh pages): no gathers
             self._write(np.asarray(adopted, dtype=np.int64), names, rows, mids[:, 0], mids[:, 1], parents, salt_id,
                         np.arange(depth, depth + len(new), dtype=np.int32), serial)
             return
         self._write(np.asarray(adopted, dtype=np.int64), names, rows[new], mids[new, 0], mids[new, 1], parents,
                     salt_id, np.asarray(new, dtype=np.int32) + depth, serial)
+
+    def _put(self, page: int, name: int, row: memoryview, media_lo: int, media_hi: int, parent: int, salt_id: int,
+             depth: int, serial: int) -> None:
+        """``_write`` of one page, on the arrays (``row``: its token ids as bytes, ``token_bytes``)."""
+        step = self._step
+        self._names[page] = name
+        self._row_bytes[page * step:(page + 1) * step] = row
+        self._media_los[page], self._media_his[page] = media_lo, media_hi
+        self._parents[page] = parent
+        self._page_salts[page] = salt_id
+        self._depths[page] = depth
+        self._serials[page] = serial
+        self._flags[page] = 1
 
     def _write(self, idx: np.ndarray, names, rows: np.ndarray, media_lo, media_hi, parents, salt_ids, depths,
                serial: int) -> None:
@@ -330,10 +371,14 @@ class PrefixIndex:
                                   self._salts[salt_id], depth + j)
             start = i
 
-    def _same(self, page: int, tokens: np.ndarray, mid: np.ndarray, parent: int, salt_id: int) -> bool:
-        return bool(self._parent[page] == parent and self._salt[page] == salt_id
-                    and self._media_lo[page] == mid[0] and self._media_hi[page] == mid[1]
-                    and (self._tokens[page] == tokens).all())
+    def _same(self, page: int, row: memoryview, media_lo: int, media_hi: int, parent: int, salt_id: int) -> bool:
+        """The verification rule: indexed ``page`` holds the request's page when its parent page, salt id, both media
+        id halves and every token id (``row``: the request's page as bytes, ``token_bytes``) equal the request's.
+        ``match`` applies it to many pages at once as arrays; a page is used only after it passed."""
+        step = self._step
+        return (self._parents[page] == parent and self._page_salts[page] == salt_id
+                and self._media_los[page] == media_lo and self._media_his[page] == media_hi
+                and self._row_bytes[page * step:(page + 1) * step] == row)
 
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal
