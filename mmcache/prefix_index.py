@@ -108,6 +108,9 @@ class PrefixIndex:
         self._ticks = array.array("q", bytes(8 * n))
         self._serials = array.array("q", bytes(8 * n))
         self._flags = array.array("b", bytes(n))
+        # Indexed children of each page: a set of pages whose counts add up to the children it holds itself has no
+        # descendant outside it (``_with_descendants`` then needs no pass over the pool).
+        self._kid_counts = array.array("i", bytes(4 * n))
         self._row_bytes = memoryview(self._token_ids).cast("B")  # page p's row: bytes [p * step, (p + 1) * step)
         self._step = 4 * P
         self._name = np.frombuffer(self._names, dtype=np.uint64)
@@ -120,6 +123,7 @@ class PrefixIndex:
         self._tick = np.frombuffer(self._ticks, dtype=np.int64)
         self._serial = np.frombuffer(self._serials, dtype=np.int64)
         self._indexed = np.frombuffer(self._flags, dtype=bool)
+        self._kids = np.frombuffer(self._kid_counts, dtype=np.int32)
         self._next_serial = 1
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
@@ -339,6 +343,8 @@ class PrefixIndex:
         self._row_bytes[page * step:(page + 1) * step] = row
         self._media_los[page], self._media_his[page] = media_lo, media_hi
         self._parents[page] = parent
+        if parent >= 0:
+            self._kid_counts[parent] += 1
         self._page_salts[page] = salt_id
         self._depths[page] = depth
         self._serials[page] = serial
@@ -352,6 +358,8 @@ class PrefixIndex:
         self._tokens[idx] = rows
         self._media_lo[idx], self._media_hi[idx] = media_lo, media_hi
         self._parent[idx] = parents
+        up = self._parent[idx]
+        np.add.at(self._kids, up[up >= 0], 1)
         self._salt[idx] = salt_ids
         self._depth[idx] = depths
         self._serial[idx] = np.arange(serial, serial + idx.size)
@@ -406,10 +414,15 @@ class PrefixIndex:
         return int(pages.size)
 
     def _with_descendants(self, pages: np.ndarray) -> np.ndarray:
-        """``pages`` and every indexed page whose chain runs through one of them (one pass per level; the common
-        cold-tail batch has no descendants outside itself and costs one pass)."""
+        """``pages`` and every indexed page whose chain runs through one of them. A few pages whose child counts are
+        all children among themselves (the common cold-tail batch) are returned as they are, checked one by one;
+        otherwise one pass over the pool per level."""
         if not pages.size:
             return pages
+        if pages.size <= SCALAR_PAGES:
+            inside, kids, parents = set(pages.tolist()), self._kid_counts, self._parents
+            if sum(kids[p] for p in inside) == sum(parents[p] in inside for p in inside):
+                return pages
         out = np.zeros(self.pool.num_pages, dtype=bool)
         out[pages] = True
         frontier = pages
@@ -421,21 +434,35 @@ class PrefixIndex:
             frontier = kids
 
     def _drop(self, pages: np.ndarray) -> None:
+        """Unindex ``pages`` (distinct, closed under descendants: ``_with_descendants``) and release the index's
+        owner on them; a few one by one on the arrays."""
         if not pages.size:
             return
-        names = self._name[pages].tolist()
+        if pages.size <= SCALAR_PAGES:
+            pages = pages.tolist()
+            names, flags, parents, kids = [], self._flags, self._parents, self._kid_counts
+            for p in pages:
+                names.append(self._names[p])
+                flags[p] = 0
+                if parents[p] >= 0:
+                    kids[parents[p]] -= 1
+        else:
+            names = self._name[pages].tolist()
+            self._indexed[pages] = False
+            up = self._parent[pages]
+            np.add.at(self._kids, up[up >= 0], -1)
         for name in names:
             del self._pages[name]
-        self._indexed[pages] = False
         if self._observer is not None:
             self._observer.removed(names)
-        self.pool.release(pages)
+        self.pool.release(pages, distinct=True)
 
     def clear(self) -> int:
         """Drop every entry and release the index's owner on its pages; returns how many were dropped."""
         pages = np.flatnonzero(self._indexed)
         self._pages.clear()
         self._indexed[:] = False
+        self._kids[:] = 0
         self.pool.release(pages)
         if self._observer is not None:
             self._observer.cleared()

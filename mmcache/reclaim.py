@@ -64,7 +64,9 @@ def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None
     n = min(total, max(short, batch))
     if len(owners) == 1:
         pages, keys = found[0]
-        if n < total:
+        if n == 1 < total:  # the common shortfall of one page: its coldest candidate, one reduction
+            pages = pages[keys.argmin():][:1]
+        elif n < total:
             pages = pages[np.argpartition(keys, n - 1)[:n]]
         owners[0].evict(pages)
         return n

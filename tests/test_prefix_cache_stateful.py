@@ -225,6 +225,15 @@ class CacheMachine(RuleBasedStateMachine):
             assert int(self.cache.index._name[page]) == name
 
     @invariant()
+    def the_index_is_closed_under_parents_and_counts_each_pages_children(self):
+        """What keeps a page id that was evicted and handed out again from standing for its old chain's parent."""
+        index = self.cache.index
+        pages = np.flatnonzero(index.indexed)
+        parents = index._parent[pages]
+        assert index.indexed[parents[parents >= 0]].all(), "an indexed page's parent is not indexed"
+        assert (index._kids == np.bincount(parents[parents >= 0], minlength=PAGES)).all()
+
+    @invariant()
     def ticks_never_increase_along_a_chain(self):
         """What lets eviction take whole cold tails: no indexed page is more recent than its parent."""
         index = self.cache.index
