@@ -253,8 +253,8 @@ def allocator_class():
             self._full[rid] = len(state.page_indices)
             self._prompt_len[rid] = len(prompt_ids)
             self._looked_up[rid] = self._written
-            if state.matched_tokens:
-                _LOG.debug(f"Found a prefix match of {state.matched_tokens} tokens for request {rid}")
+            if state.matched_tokens:  # the engine's own line, formatted only where it is shown
+                _LOG.debug("Found a prefix match of %d tokens for request %s", state.matched_tokens, rid)
             return state.matched_tokens
 
         def needs_new_sectors(self, request_id: str, past_length: int, query_length: int) -> int:
