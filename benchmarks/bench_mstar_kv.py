@@ -6,8 +6,9 @@ Both resources are built by M*'s ``build_resource`` and driven by M*'s ``StepRun
 steps of ``--requests`` requests, one token each, after a prefill of 64 tokens per request, for two pages' worth of
 decode steps (every request fills two pages), at each page size of ``--pages`` (16: a page fills every 16 steps; 128:
 M*'s default ``KVConfig.page_size``). Rows: M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the
-counted pool alone), and with reuse on (plus the seam's ``feed_rows`` of the step's tokens, and commit-as-written
-indexing the pages that fill). The forward is not run: what is timed is the resource's own work. ms per step, best of
+counted pool alone), and with reuse on (plus the seam's ``feed_rows`` of the step's tokens, each request's a
+one-element view of the step's sampled tokens as M*'s nodes return them, and commit-as-written indexing the pages
+that fill). The forward is not run: what is timed is the resource's own work. ms per step, best of
 repeats, spread = max/min over repeats; rows are interleaved repeat by repeat so load on the machine hits every row
 alike. A last row times, alone, what any resource that names the decoded ids must do with what M* 0.2.1 hands it:
 join the step's one-element id tensors (one per request) into ints (``torch.cat``, ``tolist``); it is part of the
