@@ -414,15 +414,15 @@ class PrefixIndex:
         return int(pages.size)
 
     def _with_descendants(self, pages: np.ndarray) -> np.ndarray:
-        """``pages`` and every indexed page whose chain runs through one of them. A few pages whose child counts are
-        all children among themselves (the common cold-tail batch) are returned as they are, checked one by one;
+        """``pages`` and every indexed page whose chain runs through one of them, each once. A few pages whose child
+        counts are all children among themselves (the common cold-tail batch) need no more, checked one by one;
         otherwise one pass over the pool per level."""
         if not pages.size:
             return pages
         if pages.size <= SCALAR_PAGES:
             inside, kids, parents = set(pages.tolist()), self._kid_counts, self._parents
             if sum(kids[p] for p in inside) == sum(parents[p] in inside for p in inside):
-                return pages
+                return pages if len(inside) == pages.size else np.asarray(sorted(inside), dtype=np.int64)
         out = np.zeros(self.pool.num_pages, dtype=bool)
         out[pages] = True
         frontier = pages

@@ -401,3 +401,16 @@ def test_marks_of_several_requests_and_a_finish_that_marks_index_what_one_by_one
     assert one.stats() == many.stats()
     assert one.admit("c", prompts["a"] + [1, 2, 3, 4, 5, 9]).matched_tokens == 16
     assert many.admit("c", prompts["a"] + [1, 2, 3, 4, 5, 9]).matched_tokens == 16
+
+
+def test_unindexing_a_page_listed_twice_drops_it_once():
+    """``PrefixIndex.remove`` takes pages as listed (a caller may repeat one): each leaves the index and gives back
+    the index's owner once, on the one-by-one path for a few pages as on the pool-wide one."""
+    c = PrefixCache(PagePool(32), FP)
+    c.admit("a", list(range(1, 14)))
+    c.grow("a", 13)
+    c.finish("a", computed_tokens=13)
+    pages = sorted(c.index._pages.values())
+    assert len(pages) == 3
+    assert c.index.remove(pages + pages[-1:]) == 3
+    assert c.pool.num_free == 32 and not c.index._pages
