@@ -405,7 +405,7 @@ def test_marks_of_several_requests_and_a_finish_that_marks_index_what_one_by_one
 
 def test_unindexing_a_page_listed_twice_drops_it_once():
     """``PrefixIndex.remove`` takes pages as listed (a caller may repeat one): each leaves the index and gives back
-    the index's owner once, on the one-by-one path for a few pages as on the pool-wide one."""
+    the index's owner once (a few pages: the one-by-one path)."""
     c = PrefixCache(PagePool(32), FP)
     c.admit("a", list(range(1, 14)))
     c.grow("a", 13)
