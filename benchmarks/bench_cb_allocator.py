@@ -69,8 +69,7 @@ def main(argv=None) -> None:
     if problem := peer.missing_data([args.trace]):
         sys.exit(f"bench_cb_allocator: {problem}")
     torch.set_num_threads(1)
-    opts = argparse.Namespace(page_size=16, batch_tokens=256, new_tokens=8, questions=40, calls=4, sessions=3,
-                              swe_order="index", mooncake_requests=200)
+    opts = peer.parser().parse_args([])  # the replay's defaults
     model = peer.load_model("tiny", args.model_dir)
     spent = timed_cache_methods(model)
     calls = peer.load_calls(args.trace, opts)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -39,15 +38,11 @@ def main(argv=None) -> None:
     ap.add_argument("--pages", type=int, default=599, help="the engine's pool, in blocks")
     ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny")
     args = ap.parse_args(argv)
-    # the replay's own options (page size, new tokens, trace cuts) at bench_peer_transformers' defaults
-    opts = argparse.Namespace(**vars(args), page_size=16, batch_tokens=256, new_tokens=8, mooncake_requests=200,
-                              questions=40, sessions=3, calls=4, swe_order="index", threads=1,
-                              model_dir=Path(os.environ.get("MMCACHE_MODEL_DIR",
-                                                            Path.home() / ".cache/mmcache/models")))
+    opts = peer.parser().parse_args(["--model", args.model])  # the replay's defaults
     if problem := peer.missing_data([args.trace]):
         sys.exit(f"bench_cb_forward_split: {problem}")
     torch.set_num_threads(opts.threads)
-    model = peer.load_model(args.model, opts.model_dir)
+    model = peer.load_model(opts.model, opts.model_dir)
     calls = peer.load_calls(args.trace, opts)
 
     forward = {"n": 0, "s": 0.0, "t0": 0.0}

@@ -171,7 +171,9 @@ def spread(xs: list[float], fmt: str) -> str:
     return (fmt % med) + (f" ({fmt % min(xs)}-{fmt % max(xs)})" if len(xs) > 1 else "")
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """This script's options; ``parser().parse_args([])`` are the replay's defaults (page size, new tokens, trace cuts)
+    that the benchmarks beside it replay with."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny")
     ap.add_argument("--traces", default="mt-bench,sharegpt,swe-agent", help="any of mt-bench, sharegpt, swe-agent, "
@@ -193,7 +195,11 @@ def main(argv=None) -> None:
                     "largest request (0: that floor)")
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MMCACHE_MODEL_DIR",
                                                                           Path.home() / ".cache/mmcache/models")))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     if problem := missing_data(args.traces.split(",")):
         sys.exit(f"bench_peer_transformers: {problem}")
     torch.set_num_threads(args.threads)
