@@ -75,13 +75,8 @@ def ids_as_from_a_device(copies: list):
     (appended to ``copies``) says so; None where the real one refuses."""
     def start(streams):
         chunks = [chunk for stream in streams for chunk in stream]
-        if not all(isinstance(chunk, torch.Tensor) for chunk in chunks):
-            return None
-        try:
-            ids = torch.cat(chunks)
-        except (RuntimeError, TypeError, ValueError):
-            return None
-        if ids.dim() != 1:
+        ids = kv_resource._one_tensor(chunks) if all(isinstance(c, torch.Tensor) for c in chunks) else None
+        if ids is None:
             return None
         copies.append(PendingCopy())
         return ids.clone(), copies[-1]

@@ -94,6 +94,16 @@ def _joined_tokens(chunks: list) -> np.ndarray:
 _INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
+def _one_tensor(tensors: list) -> torch.Tensor | None:
+    """``tensors`` joined by one ``torch.cat`` (on their device, without reading them) into one flat tensor; None
+    when one call does not join them so (the caller's general path then says what is wrong)."""
+    try:
+        joined = torch.cat(tensors)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return joined if joined.dim() == 1 else None
+
+
 def _step_ids(ids: list) -> list[int] | None:
     """A decode step's fed ids (one one-element tensor per request, as M* hands them) as ints, joined by one call:
     a stream then keeps an int a step, not a tensor, and the pages that fill are named from ints. None for ids on a
@@ -102,11 +112,8 @@ def _step_ids(ids: list) -> list[int] | None:
     first = ids[0]
     if not isinstance(first, torch.Tensor) or first.device.type == "cuda":
         return None
-    try:
-        joined = torch.cat(ids)
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    if joined.dim() != 1 or joined.numel() != len(ids) or joined.dtype not in _INT_DTYPES:
+    joined = _one_tensor(ids)
+    if joined is None or joined.numel() != len(ids) or joined.dtype not in _INT_DTYPES:
         return None
     return joined.tolist()
 
@@ -133,11 +140,8 @@ def ids_to_host(chunks: list[list]) -> tuple[torch.Tensor, object] | None:
     first = chunks[0][0]
     if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
         return None
-    try:
-        ids = torch.cat([chunk for stream in chunks for chunk in stream])
-    except (RuntimeError, TypeError, ValueError):  # chunks one call does not join: the host path says what is wrong
-        return None
-    if ids.dim() != 1:
+    ids = _one_tensor([chunk for stream in chunks for chunk in stream])
+    if ids is None:
         return None
     host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
     host.copy_(ids, non_blocking=True)
