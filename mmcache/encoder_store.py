@@ -46,7 +46,7 @@ from mmcache.checks import as_int
 from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.pool import PagePool
-from mmcache.reclaim import eviction_key, take
+from mmcache.reclaim import coldest_of, eviction_key, take
 from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
@@ -667,6 +667,9 @@ class EncoderStore:
                 pages += e.pages
                 ticks += [e.tick] * len(e.pages)
         return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
+
+    def coldest(self, n: int):
+        return coldest_of(self.eviction_candidates(), n)
 
     def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries: a partial one frees its other pages too)."""

@@ -126,6 +126,10 @@ class PagePool:
         view.flags.writeable = False
         return view
 
+    def owners(self, page: int) -> int:
+        """The owner count of one page (a Python int page id), read on the array: no numpy call."""
+        return self._count_ids[page]
+
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages, each with owner count 1, or raise ``OutOfPages`` and take none."""
         n = as_int(n, "a page count")

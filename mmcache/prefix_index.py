@@ -10,6 +10,11 @@ Invariants:
   as the parent of a stale child (the parent page id is a verifying id, and a reused id must not satisfy it);
 - a page indexed takes its parent's tick, and every touch touches a whole chain prefix with one tick, so ticks never
   increase along a chain, and the ``eviction_key`` order (tick, then deeper first) evicts cold tails from their ends;
+- ``_cold`` (a heap of ``(key, page, serial)``) holds an entry for every indexed page, keyed at most its current
+  ``eviction_key``: an entry is pushed when the page is indexed, after its tick is set, and a key only grows while the
+  page stays indexed (ticks come from the pool's clock, never lowered: a page walked takes its parent's tick, which is
+  at least its own; depth is fixed). ``coldest`` refreshes an entry whose key grew when it reaches the top, so the
+  top entry whose key is current is the coldest candidate without a pass over the pool;
 - ``serial[page]`` is unique per indexing of a page: a request table that remembers (page, serial) of a chain page it
   did not retain can tell later whether that page is still the one it saw;
 - an ``IndexObserver`` hears of every page the index adopts (``stored``, in chain order, each run after its parent)
@@ -19,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import array
+import heapq
 from itertools import repeat
 from typing import Callable, NamedTuple, Protocol, Sequence
 
@@ -26,7 +32,7 @@ import numpy as np
 
 from mmcache.names import token_bytes
 from mmcache.pool import SCALAR_PAGES, PagePool
-from mmcache.reclaim import eviction_key
+from mmcache.reclaim import coldest_of, eviction_key
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -125,6 +131,7 @@ class PrefixIndex:
         self._indexed = np.frombuffer(self._flags, dtype=bool)
         self._kids = np.frombuffer(self._kid_counts, dtype=np.int32)
         self._next_serial = 1
+        self._cold: list[tuple[int, int, int]] = []  # (eviction key when pushed, page, serial): see the invariants
         self._pages: dict[int, int] = {}
         self._salt_ids: dict[bytes, int] = {b"": 0}
         self._salts: list[bytes] = [b""]  # salt id -> salt
@@ -270,6 +277,8 @@ class PrefixIndex:
                         ticks[page] = tick
                 else:
                     self._tick[chain_pages] = tick
+            if new:
+                self._enqueue([pages[j] for j in new])
             out.append(Inserted(new, chain_pages, ok))
         if adopted_all:
             self.pool.retain(adopted_all, distinct=True)
@@ -301,7 +310,9 @@ class PrefixIndex:
                           self._next_serial)
                 self._next_serial += 1
                 ticks[page] = ticks[up]  # the parent's tick: ticks never increase along a chain
-            self.pool.retain([pages[j] for j in handled], distinct=True)
+            adopted = [pages[j] for j in handled]
+            self._enqueue(adopted)
+            self.pool.retain(adopted, distinct=True)
             return handled
         at = np.asarray(handled, dtype=np.int64)
         idx = np.asarray(pages, dtype=np.int64)[at]
@@ -311,6 +322,7 @@ class PrefixIndex:
         self._write(idx, np.asarray(names, dtype=np.uint64)[at], rows[at], 0, 0, up,
                     np.asarray(salt_ids, dtype=np.int32)[at], np.asarray(depths, dtype=np.int32)[at], serial)
         self._tick[idx] = self._tick[up]  # the parent's tick: ticks never increase along a chain
+        self._enqueue(idx.tolist())
         self.pool.retain(idx, distinct=True)
         return handled
 
@@ -388,6 +400,63 @@ class PrefixIndex:
                 and self._media_los[page] == media_lo and self._media_his[page] == media_hi
                 and self._row_bytes[page * step:(page + 1) * step] == row)
 
+    def _enqueue(self, pages: list[int]) -> None:
+        """Heap entries for ``pages``, just indexed with their ticks set. Entries of pages gone (evicted, removed) are
+        dropped as they reach the top; when they outnumber the indexed pages the heap is rebuilt from those, so it
+        never holds more than twice the pool's pages plus ``4 * SCALAR_PAGES``."""
+        heap, W = self._cold, self.pool.num_pages + 1
+        ticks, depths, serials = self._ticks, self._depths, self._serials
+        entries = [(ticks[p] * W - depths[p], p, serials[p]) for p in pages]
+        if len(heap) + len(entries) > 2 * len(self._pages) + 4 * SCALAR_PAGES:
+            self._rebuild_cold()
+        elif len(entries) > SCALAR_PAGES:
+            heap += entries
+            heapq.heapify(heap)
+        else:
+            for e in entries:
+                heapq.heappush(heap, e)
+
+    def _rebuild_cold(self) -> None:
+        """``_cold`` anew: one entry per indexed page, at its current key."""
+        idx = np.flatnonzero(self._indexed)
+        keys = eviction_key(self.pool, self._tick[idx], self._depth[idx])
+        self._cold = list(zip(keys.tolist(), idx.tolist(), self._serial[idx].tolist()))
+        heapq.heapify(self._cold)
+
+    def coldest(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``Evictable.coldest``: ``n`` candidates with the lowest ``eviction_key``s (all when fewer; lowest page id
+        first among equal keys), and their keys. Up to ``SCALAR_PAGES``, from the top of ``_cold``: entries of pages
+        gone are dropped, those whose key grew are pushed again at their key, those a live owner holds are set
+        aside and put back; a pass over the pool (``eviction_candidates``) for more, or when more than
+        ``SCALAR_PAGES`` held pages are colder than what is asked (a pool whose cold pages are mostly live)."""
+        if n > SCALAR_PAGES:
+            return coldest_of(self.eviction_candidates(), n)
+        heap, W, flags, serials = self._cold, self.pool.num_pages + 1, self._flags, self._serials
+        ticks, depths, owners = self._ticks, self._depths, self.pool.owners
+        chosen, held = [], []
+        while heap and len(chosen) < n:
+            key, page, serial = top = heap[0]
+            if not flags[page] or serials[page] != serial:
+                heapq.heappop(heap)  # the page left the index (or was indexed again: that entry is its own)
+                continue
+            now = ticks[page] * W - depths[page]
+            if now != key:
+                heapq.heapreplace(heap, (now, page, serial))  # touched since it was pushed
+                continue
+            heapq.heappop(heap)
+            if owners(page) == 1:
+                chosen.append(top)
+            else:
+                held.append(top)
+                if len(held) > SCALAR_PAGES:
+                    break
+        for e in chosen + held:
+            heapq.heappush(heap, e)
+        if len(held) > SCALAR_PAGES:
+            return coldest_of(self.eviction_candidates(), n)
+        return (np.fromiter((e[1] for e in chosen), dtype=np.int64, count=len(chosen)),
+                np.fromiter((e[0] for e in chosen), dtype=np.int64, count=len(chosen)))
+
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal
         ticks, so any prefix of the order is a set of whole cold tails (see the module docstring)."""
@@ -461,6 +530,7 @@ class PrefixIndex:
         """Drop every entry and release the index's owner on its pages; returns how many were dropped."""
         pages = np.flatnonzero(self._indexed)
         self._pages.clear()
+        self._cold = []
         self._indexed[:] = False
         self._kids[:] = 0
         self.pool.release(pages)

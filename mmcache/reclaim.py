@@ -5,8 +5,9 @@ registered on it (``pool.evictables``), ordered by its one ``pool.clock`` and dr
 (an RLock every cache on the pool takes for the state eviction reads or changes, so a put that evicts KV pages and a
 grow that evicts encoder entries never race or deadlock). A host tier is the one evictable owner of its host pool,
 driven the same way. Every such cache is an ``Evictable``: it offers ``eviction_candidates() -> (pages, keys)``
-(pages only it holds, keyed by ``eviction_key``; lower is evicted first) and ``evict(pages)``. ``reclaim`` merges the
-candidates of all owners on the pool and evicts the lowest keys as one batch, so one kind of cached data can never
+(pages only it holds, keyed by ``eviction_key``; lower is evicted first), ``coldest(n)`` (the ``n`` of them with the
+lowest keys) and ``evict(pages)``. ``reclaim`` merges the coldest candidates of all owners on the pool and evicts the
+lowest keys as one batch, so one kind of cached data can never
 starve another, and a live request fails only when every cached page together would not cover its shortfall.
 
 Why recency alone, and not recompute cost per byte: the encoder store knows each entry's measured encoder time, but
@@ -31,6 +32,10 @@ class Evictable(Protocol):
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only this cache holds (owner count 1) and their ``eviction_key``s."""
 
+    def coldest(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` of ``eviction_candidates`` with the lowest keys (all of them when fewer), and those keys: what
+        ``reclaim`` asks for (``coldest_of`` computes it from the candidates)."""
+
     def evict(self, pages: np.ndarray) -> None:
         """Drop the entries holding ``pages`` (a cache may drop more: whole entries, descendants) and release them."""
 
@@ -40,6 +45,16 @@ def eviction_key(pool: PagePool, ticks, depths=0) -> np.ndarray:
     prefix of the order is a set of whole cold tails). Ticks come from ``pool.clock``, so keys of every cache on one
     pool compare; entries with no chain (encoder outputs) have depth 0."""
     return np.asarray(ticks, dtype=np.int64) * (pool.num_pages + 1) - depths
+
+
+def coldest_of(candidates: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``Evictable.coldest`` from ``eviction_candidates``' ``(pages, keys)``: the ``n`` with the lowest keys (a whole
+    pass over them)."""
+    pages, keys = candidates
+    if n >= len(pages):
+        return pages, keys
+    pick = keys.argmin() if n == 1 else np.argpartition(keys, n - 1)[:n]
+    return pages[pick].reshape(-1), keys[pick].reshape(-1)
 
 
 def reclaimable(owners: Sequence[Evictable]) -> int:
@@ -57,18 +72,15 @@ def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None
     short = need - pool.num_free
     if short <= 0:
         return 0
-    found = [o.eviction_candidates() for o in owners]
+    want = max(short, batch)
+    # An owner returns fewer than ``want`` only when that is all it has: a total short of ``short`` is every candidate.
+    found = [o.coldest(want) for o in owners]
     total = sum(len(pages) for pages, _ in found)
     if total < short:
         raise OutOfPages(short - total, requested=need)
-    n = min(total, max(short, batch))
+    n = min(total, want)
     if len(owners) == 1:
-        pages, keys = found[0]
-        if n == 1 < total:  # the common shortfall of one page: its coldest candidate, one reduction
-            pages = pages[keys.argmin():][:1]
-        elif n < total:
-            pages = pages[np.argpartition(keys, n - 1)[:n]]
-        owners[0].evict(pages)
+        owners[0].evict(found[0][0])
         return n
     which = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, _) in enumerate(found)])
     pages = np.concatenate([p for p, _ in found])

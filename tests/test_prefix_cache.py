@@ -1,6 +1,7 @@
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -414,3 +415,60 @@ def test_unindexing_a_page_listed_twice_drops_it_once():
     assert len(pages) == 3
     assert c.index.remove(pages + pages[-1:]) == 3
     assert c.pool.num_free == 32 and not c.index._pages
+
+
+def reference_coldest(index, n):
+    """What a pass over the pool chooses: the ``n`` lowest ``(key, page)`` pairs of ``eviction_candidates``."""
+    pages, keys = index.eviction_candidates()
+    return sorted(zip(keys.tolist(), pages.tolist()))[:n]
+
+
+def heap_coldest(index, n):
+    """``index.coldest(n)`` as ``(key, page)`` pairs, on a copy of the heap: the refreshes and drops it makes never
+    help the sequence under test."""
+    saved = list(index._cold)
+    try:
+        pages, keys = index.coldest(n)
+    finally:
+        index._cold = saved
+    return list(zip(keys.tolist(), pages.tolist()))
+
+
+def test_the_coldest_page_is_found_past_many_colder_pages_that_live_requests_hold():
+    """More than ``SCALAR_PAGES`` held pages colder than every cached one: ``coldest`` gives up on the heap and
+    makes the pass over the pool, and the heap keeps every entry (a later eviction still finds them)."""
+    from mmcache.pool import SCALAR_PAGES
+
+    cache = make(num_pages=4 * SCALAR_PAGES, evict_batch_pages=1)
+    for i in range(SCALAR_PAGES + 8):  # one indexed page each, held by its live request: cold but not evictable
+        cache.admit(("held", i), [1000 + i] * P + [1])
+        cache.grow(("held", i), P + 1)
+        cache.mark_computed(("held", i), P + 1)
+    serve(cache, "cached", list(range(P)) + [1])  # hotter than every held page, and only the index holds it
+    index = cache.index
+    entries = len(index._cold)
+    pages, keys = index.coldest(1)
+    assert list(zip(keys.tolist(), pages.tolist())) == reference_coldest(index, 1) != []
+    assert len(index._cold) == entries
+    for i in range(SCALAR_PAGES + 8):
+        cache.finish(("held", i))
+    assert heap_coldest(index, 3) == reference_coldest(index, 3)
+
+
+def test_churn_keeps_the_heap_bounded_and_its_answer_exact():
+    """Requests through a pool of 32 (evicting at every one) and through one of 256 whose pages are unindexed
+    while hot (no eviction drops their entries as they reach the top): the heap stays within its bound (entries of
+    pages gone are dropped at the top or by a rebuild) and ``coldest`` stays what the pass over the pool finds."""
+    for pages, unindex in ((32, False), (256, True)):
+        cache = make(num_pages=pages, evict_batch_pages=1)
+        index = cache.index
+        for i in range(600):
+            serve(cache, i, [i % 97, i % 89, i % 7, 3] * 2 + [i % 5] * (i % 3), output=[i % 11] * (i % 6))
+            if unindex:
+                idx = np.flatnonzero(index.indexed)
+                index.remove(idx[index._tick[idx] == index._tick[idx].max()].tolist())
+            if i % 50 == 0:
+                for n in (1, 4, 9):
+                    assert heap_coldest(index, n) == reference_coldest(index, n)
+            assert len(index._cold) <= 2 * pages + 4 * 64
+        assert cache.stats().evicted_pages > 300 or unindex

@@ -242,6 +242,22 @@ class CacheMachine(RuleBasedStateMachine):
         child = parents >= 0
         assert (index._tick[parents[child]] >= index._tick[pages[child]]).all()
 
+    @invariant()
+    def the_heap_names_the_coldest_candidates_a_pass_over_the_pool_finds(self):
+        """What lets an eviction skip the pass over the pool: ``coldest(n)`` off the heap is the ``n`` lowest keys of
+        ``eviction_candidates``, lowest page first among equal keys. Run on a copy of the heap, so the refreshes it
+        makes never help the evictions of the sequence under test."""
+        index = self.cache.index
+        pages, keys = index.eviction_candidates()
+        want = sorted(zip(keys.tolist(), pages.tolist()))
+        saved = list(index._cold)
+        try:
+            for n in (1, 2, 5, PAGES):
+                got_pages, got_keys = index.coldest(n)
+                assert list(zip(got_keys.tolist(), got_pages.tolist())) == want[:n]
+        finally:
+            index._cold = saved
+
     def teardown(self):
         for rid in list(self.live):
             self.cache.abort(rid)

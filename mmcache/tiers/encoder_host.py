@@ -20,7 +20,7 @@ import torch
 
 from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.pool import HostPagePool
-from mmcache.reclaim import eviction_key, make_room
+from mmcache.reclaim import coldest_of, eviction_key, make_room
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,6 +92,9 @@ class EncoderHostTier:
         pages = [p for e in self._entries.values() for p in e.pages]
         ticks = [e.tick for e in self._entries.values() for _ in e.pages]
         return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
+
+    def coldest(self, n: int):
+        return coldest_of(self.eviction_candidates(), n)
 
     def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries)."""

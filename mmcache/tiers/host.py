@@ -20,7 +20,7 @@ import torch
 
 from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.pool import HostPagePool, PagePool, can_hold, copy_pages
-from mmcache.reclaim import eviction_key, make_room
+from mmcache.reclaim import coldest_of, eviction_key, make_room
 from mmcache.tiers.lineage import RequestLineage
 
 _LIN = np.dtype((np.void, 16))
@@ -168,6 +168,9 @@ class HostTier:
         """Pages only the tier holds (no hit pinning them), keyed coldest then deepest first."""
         cands = np.flatnonzero(self._held & (self.pool.counts == 1))
         return cands, eviction_key(self.pool, self._tick[cands], self._depth[cands])
+
+    def coldest(self, n: int):
+        return coldest_of(self.eviction_candidates(), n)
 
     def evict(self, pages: np.ndarray) -> None:
         self._drop(np.asarray(pages, dtype=np.int64))
