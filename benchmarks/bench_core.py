@@ -15,6 +15,7 @@ import numpy as np
 
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.names import chain, chain_root
+from mmcache.reclaim import coldest_of
 from timing import best  # benchmarks/timing.py, beside this script
 
 
@@ -142,6 +143,39 @@ def main(argv=None) -> None:
                  f"{s.shortfall_pages / s.eviction_batches:.2f} pages short per batch; "
                  f"{s.eviction_batches} batches for 2000 requests", None))
     rows.append(("saturated pool: per request (admit..finish, 9 pages)", f"{t_sat * 1e6:.0f} us", "", None))
+
+    # 4b. eviction sized to the shortfall (evict_batch_pages=1, what the continuous-batching allocator does) in full
+    # pools of growing size: the index's heap against the pass over the pool it replaced, same state, same requests
+    for n_pages in (1024, 16384, 131072):
+        per_request = {}
+        for kind in ("heap", "pass"):
+            pool = PagePool(n_pages)
+            cache = PrefixCache(pool, fp, evict_batch_pages=1)
+            if kind == "pass":
+                cache.index.coldest = lambda n, ix=cache.index: coldest_of(ix.eviction_candidates(), n)
+            fill = np.random.default_rng(1)
+            i = 0
+            while pool.num_free >= 9:
+                p = fill.integers(0, 32000, size=8 * P + 1, dtype=np.int32)
+                cache.admit(i, p)
+                cache.grow(i, p.size)
+                cache.finish(i, computed_tokens=p.size)
+                i += 1
+            times = []
+            for _ in range(200):  # each request of 9 pages evicts what it is short of
+                p = fill.integers(0, 32000, size=8 * P + 1, dtype=np.int32)
+                t0 = time.perf_counter()
+                cache.admit(i, p)
+                cache.grow(i, p.size)
+                cache.finish(i, computed_tokens=p.size)
+                times.append(time.perf_counter() - t0)
+                i += 1
+            assert cache.stats().eviction_batches >= 200
+            per_request[kind] = float(np.median(times))
+        rows.append((f"full pool of {n_pages:,} pages: request (9 pages) that evicts",
+                     f"{per_request['heap'] * 1e6:.0f} us",
+                     f"{per_request['pass'] * 1e6:.0f} us (a pass over the pool per eviction)",
+                     per_request["pass"] / per_request["heap"]))
 
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page
     ix = PrefixCache(PagePool(4096), fp).index
