@@ -312,6 +312,29 @@ class _Named:
     live: bool = True  # False once the request's stream is forgotten: a landing then indexes nothing of it
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _ReuseState:
+    """What a ``ReuseKVManager`` keeps beside M*'s own state, in one object. M*'s ``KVManager`` sets 24 attributes;
+    an instance with more than about 28 no longer keeps its attributes inline (CPython's shared-key instance values),
+    and every attribute and method lookup on it, M*'s own admit and plan included, once per request a step, costs a
+    tenth more. So the subclass adds three: ``reuse``, ``pool`` and this."""
+
+    side: SideRows | None  # the pages' row outputs (PrefixReuse.row_outputs)
+    evict_batch: int
+    reused: frozenset  # labels whose pages are shared
+    shadowed: frozenset  # labels measured in shadow
+    agreement: TPAgreement | None
+    fresh_rows: RowParts | None = None  # the last watched forward's rows, until its step commits
+    watched: set = dataclasses.field(default_factory=set)
+    lifecycles: dict = dataclasses.field(default_factory=dict)  # label -> PrefixLifecycle
+    named: dict = dataclasses.field(default_factory=dict)  # label -> rid -> its stream's names (_Named)
+    due: dict = dataclasses.field(default_factory=dict)  # streams whose announced feed reaches a page end, in order
+    landing: collections.deque = dataclasses.field(default_factory=collections.deque)  # _Landing, oldest first
+    shadows: dict = dataclasses.field(default_factory=dict)  # label -> ShadowIndex
+    # (rid, label) -> (prompt length, position -> ids fed there; None after a walk no ids describe)
+    shadow_fed: dict = dataclasses.field(default_factory=dict)
+
+
 class ReuseKVManager(KVManager):
     """M*'s ``KVManager`` on a counted pool with prefix reuse (see the module docstring)."""
 
@@ -322,34 +345,29 @@ class ReuseKVManager(KVManager):
         self.pool = PagePool.over(self.kv_cache.tensor, page_dim=1)
         batch = max(1, (reuse.evict_batch_pages if reuse and reuse.evict_batch_pages else self.pool.num_pages // 64))
         self._lock = self.pool.cache_lock
-        self.side: SideRows | None = None  # row outputs per page (PrefixReuse.row_outputs)
+        side = None  # row outputs per page (PrefixReuse.row_outputs)
         if reuse is not None and reuse.row_outputs is not None and not reuse.shadow:
             if reuse.tiers is not None:
                 raise InvalidRequest(f"KV {name}: row outputs are kept on the device only and a page copied up from "
                                      "a lower tier carries none: give PrefixReuse tiers or row_outputs, not both")
-            self.side = SideRows(self.pool.num_pages, self.config.page_size, reuse.row_outputs,
-                                 self.kv_cache.tensor.device)
-        self._fresh_rows: RowParts | None = None  # the last watched forward's rows, until its step commits
-        self._watched: set[int] = set()
-        self._arena.allocator = CountedPageAllocator(self.pool, batch, self.side)
+            side = SideRows(self.pool.num_pages, self.config.page_size, reuse.row_outputs, self.kv_cache.tensor.device)
+        self._arena.allocator = CountedPageAllocator(self.pool, batch, side)
         if self._arena.acquire(1) != [SINK_PAGE]:
             raise InvalidRequest(f"KV {name}: page {SINK_PAGE} must be the sink page")
-        self._evict_batch = batch
-        self._lifecycles: dict[str, PrefixLifecycle] = {}
-        self._named: dict[str, dict[str, _Named]] = {}  # label -> rid -> its stream's names
-        self._due: dict[_Named, None] = {}  # streams whose announced feed reaches a page end, in feed order
-        self._landing: collections.deque[_Landing] = collections.deque()  # oldest first
         labels = frozenset(reuse.labels) if reuse is not None else frozenset()
-        self._reused = labels if reuse is not None and not reuse.shadow else frozenset()
-        self._shadowed = labels - self._reused
-        self._shadows: dict[str, ShadowIndex] = {}
-        # (rid, label) -> (prompt length, position -> ids fed there; None after a walk no ids describe)
-        self._shadow_fed: dict[tuple[str, str], tuple[int, dict[int, np.ndarray] | None]] = {}
-        self._agreement = None
+        reused = labels if reuse is not None and not reuse.shadow else frozenset()
+        agreement = None
         if joint_comm_group is not None and joint_comm_group.world_size > 1:
             if joint_comm_group.sp_group.world_size > 1:
                 raise InvalidRequest("prefix reuse agrees over the TP group; sequence parallelism is not supported")
-            self._agreement = TPAgreement(joint_comm_group.tp_group.device_group)
+            agreement = TPAgreement(joint_comm_group.tp_group.device_group)
+        self._mm = _ReuseState(side=side, evict_batch=batch, reused=reused, shadowed=labels - reused,
+                               agreement=agreement)
+
+    @property
+    def side(self) -> SideRows | None:
+        """The pages' row outputs (``PrefixReuse.row_outputs``), or None."""
+        return self._mm.side
 
     @classmethod
     def build(cls, spec: KVSpec, info):
@@ -360,7 +378,7 @@ class ReuseKVManager(KVManager):
     # ----------------------------------------------------------------- the seam (mmcache.mstar.switch)
     def reuses(self, label: str) -> bool:
         """Whether the seam feeds ``label``'s steps here (reused, or measured in shadow)."""
-        return label in self._reused or label in self._shadowed
+        return label in self._mm.reused or label in self._mm.shadowed
 
     def fingerprint(self, label: str) -> Fingerprint:
         """What roots ``label``'s page names: the weights, this rank, the KV layout and the label."""
@@ -371,13 +389,14 @@ class ReuseKVManager(KVManager):
 
     def lifecycle(self, label: str) -> PrefixLifecycle:
         """The prefix lifecycle of ``label`` (made on first use)."""
-        life = self._lifecycles.get(label)
+        life = self._mm.lifecycles.get(label)
         if life is None:
             r, fp = self.reuse, self.fingerprint(label)
             tiers = r.tiers(fp, self.pool) if r.tiers is not None else None
             observer = r.observer(fp, self.pool) if r.observer is not None else None
-            life = self._lifecycles[label] = PrefixLifecycle(self.pool, fp, evict_batch_pages=self._evict_batch,
-                                                             tiers=tiers, agreement=self._agreement, observer=observer)
+            life = self._mm.lifecycles[label] = PrefixLifecycle(
+                self.pool, fp, evict_batch_pages=self._mm.evict_batch, tiers=tiers, agreement=self._mm.agreement,
+                observer=observer)
         return life
 
     def feed(self, rid: str, label: str, token_ids, media: Sequence = (), salt: bytes = b"",
@@ -395,11 +414,11 @@ class ReuseKVManager(KVManager):
         (``RowOutputs.needed``): it is cut only at pages whose row outputs are all held (``SideRows.servable``;
         ``held_rows`` then reads those of the rows cut), and not at all without ``PrefixReuse.row_outputs``.
         ``whole``: the step is computed in full (``PrefixReuse.needs_every_row``): named and indexed, never cut."""
-        if label not in self._reused:
-            return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._shadowed else 0
+        if label not in self._mm.reused:
+            return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self._mm.shadowed else 0
         if token_ids is None and media and length:
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
-        named = self._named.get(label, {}).get(rid)
+        named = self._mm.named.get(label, {}).get(rid)
         if named is None:
             return self._first_feed(rid, label, token_ids, media, salt, self._servable(rows_needed, whole))
         held = named.stream.stored_len
@@ -429,7 +448,7 @@ class ReuseKVManager(KVManager):
         named.pending = (start, token_ids, n - cut)
         if named.covered and start + n - cut >= named.due:
             with self._lock:
-                self._due[named] = None  # a page fills in this step: commit indexes it
+                self._mm.due[named] = None  # a page fills in this step: commit indexes it
         return cut
 
     def marks_taken(self, rid: str, label: str) -> bool:
@@ -439,7 +458,7 @@ class ReuseKVManager(KVManager):
         marks only for being there (the stream's names hold them already), so the caller may hand it the marks it
         announced for the walk instead of naming its rows again. False for a stream not named (none yet, or
         forgotten: a reset request is named afresh, from the marks it is fed), and in shadow."""
-        named = self._named.get(label, {}).get(rid)
+        named = self._mm.named.get(label, {}).get(rid)
         return named is not None and self._marks_taken(named)
 
     @staticmethod
@@ -453,9 +472,9 @@ class ReuseKVManager(KVManager):
         one ``torch.cat`` a step, where keeping each request's tensor until its page fills costs a join of a page of
         one-element views per stream). Returns the rids left to ``feed`` (a stream not named yet, a label in
         shadow)."""
-        if label not in self._reused:
+        if label not in self._mm.reused:
             return list(rows)
-        left, due, named_of = [], [], self._named.get(label, {})
+        left, due, named_of = [], [], self._mm.named.get(label, {})
         fed = list(rows.values())
         ints = _step_ids(fed) if fed else None
         for rid, ids in zip(rows, fed if ints is None else ints):
@@ -480,7 +499,7 @@ class ReuseKVManager(KVManager):
         if due:
             with self._lock:
                 for named in due:
-                    self._due[named] = None  # a page fills in this step: commit indexes it
+                    self._mm.due[named] = None  # a page fills in this step: commit indexes it
         return left
 
     def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
@@ -488,7 +507,7 @@ class ReuseKVManager(KVManager):
         pool's lock; a walk of embeddings by its marks, as ``feed`` names it); later feeds are kept by the position
         they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
         key = (rid, label)
-        seen = self._shadow_fed.get(key)
+        seen = self._mm.shadow_fed.get(key)
         if seen is None:
             if token_ids is None:
                 if not media or not length:
@@ -500,23 +519,23 @@ class ReuseKVManager(KVManager):
                 return 0  # a stream filled another way
             ids = as_tokens(token_ids)
             self.shadow_index(label).admit(rid, ids, media, salt)
-            self._shadow_fed[key] = (int(ids.size), {})
+            self._mm.shadow_fed[key] = (int(ids.size), {})
             return 0
         prompt_len, fed = seen
         held = self._streams[rid][label].stored_len
         if fed is None or held < prompt_len:
             return 0  # after an unnamed walk, or a retried prefill
         if token_ids is None:
-            self._shadow_fed[key] = (prompt_len, None)
+            self._mm.shadow_fed[key] = (prompt_len, None)
         else:
             fed[held] = as_tokens(token_ids)
         return 0
 
     def shadow_index(self, label: str) -> ShadowIndex:
         """``label``'s shadow table (made on first use)."""
-        shadow = self._shadows.get(label)
+        shadow = self._mm.shadows.get(label)
         if shadow is None:
-            shadow = self._shadows[label] = ShadowIndex(self.fingerprint(label), rows_left=_ROWS_LEFT)
+            shadow = self._mm.shadows[label] = ShadowIndex(self.fingerprint(label), rows_left=_ROWS_LEFT)
         return shadow
 
     def shadow_stats(self, label: str) -> ShadowStats:
@@ -525,8 +544,8 @@ class ReuseKVManager(KVManager):
 
     def _end_shadow(self, rid: str, finished: bool) -> None:
         """``rid`` left (``finished``: its pages of prompt + what was fed after it go into the table) or was reset."""
-        for key in [k for k in self._shadow_fed if k[0] == rid]:
-            (at, fed), shadow = self._shadow_fed.pop(key), self._shadows[key[1]]
+        for key in [k for k in self._mm.shadow_fed if k[0] == rid]:
+            (at, fed), shadow = self._mm.shadow_fed.pop(key), self._mm.shadows[key[1]]
             if not finished:
                 shadow.abort(rid)
                 continue
@@ -543,7 +562,7 @@ class ReuseKVManager(KVManager):
             return False
         if not rows_needed:
             return None
-        return self.side.servable if self.side is not None else False
+        return self._mm.side.servable if self._mm.side is not None else False
 
     def _first_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, servable) -> int:
         if token_ids is None:
@@ -634,21 +653,21 @@ class ReuseKVManager(KVManager):
     # ----------------------------------------------------------------- row outputs (PrefixReuse.row_outputs)
     def watch(self, submodule) -> None:
         """Put ``RowOutputs.watch`` on ``submodule`` once (the seam calls it for the node whose steps it feeds)."""
-        if self.side is not None and id(submodule) not in self._watched:
-            self._watched.add(id(submodule))
+        if self._mm.side is not None and id(submodule) not in self._mm.watched:
+            self._mm.watched.add(id(submodule))
             self.reuse.row_outputs.watch(submodule, self._record_rows)
 
     def _record_rows(self, parts: RowParts) -> None:
-        self._fresh_rows = parts
+        self._mm.fresh_rows = parts
 
     def held_rows(self, rid: str, label: str, lo: int, hi: int) -> torch.Tensor:
         """The row outputs of positions ``lo..hi-1`` of (``rid``, ``label``)'s stream (a copy: a cut walk's held
         rows, read before its step runs)."""
         with self._lock:
-            return self.side.read(self._streams[rid][label].page_indices, lo, hi)
+            return self._mm.side.read(self._streams[rid][label].page_indices, lo, hi)
 
     def admit(self, step, ctx):
-        self._fresh_rows = None  # rows are taken only from the forward between a step's admit and its commit
+        self._mm.fresh_rows = None  # rows are taken only from the forward between a step's admit and its commit
         return super().admit(step, ctx)
 
     def _rows_to_write(self, step) -> tuple | None:
@@ -656,12 +675,12 @@ class ReuseKVManager(KVManager):
         each of its segments on a reused label (row offsets counted over every segment in order: the forward packs its
         rows so), ``parts`` the watched forward's rows; None when no watched forward ran since the step's admit (a
         replayed graph runs no hook) or its rows do not match the step."""
-        parts, self._fresh_rows = self._fresh_rows, None
+        parts, self._mm.fresh_rows = self._mm.fresh_rows, None
         if parts is None or not step.commit:
             return None
         spans, row = [], 0
         for seg in step.segments:
-            if seg.label in self._reused and seg.span > 0:
+            if seg.label in self._mm.reused and seg.span > 0:
                 stream = self._streams[seg.request_id][seg.label]
                 spans.append((stream, stream.stored_len, seg.span, row))
             row += seg.span
@@ -673,7 +692,7 @@ class ReuseKVManager(KVManager):
         spans, parts = todo
         done = [(s.page_indices, lo, n, r) for s, lo, n, r in spans if s.stored_len == lo + n]
         if done:
-            self.side.write(done, parts)
+            self._mm.side.write(done, parts)
 
     def _match(self, rid: str, label: str, ids: np.ndarray, media: Sequence, salt: bytes, rows_left: int,
                servable=None) -> int:
@@ -690,21 +709,21 @@ class ReuseKVManager(KVManager):
             stream.stored_len = k
             stream.generation += 1
             P = self.config.page_size
-            named = self._named.setdefault(label, {})[rid] = _Named(
+            named = self._mm.named.setdefault(label, {})[rid] = _Named(
                 claim, life, stream, int(ids.size), k, (k // P + 1) * P, pending=(k, ids[k:], int(ids.size) - k),
                 media_upto=int(ids.size))
             if ids.size >= named.due:
-                self._due[named] = None
+                self._mm.due[named] = None
         return k
 
     # ----------------------------------------------------------------- M*'s lifecycle, owner-counted
     def commit(self, step, ctx):
         with self._lock:
-            rows = self._rows_to_write(step) if self.side is not None else None
+            rows = self._rows_to_write(step) if self._mm.side is not None else None
             super().commit(step, ctx)
             if rows is not None:
                 self._write_rows(rows)
-            if step.commit and (self._due or self._landing):
+            if step.commit and (self._mm.due or self._mm.landing):
                 self._commit_due()
 
     def _commit_due(self) -> None:
@@ -712,15 +731,15 @@ class ReuseKVManager(KVManager):
         whose feed is now written; their fed ids joined at once (``_flush``), then one ``commit_many`` per label. Ids
         on a CUDA device are copied to the host without waiting (``_park``) and their pages indexed at a later commit,
         once the copy has landed (``_land``). A stream whose step has not committed yet stays."""
-        if self._landing:
+        if self._mm.landing:
             self._land(wait=False)
         ready = []
-        for named in list(self._due):
+        for named in list(self._mm.due):
             stream = named.stream
             self._settle(named, stream.stored_len, unwritten_stays=True)
             if named.pending is not None:
                 continue
-            del self._due[named]
+            del self._mm.due[named]
             if named.covered and min(stream.stored_len, named.named) >= named.due:
                 ready.append(named)
         if ready and not self._park(ready):
@@ -756,7 +775,7 @@ class ReuseKVManager(KVManager):
         for named, size in zip(streams, sizes):
             named.chunks, named.in_flight = [], named.in_flight + size
             named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
-        self._landing.append(_Landing(streams, sizes, *started))
+        self._mm.landing.append(_Landing(streams, sizes, *started))
         return True
 
     def _land(self, wait: bool) -> None:
@@ -765,12 +784,12 @@ class ReuseKVManager(KVManager):
         every one. A stream forgotten meanwhile gets nothing indexed (its pages may be gone); a fed id that is no
         token id stops its own stream's naming, as on the host."""
         with self._lock:
-            while self._landing:
-                landing = self._landing[0]
+            while self._mm.landing:
+                landing = self._mm.landing[0]
                 if not wait and not landing.event.query():
                     return
                 landing.event.synchronize()
-                self._landing.popleft()
+                self._mm.landing.popleft()
                 joined, at = [], 0
                 for named, size in zip(landing.streams, landing.sizes):
                     part, at = landing.host[at:at + size], at + size
@@ -790,7 +809,7 @@ class ReuseKVManager(KVManager):
         positions ``prompt_len..named-1``), after any still on their way to the host (``_land``, waited for): every
         stream's chunks in one join, split by what each stream's names cover; a stream whose chunks do not join so is
         joined alone. Per stream: False (and nothing of it from here on is named) when a fed id is no token id."""
-        if self._landing:
+        if self._mm.landing:
             self._land(wait=True)
         todo = [named for named in streams if named.chunks]
         if len(todo) > 1:
@@ -842,16 +861,16 @@ class ReuseKVManager(KVManager):
     def _forget(self, rid: str, finished: bool) -> None:
         """``rid``'s streams are named no more; their chains are touched (done with them now)."""
         with self._lock:
-            if self._shadow_fed:
+            if self._mm.shadow_fed:
                 self._end_shadow(rid, finished)
-            if self._landing:  # the request's last pages, as a rule landed already: index them while it holds them
+            if self._mm.landing:  # the request's last pages, as a rule landed already: index them while it holds them
                 self._land(wait=False)
-            for of_label in self._named.values():
+            for of_label in self._mm.named.values():
                 named = of_label.pop(rid, None)
                 if named is None:
                     continue
                 named.live = False
-                self._due.pop(named, None)
+                self._mm.due.pop(named, None)
                 named.life.touch(named.claim)
 
     def reclaimable(self, rid: str) -> int:
