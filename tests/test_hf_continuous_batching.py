@@ -187,3 +187,18 @@ def test_a_lookup_sees_exactly_the_blocks_written_before_it(tiny_llama):
             cache.free_blocks(rid)
         stats = mm.cache.stats()
     assert stats.pages_live == 0 and stats.pages_cached == 3 and stats.queries == 4 and not allocator.block_table
+
+
+def test_the_allocator_adds_one_attribute_to_what_transformers_sets(tiny_llama, prompts):
+    """The engine looks attributes and methods up on its allocator for every request at every step: an instance with
+    more than 28 attributes loses CPython's inline attribute values and every such lookup costs a tenth more.
+    Transformers' allocator sets 26; mmcache's keeps its state in one object (``_AllocatorState``)."""
+    sizes = {}
+    for mmcache in (False, True):
+        with PeerEngine(tiny_llama, share=True, page_size=P, num_blocks=64, max_batch_tokens=128, max_new_tokens=NEW,
+                        mmcache=mmcache) as e:
+            e.replay([Call("r0", "s0", prompts[0], b"")], inflight=1)
+            allocator = e.manager.batch_processor.cache.cache_allocators["full_attention"]
+            assert isinstance(allocator, allocator_class()) == mmcache
+            sizes[mmcache] = set(vars(allocator))
+    assert sizes[True] - sizes[False] == {"_mm"}, sorted(sizes[True] - sizes[False])

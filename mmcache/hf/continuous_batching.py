@@ -180,6 +180,30 @@ def _install(cb_cache) -> None:
     cb_cache.PagedAttentionCache.search_prefix_match = search_prefix_match
 
 
+class _AllocatorState:
+    """What the mmcache allocator keeps beside transformers' own allocator state, in one object. Transformers'
+    ``FullAttentionCacheAllocator`` sets 26 attributes; an instance with more than 28 loses CPython's inline attribute
+    values, and every attribute and method lookup on it, the engine's own per-request calls included, costs a tenth
+    more. So the subclass adds one: this."""
+
+    __slots__ = ("handle", "cache", "reserved", "live", "free", "full", "prompt_len", "tokens", "salt", "written",
+                 "pending", "looked_up")
+
+    def __init__(self, handle: MmcacheBatching):
+        self.handle = handle
+        self.cache: PrefixCache | None = None  # built when the engine registers its cache tensor
+        self.reserved = 0  # the trash sectors' blocks: page p is the engine's block p + reserved
+        self.live: dict[int, int] = {}  # page -> live requests holding it
+        self.free: _FreeBlocks | None = None
+        self.full: dict[str, int] = {}  # rid -> leading pages whose KV the engine has written
+        self.prompt_len: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}  # rid -> the token ids the engine last passed
+        self.salt: dict[str, bytes] = {}  # kept from first admission until the engine is done with the request
+        self.written = 0  # counts the events that may index pages (blocks completed, requests finished)
+        self.pending: dict[str, None] = {}  # requests with blocks completed since their last commit, in order
+        self.looked_up: dict[str, int] = {}  # rid -> ``written`` when it was admitted
+
+
 @functools.cache
 def allocator_class():
     """The allocator class (built on first use: it subclasses transformers' full-attention allocator)."""
@@ -187,49 +211,43 @@ def allocator_class():
     Stock = full_attention.FullAttentionCacheAllocator
 
     class MmcacheFullAttentionAllocator(Stock):
-        """Full-attention blocks held through a ``PrefixCache``. Invariants: ``block_table[rid]`` is the request's
-        ``page_indices`` shifted by ``reserved`` (pages only ever append while a request lives, so each admit and
-        grow appends the new ones); ``_live`` counts, per page, the live requests holding it (the pages the
-        ``PrefixCache`` counts as live, kept here so the engine's frequent free-capacity checks cost nothing);
-        ``_full[rid]`` counts the leading pages whose KV the engine has written (matched ones included), and
-        ``_pending`` holds the requests whose written pages the ``PrefixCache`` has not been told of yet: it is
-        empty whenever a lookup runs, so every lookup sees every page written before it."""
+        """Full-attention blocks held through a ``PrefixCache`` (its state in ``_mm``, an ``_AllocatorState``).
+        Invariants: ``block_table[rid]`` is the request's ``page_indices`` shifted by ``reserved`` (pages only ever
+        append while a request lives, so each admit and grow appends the new ones); ``live`` counts, per page, the
+        live requests holding it (the pages the ``PrefixCache`` counts as live, kept here so the engine's frequent
+        free-capacity checks cost nothing); ``full[rid]`` counts the leading pages whose KV the engine has written
+        (matched ones included), and ``pending`` holds the requests whose written pages the ``PrefixCache`` has not
+        been told of yet: it is empty whenever a lookup runs, so every lookup sees every page written before it."""
 
         def __new__(cls, *args, **kwargs):
             handle = _BOUND.get(id(kwargs.get("config")))
             if handle is None:  # a model not enabled: transformers' own allocator, built as the registry would
                 return Stock(*args, **kwargs)
             self = super().__new__(cls)
-            self.handle = handle
+            self._mm = _AllocatorState(handle)
             return self
 
         def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
             super().register_cache_tensor(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
-            self.cache = self.handle.new_cache(self.num_blocks, self.tokens_per_page)
-            self.reserved = pool.num_reserved_sectors * self.blocks_per_sector
-            self._live: dict[int, int] = {}
-            self._free = _FreeBlocks(self.num_blocks, self._live)
-            self._full: dict[str, int] = {}
-            self._prompt_len: dict[str, int] = {}
-            self._tokens: dict[str, list[int]] = {}
-            self._salt: dict[str, bytes] = {}  # kept from first admission until the engine is done with the request
-            self._written = 0  # counts the events that may index pages (blocks completed, requests finished)
-            self._pending: dict[str, None] = {}  # requests with blocks completed since their last commit, in order
-            self._looked_up: dict[str, int] = {}  # rid -> ``_written`` when it was admitted
+            mm = self._mm
+            mm.cache = mm.handle.new_cache(self.num_blocks, self.tokens_per_page)
+            mm.reserved = pool.num_reserved_sectors * self.blocks_per_sector
+            mm.free = _FreeBlocks(self.num_blocks, mm.live)
             self._claim()
 
         def _claim(self) -> None:
             """Take every sector from the engine's pool and put ``_FreeBlocks`` in this allocator's place; again
             after the engine resets its pool (warmup does)."""
-            if self.pool._free_blocks[self.index] is not self._free:
+            free = self._mm.free
+            if self.pool._free_blocks[self.index] is not free:
                 self.pool.free_sectors.clear()
-                self.pool._free_blocks[self.index] = self._free
+                self.pool._free_blocks[self.index] = free
 
         def _sync(self, rid: str, state) -> None:
-            table = self.block_table.setdefault(rid, [])
+            table, live, reserved = self.block_table.setdefault(rid, []), self._mm.live, self._mm.reserved
             for p in state.page_indices[len(table):]:
-                self._live[p] = self._live.get(p, 0) + 1
-                table.append(p + self.reserved)
+                live[p] = live.get(p, 0) + 1
+                table.append(p + reserved)
 
         # ------------------------------------------------------------------------------------ request lifecycle
         def admit(self, rid: str, prompt_ids: list[int]) -> int:
@@ -238,21 +256,22 @@ def allocator_class():
             engine start it): it is looked up again only if pages may have been indexed since, so a request waiting
             for room does not count as a query at every scheduler step."""
             self._claim()
+            mm = self._mm
             if rid in self.block_table:
-                if self._looked_up.get(rid) == self._written:
+                if mm.looked_up.get(rid) == mm.written:
                     return 0
                 self._end(rid, index=False)
-            if rid not in self._salt:
-                self._salt[rid] = self.handle.take_salt(rid)
-            salt = self._salt[rid]
-            names = self.handle.namer(self.cache.fingerprint, prompt_ids, salt) if self.handle.namer else None
-            if self._pending:  # what the running requests wrote since the last lookup, indexed before this one
-                self._commit(list(self._pending))
-            state = self.cache.admit(rid, prompt_ids, salt=salt, names=names)
+            if rid not in mm.salt:
+                mm.salt[rid] = mm.handle.take_salt(rid)
+            salt = mm.salt[rid]
+            names = mm.handle.namer(mm.cache.fingerprint, prompt_ids, salt) if mm.handle.namer else None
+            if mm.pending:  # what the running requests wrote since the last lookup, indexed before this one
+                self._commit(list(mm.pending))
+            state = mm.cache.admit(rid, prompt_ids, salt=salt, names=names)
             self._sync(rid, state)
-            self._full[rid] = len(state.page_indices)
-            self._prompt_len[rid] = len(prompt_ids)
-            self._looked_up[rid] = self._written
+            mm.full[rid] = len(state.page_indices)
+            mm.prompt_len[rid] = len(prompt_ids)
+            mm.looked_up[rid] = mm.written
             if state.matched_tokens:  # the engine's own line, formatted only where it is shown
                 _LOG.debug("Found a prefix match of %d tokens for request %s", state.matched_tokens, rid)
             return state.matched_tokens
@@ -265,33 +284,35 @@ def allocator_class():
             """Pages for ``past_length + query_length`` tokens; a request the engine never had matched (warmup,
             sharing off, a copy back from CPU offload) is admitted unnamed: it shares and indexes nothing."""
             if request_id not in self.block_table:
-                self.cache.admit_unnamed(request_id)
-                self.block_table[request_id], self._full[request_id] = [], 0
+                self._mm.cache.admit_unnamed(request_id)
+                self.block_table[request_id], self._mm.full[request_id] = [], 0
             total, P = past_length + query_length, self.tokens_per_page
             # Skipping grow when no page is added and no page fills keeps the decode step cheap; the held length
             # stays at least every full page's end, which is all mark_computed needs.
             if -(-total // P) > len(self.block_table[request_id]) or not total % P:
-                self._sync(request_id, self.cache.grow(request_id, total))
+                self._sync(request_id, self._mm.cache.grow(request_id, total))
 
         def mark_complete_blocks(self, request_id: str, token_ids: list[int], new_new_blocks: int) -> None:
             """The last forward completed ``new_new_blocks`` more leading blocks: their KV is written. They are
             indexed at the next lookup or at the request's teardown, whichever comes first (``_commit``): the
             engine calls this after every forward, and most forwards are followed by no lookup."""
-            self._full[request_id] += new_new_blocks
-            self._tokens[request_id] = token_ids  # the engine builds a new list for every call
-            self._written += 1
-            self._pending[request_id] = None
+            mm = self._mm
+            mm.full[request_id] += new_new_blocks
+            mm.tokens[request_id] = token_ids  # the engine builds a new list for every call
+            mm.written += 1
+            mm.pending[request_id] = None
 
         def _commit(self, rids: list[str]) -> None:
             """Tell the ``PrefixCache`` how far each of ``rids`` has written (one index update for all) and take them
-            off ``_pending``: past the prompt, the ids generated so far name the pages."""
-            self.cache.mark_computed_many([self._mark(rid) for rid in rids])
+            off ``pending``: past the prompt, the ids generated so far name the pages."""
+            self._mm.cache.mark_computed_many([self._mark(rid) for rid in rids])
 
         def _mark(self, rid: str) -> tuple[str, int, list[int] | None]:
-            """``rid`` off ``_pending``, and what it has written: ``(rid, tokens written, ids generated in them)``."""
-            self._pending.pop(rid, None)
-            done, n = self._full[rid] * self.tokens_per_page, self._prompt_len.get(rid)
-            return rid, done, self._tokens[rid][n:done] if n is not None and done > n else None
+            """``rid`` off ``pending``, and what it has written: ``(rid, tokens written, ids generated in them)``."""
+            mm = self._mm
+            mm.pending.pop(rid, None)
+            done, n = mm.full[rid] * self.tokens_per_page, mm.prompt_len.get(rid)
+            return rid, done, mm.tokens[rid][n:done] if n is not None and done > n else None
 
         def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
             """Teardown: the written pages of prompt + output are in the index, then the request is released, or
@@ -302,24 +323,26 @@ def allocator_class():
         def _end(self, rid: str, index: bool) -> None:
             """Release ``rid``: the pages it wrote are indexed either way (their KV is good), by ``finish`` along
             with the teardown, or before ``abort``."""
-            _, done, out = self._mark(rid) if rid in self._pending else (rid, None, None)
+            mm = self._mm
+            _, done, out = self._mark(rid) if rid in mm.pending else (rid, None, None)
+            live, reserved = mm.live, mm.reserved
             for b in self.block_table.pop(rid):
-                p = b - self.reserved
-                if self._live[p] == 1:
-                    del self._live[p]
+                p = b - reserved
+                if live[p] == 1:
+                    del live[p]
                 else:
-                    self._live[p] -= 1
-            self._full.pop(rid, None)
-            self._looked_up.pop(rid, None)
-            self._tokens.pop(rid, None)
-            if self._prompt_len.pop(rid, None) is not None and index:
-                self._written += 1
-                self._salt.pop(rid, None)  # done; after a no_cache free the engine may send the request back
-                self.cache.finish(rid, out or (), computed_tokens=done)
+                    live[p] -= 1
+            mm.full.pop(rid, None)
+            mm.looked_up.pop(rid, None)
+            mm.tokens.pop(rid, None)
+            if mm.prompt_len.pop(rid, None) is not None and index:
+                mm.written += 1
+                mm.salt.pop(rid, None)  # done; after a no_cache free the engine may send the request back
+                mm.cache.finish(rid, out or (), computed_tokens=done)
             else:
                 if done is not None:
-                    self.cache.mark_computed(rid, done, output_ids=out)
-                self.cache.abort(rid)
+                    mm.cache.mark_computed(rid, done, output_ids=out)
+                mm.cache.abort(rid)
 
         def fork_blocks(self, source_request_id, dest_request_id, past_length):
             raise InvalidRequest("mmcache's continuous-batching allocator does not fork requests "
