@@ -6,15 +6,18 @@ Each row carries a baseline measured in the same run and the ratio to it. Run: p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import pickle
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.names import chain, chain_root
+from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import coldest_of
 from timing import best  # benchmarks/timing.py, beside this script
 
@@ -39,6 +42,30 @@ def python_loop_lookup(index: dict, page_tokens: dict, counts: list, names, toke
         counts[p] += 1
         hit.append(p)
     return hit
+
+
+def evicting_request(fp: Fingerprint, P: int, n_pages: int) -> float:
+    """Median seconds of a request of 9 pages (admit, grow, finish) through a full pool of ``n_pages`` cached pages,
+    each evicting what it is short of (``evict_batch_pages=1``)."""
+    pool = PagePool(n_pages)
+    cache = PrefixCache(pool, fp, evict_batch_pages=1)
+    rng, i, times = np.random.default_rng(1), 0, []
+    while pool.num_free >= 9:  # fill the pool with cached pages
+        p = rng.integers(0, 32000, size=8 * P + 1, dtype=np.int32)
+        cache.admit(i, p)
+        cache.grow(i, p.size)
+        cache.finish(i, computed_tokens=p.size)
+        i += 1
+    for _ in range(200):
+        p = rng.integers(0, 32000, size=8 * P + 1, dtype=np.int32)
+        t0 = time.perf_counter()
+        cache.admit(i, p)
+        cache.grow(i, p.size)
+        cache.finish(i, computed_tokens=p.size)
+        times.append(time.perf_counter() - t0)
+        i += 1
+    assert cache.stats().eviction_batches >= 200
+    return float(np.median(times))
 
 
 def main(argv=None) -> None:
@@ -146,32 +173,16 @@ def main(argv=None) -> None:
 
     # 4b. eviction sized to the shortfall (evict_batch_pages=1, what the continuous-batching allocator does) in full
     # pools of growing size: the index's heap against the pass over the pool it replaced, same state, same requests
+    def pass_over_the_pool(index, n):
+        return coldest_of(index.eviction_candidates(), n)
+
     for n_pages in (1024, 16384, 131072):
         per_request = {}
         for kind in ("heap", "pass"):
-            pool = PagePool(n_pages)
-            cache = PrefixCache(pool, fp, evict_batch_pages=1)
-            if kind == "pass":
-                cache.index.coldest = lambda n, ix=cache.index: coldest_of(ix.eviction_candidates(), n)
-            fill = np.random.default_rng(1)
-            i = 0
-            while pool.num_free >= 9:
-                p = fill.integers(0, 32000, size=8 * P + 1, dtype=np.int32)
-                cache.admit(i, p)
-                cache.grow(i, p.size)
-                cache.finish(i, computed_tokens=p.size)
-                i += 1
-            times = []
-            for _ in range(200):  # each request of 9 pages evicts what it is short of
-                p = fill.integers(0, 32000, size=8 * P + 1, dtype=np.int32)
-                t0 = time.perf_counter()
-                cache.admit(i, p)
-                cache.grow(i, p.size)
-                cache.finish(i, computed_tokens=p.size)
-                times.append(time.perf_counter() - t0)
-                i += 1
-            assert cache.stats().eviction_batches >= 200
-            per_request[kind] = float(np.median(times))
+            with contextlib.ExitStack() as scope:
+                if kind == "pass":
+                    scope.enter_context(mock.patch.object(PrefixIndex, "coldest", pass_over_the_pool))
+                per_request[kind] = evicting_request(fp, P, n_pages)
         rows.append((f"full pool of {n_pages:,} pages: request (9 pages) that evicts",
                      f"{per_request['heap'] * 1e6:.0f} us",
                      f"{per_request['pass'] * 1e6:.0f} us (a pass over the pool per eviction)",
