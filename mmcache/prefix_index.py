@@ -406,7 +406,7 @@ class PrefixIndex:
         never holds more than twice the pool's pages plus ``4 * SCALAR_PAGES``."""
         heap, W = self._cold, self.pool.num_pages + 1
         ticks, depths, serials = self._ticks, self._depths, self._serials
-        entries = [(ticks[p] * W - depths[p], p, serials[p]) for p in pages]
+        entries = [(ticks[p] * W - depths[p], int(p), serials[p]) for p in pages]
         if len(heap) + len(entries) > 2 * len(self._pages) + 4 * SCALAR_PAGES:
             self._rebuild_cold()
         elif len(entries) > SCALAR_PAGES:
@@ -423,12 +423,13 @@ class PrefixIndex:
         self._cold = list(zip(keys.tolist(), idx.tolist(), self._serial[idx].tolist()))
         heapq.heapify(self._cold)
 
-    def coldest(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def coldest(self, n: int) -> tuple[Sequence[int], Sequence[int]]:
         """``Evictable.coldest``: ``n`` candidates with the lowest ``eviction_key``s (all when fewer; lowest page id
-        first among equal keys), and their keys. Up to ``SCALAR_PAGES``, from the top of ``_cold``: entries of pages
-        gone are dropped, those whose key grew are pushed again at their key, those a live owner holds are set
-        aside and put back; a pass over the pool (``eviction_candidates``) for more, or when more than
-        ``SCALAR_PAGES`` held pages are colder than what is asked (a pool whose cold pages are mostly live)."""
+        first among equal keys), and their keys. Up to ``SCALAR_PAGES``, from the top of ``_cold``, as lists (what
+        ``evict`` takes one by one, no numpy call): entries of pages gone are dropped, those whose key grew are
+        pushed again at their key, those a live owner holds are set aside and put back; as arrays from a pass over
+        the pool (``eviction_candidates``) for more, or when more than ``SCALAR_PAGES`` held pages are colder than
+        what is asked (a pool whose cold pages are mostly live)."""
         if n > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
         heap, W, flags, serials = self._cold, self.pool.num_pages + 1, self._flags, self._serials
@@ -454,8 +455,7 @@ class PrefixIndex:
             heapq.heappush(heap, e)
         if len(held) > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
-        return (np.fromiter((e[1] for e in chosen), dtype=np.int64, count=len(chosen)),
-                np.fromiter((e[0] for e in chosen), dtype=np.int64, count=len(chosen)))
+        return [e[1] for e in chosen], [e[0] for e in chosen]
 
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal
@@ -463,16 +463,16 @@ class PrefixIndex:
         cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
         return cands, eviction_key(self.pool, self._tick[cands], self._depth[cands])
 
-    def evict(self, pages: np.ndarray) -> None:
-        """Drop ``pages`` (held only by the index) and every indexed descendant of theirs, after the lower tier took
-        their bytes; counted as evicted."""
-        pages = self._with_descendants(np.asarray(pages, dtype=np.int64))
-        if not pages.size:
+    def evict(self, pages) -> None:
+        """Drop ``pages`` (held only by the index; a list of a few, as ``coldest`` gives them, or an array) and every
+        indexed descendant of theirs, after the lower tier took their bytes; counted as evicted."""
+        pages = self._with_descendants(pages if type(pages) is list else np.asarray(pages, dtype=np.int64))
+        if not len(pages):
             return
         if self._spill is not None:
-            self._spill(self, pages)
+            self._spill(self, np.asarray(pages, dtype=np.int64))
         self._drop(pages)
-        self.counters["evicted_pages"] += int(pages.size)
+        self.counters["evicted_pages"] += len(pages)
 
     def remove(self, pages) -> int:
         """Unindex ``pages`` that are indexed, with their indexed descendants (not spilled, not counted as evicted:
@@ -482,16 +482,20 @@ class PrefixIndex:
         self._drop(pages)
         return int(pages.size)
 
-    def _with_descendants(self, pages: np.ndarray) -> np.ndarray:
-        """``pages`` and every indexed page whose chain runs through one of them, each once. A few pages whose child
-        counts are all children among themselves (the common cold-tail batch) need no more, checked one by one;
-        otherwise one pass over the pool per level."""
-        if not pages.size:
+    def _with_descendants(self, pages):
+        """``pages`` (a list of Python ints, or an array) and every indexed page whose chain runs through one of them,
+        each once. A few pages whose child counts are all children among themselves (the common cold-tail batch) need
+        no more, checked one by one (a list stays a list); otherwise one pass over the pool per level (an array)."""
+        if not len(pages):
             return pages
-        if pages.size <= SCALAR_PAGES:
-            inside, kids, parents = set(pages.tolist()), self._kid_counts, self._parents
+        if len(pages) <= SCALAR_PAGES:
+            listed = pages if type(pages) is list else pages.tolist()
+            inside, kids, parents = set(listed), self._kid_counts, self._parents
             if sum(kids[p] for p in inside) == sum(parents[p] in inside for p in inside):
-                return pages if len(inside) == pages.size else np.asarray(sorted(inside), dtype=np.int64)
+                if len(inside) == len(listed):
+                    return pages
+                return sorted(inside) if type(pages) is list else np.asarray(sorted(inside), dtype=np.int64)
+        pages = np.asarray(pages, dtype=np.int64)
         out = np.zeros(self.pool.num_pages, dtype=bool)
         out[pages] = True
         frontier = pages
@@ -502,13 +506,13 @@ class PrefixIndex:
             out[kids] = True
             frontier = kids
 
-    def _drop(self, pages: np.ndarray) -> None:
-        """Unindex ``pages`` (distinct, closed under descendants: ``_with_descendants``) and release the index's
-        owner on them; a few one by one on the arrays."""
-        if not pages.size:
+    def _drop(self, pages) -> None:
+        """Unindex ``pages`` (distinct, closed under descendants: ``_with_descendants``; a list or an array) and
+        release the index's owner on them; a few one by one on the arrays."""
+        if not len(pages):
             return
-        if pages.size <= SCALAR_PAGES:
-            pages = pages.tolist()
+        if len(pages) <= SCALAR_PAGES:
+            pages = pages if type(pages) is list else pages.tolist()
             names, flags, parents, kids = [], self._flags, self._parents, self._kid_counts
             for p in pages:
                 names.append(self._names[p])

@@ -32,12 +32,13 @@ class Evictable(Protocol):
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only this cache holds (owner count 1) and their ``eviction_key``s."""
 
-    def coldest(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """``n`` of ``eviction_candidates`` with the lowest keys (all of them when fewer), and those keys: what
-        ``reclaim`` asks for (``coldest_of`` computes it from the candidates)."""
+    def coldest(self, n: int) -> tuple[Sequence[int], Sequence[int]]:
+        """``n`` of ``eviction_candidates`` with the lowest keys (all of them when fewer), and those keys, as arrays
+        or lists: what ``reclaim`` asks for (``coldest_of`` computes it from the candidates)."""
 
-    def evict(self, pages: np.ndarray) -> None:
-        """Drop the entries holding ``pages`` (a cache may drop more: whole entries, descendants) and release them."""
+    def evict(self, pages: Sequence[int]) -> None:
+        """Drop the entries holding ``pages`` (what its ``coldest`` gave, or a part of it; a cache may drop more:
+        whole entries, descendants) and release them."""
 
 
 def eviction_key(pool: PagePool, ticks, depths=0) -> np.ndarray:

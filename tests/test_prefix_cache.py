@@ -431,7 +431,7 @@ def heap_coldest(index, n):
         pages, keys = index.coldest(n)
     finally:
         index._cold = saved
-    return list(zip(keys.tolist(), pages.tolist()))
+    return [(int(k), int(p)) for k, p in zip(keys, pages)]
 
 
 def test_the_coldest_page_is_found_past_many_colder_pages_that_live_requests_hold():
@@ -448,7 +448,7 @@ def test_the_coldest_page_is_found_past_many_colder_pages_that_live_requests_hol
     index = cache.index
     entries = len(index._cold)
     pages, keys = index.coldest(1)
-    assert list(zip(keys.tolist(), pages.tolist())) == reference_coldest(index, 1) != []
+    assert [(int(k), int(p)) for k, p in zip(keys, pages)] == reference_coldest(index, 1) != []
     assert len(index._cold) == entries
     for i in range(SCALAR_PAGES + 8):
         cache.finish(("held", i))

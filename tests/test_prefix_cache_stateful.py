@@ -254,7 +254,7 @@ class CacheMachine(RuleBasedStateMachine):
         try:
             for n in (1, 2, 5, PAGES):
                 got_pages, got_keys = index.coldest(n)
-                assert list(zip(got_keys.tolist(), got_pages.tolist())) == want[:n]
+                assert [(int(k), int(p)) for k, p in zip(got_keys, got_pages)] == want[:n]
         finally:
             index._cold = saved
 
