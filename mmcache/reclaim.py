@@ -7,8 +7,8 @@ grow that evicts encoder entries never race or deadlock). A host tier is the one
 driven the same way. Every such cache is an ``Evictable``: it offers ``eviction_candidates() -> (pages, keys)``
 (pages only it holds, keyed by ``eviction_key``; lower is evicted first), ``coldest(n)`` (the ``n`` of them with the
 lowest keys) and ``evict(pages)``. ``reclaim`` merges the coldest candidates of all owners on the pool and evicts the
-lowest keys as one batch, so one kind of cached data can never
-starve another, and a live request fails only when every cached page together would not cover its shortfall.
+lowest keys as one batch, so one kind of cached data can never starve another, and a live request fails only when
+every cached page together would not cover its shortfall.
 
 Why recency alone, and not recompute cost per byte: the encoder store knows each entry's measured encoder time, but
 a KV page has no such figure (its cost depends on its position, the attention backend and the batch it was prefilled

@@ -727,7 +727,7 @@ class ReuseKVManager(KVManager):
                 self._commit_due()
 
     def _commit_due(self) -> None:
-        """Index the pages that filled: of the streams whose announced feed reaches a page end (``_due``), those
+        """Index the pages that filled: of the streams whose announced feed reaches a page end (``due``), those
         whose feed is now written; their fed ids joined at once (``_flush``), then one ``commit_many`` per label. Ids
         on a CUDA device are copied to the host without waiting (``_park``) and their pages indexed at a later commit,
         once the copy has landed (``_land``). A stream whose step has not committed yet stays."""
