@@ -1,4 +1,4 @@
-"""Core figures: page-name throughput, 1,000-page lookup, allocation/teardown cost, eviction batching, metadata bytes.
+"""Core figures: page-name throughput, 1,000-page lookup, allocation/teardown cost, eviction, metadata bytes.
 
 Each row carries a baseline measured in the same run and the ratio to it. Run: python benchmarks/bench_core.py
 """
@@ -14,8 +14,9 @@ import time
 from unittest import mock
 
 import numpy as np
+import torch
 
-from mmcache import Fingerprint, PagePool, PrefixCache, page_names
+from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.names import chain, chain_root
 from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import coldest_of
@@ -65,6 +66,20 @@ def evicting_request(fp: Fingerprint, P: int, n_pages: int) -> float:
         times.append(time.perf_counter() - t0)
         i += 1
     assert cache.stats().eviction_batches >= 200
+    return float(np.median(times))
+
+
+def evicting_put(n_entries: int, page: int = 4096) -> float:
+    """Median seconds of a put into an ``EncoderStore`` full of ``n_entries`` one-page entries, each evicting one."""
+    store = EncoderStore(capacity_bytes=n_entries * page, page_bytes=page)
+    value, times = torch.zeros(page // 4), []
+    for i in range(n_entries + 200):
+        key = EncoderKey(digest=i.to_bytes(8, "little"), fingerprint="bench", modality="image")
+        t0 = time.perf_counter()
+        store.put(key, value)
+        if i >= n_entries:
+            times.append(time.perf_counter() - t0)
+    assert store.stats().totals.evictions >= 200
     return float(np.median(times))
 
 
@@ -187,6 +202,21 @@ def main(argv=None) -> None:
                      f"{per_request['heap'] * 1e6:.0f} us",
                      f"{per_request['pass'] * 1e6:.0f} us (a pass over the pool per eviction)",
                      per_request["pass"] / per_request["heap"]))
+
+    # 4c. the same for the encoder store: a put that evicts in full stores of growing entry counts
+    def pass_over_the_entries(store, n):
+        return coldest_of(store.eviction_candidates(), n)
+
+    for n_entries in (256, 2048, 8192):
+        per_put = {}
+        for kind in ("heap", "pass"):
+            with contextlib.ExitStack() as scope:
+                if kind == "pass":
+                    scope.enter_context(mock.patch.object(EncoderStore, "coldest", pass_over_the_entries))
+                per_put[kind] = evicting_put(n_entries)
+        rows.append((f"full encoder store of {n_entries:,} entries: put that evicts", f"{per_put['heap'] * 1e6:.0f} us",
+                     f"{per_put['pass'] * 1e6:.0f} us (a pass over the entries per eviction)",
+                     per_put["pass"] / per_put["heap"]))
 
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page
     ix = PrefixCache(PagePool(4096), fp).index

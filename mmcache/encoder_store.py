@@ -15,7 +15,10 @@ Ownership: the store holds one owner on each indexed entry's pages, a pin one mo
 out. The pool frees a page when its count reaches 0; this module never frees pages any other way. Eviction
 (``mmcache.reclaim``) runs only when an owner of the pool needs pages (a put here, a live request's growth in a prefix
 cache on the same pool), takes only entries whose pages the store alone owns (count 1), whole entries, and orders them
-with the prefix indexes' pages by recency on the pool's one clock (``_Entry.tick``: the last put, hit or pin).
+with the prefix indexes' pages by recency on the pool's one clock (``_Entry.tick``: the last put, hit or pin). The
+coldest entries come off a heap (``_cold``: ``(tick when pushed, serial, entry)``, one per stored entry with pages,
+pushed when it is stored): a tick only grows, so an entry whose tick grew is pushed again at its tick when it reaches
+the top, and the top entry with a current tick is the coldest; no pass over the entries per eviction.
 
 Tiers: with ``tiers`` (an ``EncoderLowerTier``, ``mmcache.tiers.EncoderTiers``) an entry the pool evicts is handed to
 the tier with its bytes while they are intact (``spill``: write-back to a host tier), every stored value is handed to
@@ -33,6 +36,8 @@ entry's pages under the lock and gathers without it.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import logging
 import math
 import threading
@@ -45,7 +50,7 @@ import torch
 from mmcache.checks import as_int
 from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
-from mmcache.pool import PagePool
+from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import coldest_of, eviction_key, take
 from mmcache.stats import EncoderCounters, EncoderStoreStats
 
@@ -307,6 +312,9 @@ class EncoderStore:
         self.tiers = tiers
         self._lock = pool.cache_lock
         self._entries: dict[tuple, _Entry] = {}
+        self._holder: dict[int, _Entry] = {}  # page -> the stored entry holding it
+        self._cold: list[tuple[int, int, _Entry]] = []  # see the module docstring (Ownership)
+        self._serial = itertools.count()  # ties between equal ticks: the earlier push first; entries never compared
         self._flights: dict[tuple, _Flight] = {}
         self._totals = dict(_ZERO)
         self._by_modality: dict[str, dict] = {}
@@ -380,6 +388,7 @@ class EncoderStore:
                 self._remove(key.name)
                 entry.tick = self.pool.clock.tick()
                 self._entries[key.name] = entry
+                self._enqueue(entry)
                 self._count(key.modality, bytes_stored=nbytes)
         except BaseException:
             self.pool.release(pages)
@@ -546,6 +555,7 @@ class EncoderStore:
         """Drop every entry's store owner; pinned pages stay with their pins. Counters other than bytes_stored stay."""
         with self._lock:
             self._drop(list(self._entries.values()))
+            self._cold = []
 
     def stats(self) -> EncoderStoreStats:
         """Counter ``totals``, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
@@ -661,21 +671,65 @@ class EncoderStore:
     def eviction_candidates(self):
         """Pages of entries only the store holds (no pin, no hit copying out), keyed by ``eviction_key`` of the
         entry's last-use tick on the pool clock (depth 0), so keys compare with the prefix indexes' on the pool."""
-        counts, pages, ticks = self.pool.counts, [], []
+        owners, pages, ticks = self.pool.owners, [], []
         for e in self._entries.values():
-            if e.pages and (counts[e.pages] == 1).all():
+            if e.pages and all(owners(p) == 1 for p in e.pages):
                 pages += e.pages
                 ticks += [e.tick] * len(e.pages)
         return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
 
-    def coldest(self, n: int):
-        return coldest_of(self.eviction_candidates(), n)
+    def _enqueue(self, entry: _Entry) -> None:
+        """A heap entry for ``entry``, just stored with its tick set (none for an entry without pages: it frees
+        nothing). The heap is rebuilt from the stored entries when those gone since outnumber them, so it holds at
+        most twice the entries plus ``4 * SCALAR_PAGES``."""
+        if not entry.pages:
+            return
+        if len(self._cold) >= 2 * len(self._entries) + 4 * SCALAR_PAGES:
+            self._cold = [(e.tick, next(self._serial), e) for e in self._entries.values() if e.pages]
+            heapq.heapify(self._cold)
+        else:
+            heapq.heappush(self._cold, (entry.tick, next(self._serial), entry))
+        for p in entry.pages:
+            self._holder[p] = entry
+
+    def coldest(self, n: int) -> tuple[list[int], list[int]]:
+        """``Evictable.coldest``: the pages of the coldest whole entries only the store holds, entry by entry until
+        they reach ``n`` pages (all of them when fewer), and their keys. Off the heap: an entry gone is dropped, one
+        whose tick grew is pushed again at its tick, one pinned or being read is set aside and put back; the pass
+        over the entries (``eviction_candidates``) when more than ``SCALAR_PAGES`` such are colder than what is
+        asked."""
+        heap, entries, owners = self._cold, self._entries, self.pool.owners
+        chosen, held, found = [], [], 0
+        while heap and found < n:
+            tick, serial, e = top = heap[0]
+            if entries.get(e.key.name) is not e:
+                heapq.heappop(heap)  # evicted, removed or replaced since
+                continue
+            if e.tick != tick:
+                heapq.heapreplace(heap, (e.tick, serial, e))  # hit or pinned since it was pushed
+                continue
+            heapq.heappop(heap)
+            if all(owners(p) == 1 for p in e.pages):
+                chosen.append(top)
+                found += len(e.pages)
+            else:
+                held.append(top)
+                if len(held) > SCALAR_PAGES:
+                    break
+        for t in chosen + held:
+            heapq.heappush(heap, t)
+        if len(held) > SCALAR_PAGES:
+            return coldest_of(self.eviction_candidates(), n)
+        W = self.pool.num_pages + 1  # eviction_key of depth 0
+        return [p for _, _, e in chosen for p in e.pages], [t * W for t, _, e in chosen for _ in e.pages]
 
     def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries: a partial one frees its other pages too)."""
-        chosen = set(np.asarray(pages).tolist())
+        holder = self._holder
+        chosen = {id(e): e for p in (pages if type(pages) is list else np.asarray(pages).tolist())
+                  if (e := holder.get(p)) is not None}
         if chosen:
-            self._drop([e for e in self._entries.values() if not chosen.isdisjoint(e.pages)], evicted=True)
+            self._drop(list(chosen.values()), evicted=True)
 
     def _remove(self, name: tuple) -> None:
         if (entry := self._entries.get(name)) is not None:
@@ -690,6 +744,8 @@ class EncoderStore:
                                                     self._bytes.read(e.index)[:e.nbytes]) for e in entries])
         for e, spill in zip(entries, spilled):
             del self._entries[e.key.name]
+            for p in e.pages:
+                del self._holder[p]
             self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
                         evicted_bytes=e.nbytes if evicted else 0, host_spilled=int(spill))
         self.pool.release([p for e in entries for p in e.pages])

@@ -146,6 +146,28 @@ class NodeMachine(RuleBasedStateMachine):
         for pin, value in self.pins:
             assert_same_value(pin.value, value)
 
+    @invariant()
+    def each_cache_names_the_coldest_candidates_a_pass_over_it_finds(self):
+        """What lets an eviction on the shared pool skip the passes: the index's ``coldest(n)`` is the ``n`` lowest
+        keys of its candidates; the store's is the pages of its coldest whole entries until they reach ``n`` (an
+        entry's pages share its key). Each run on a copy of its heap, so the check never helps the sequence."""
+        for cache in (self.cache.index, self.store):
+            pages, keys = cache.eviction_candidates()
+            pairs = sorted(zip(keys.tolist(), pages.tolist()))
+            saved = list(cache._cold)
+            try:
+                for n in (1, 3, NUM_PAGES):
+                    got_pages, got_keys = cache.coldest(n)
+                    got = sorted((int(k), int(p)) for k, p in zip(got_keys, got_pages))
+                    if cache is self.store:  # whole entries: every candidate page of a key taken reaches n
+                        last = pairs[min(n, len(pairs)) - 1][0] if pairs else None
+                        want = [kp for kp in pairs if last is not None and kp[0] <= last]
+                    else:
+                        want = pairs[:n]
+                    assert got == want
+            finally:
+                cache._cold = saved
+
     def teardown(self):
         for pin, _ in self.pins:
             pin.release()
