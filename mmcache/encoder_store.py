@@ -51,7 +51,7 @@ from mmcache.checks import as_int
 from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.pool import SCALAR_PAGES, PagePool
-from mmcache.reclaim import coldest_of, eviction_key, take
+from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key, take
 from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
@@ -694,31 +694,19 @@ class EncoderStore:
 
     def coldest(self, n: int) -> tuple[list[int], list[int]]:
         """``Evictable.coldest``: the pages of the coldest whole entries only the store holds, entry by entry until
-        they reach ``n`` pages (all of them when fewer), and their keys. Off the heap: an entry gone is dropped, one
-        whose tick grew is pushed again at its tick, one pinned or being read is set aside and put back; the pass
-        over the entries (``eviction_candidates``) when more than ``SCALAR_PAGES`` such are colder than what is
-        asked."""
-        heap, entries, owners = self._cold, self._entries, self.pool.owners
-        chosen, held, found = [], [], 0
-        while heap and found < n:
-            tick, serial, e = top = heap[0]
-            if entries.get(e.key.name) is not e:
-                heapq.heappop(heap)  # evicted, removed or replaced since
-                continue
-            if e.tick != tick:
-                heapq.heapreplace(heap, (e.tick, serial, e))  # hit or pinned since it was pushed
-                continue
-            heapq.heappop(heap)
-            if all(owners(p) == 1 for p in e.pages):
-                chosen.append(top)
-                found += len(e.pages)
-            else:
-                held.append(top)
-                if len(held) > SCALAR_PAGES:
-                    break
-        for t in chosen + held:
-            heapq.heappush(heap, t)
-        if len(held) > SCALAR_PAGES:
+        they reach ``n`` pages (all of them when fewer), and their keys. Off the heap (``reclaim.coldest_off_heap``):
+        an entry gone is dropped, one whose tick grew is pushed again at its tick, one pinned or being read is set
+        aside and put back; the pass over the entries (``eviction_candidates``) when more than ``SCALAR_PAGES`` such
+        are colder than what is asked."""
+        entries, owners = self._entries, self.pool.owners
+
+        def current(item):  # gone: evicted, removed or replaced since
+            e = item[2]
+            return e.tick if entries.get(e.key.name) is e else None
+
+        chosen = coldest_off_heap(self._cold, n, current, lambda item: all(owners(p) == 1 for p in item[2].pages),
+                                  lambda item: len(item[2].pages))
+        if chosen is None:
             return coldest_of(self.eviction_candidates(), n)
         W = self.pool.num_pages + 1  # eviction_key of depth 0
         return [p for _, _, e in chosen for p in e.pages], [t * W for t, _, e in chosen for _ in e.pages]

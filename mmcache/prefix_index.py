@@ -32,7 +32,7 @@ import numpy as np
 
 from mmcache.names import token_bytes
 from mmcache.pool import SCALAR_PAGES, PagePool
-from mmcache.reclaim import coldest_of, eviction_key
+from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
@@ -425,37 +425,25 @@ class PrefixIndex:
 
     def coldest(self, n: int) -> tuple[Sequence[int], Sequence[int]]:
         """``Evictable.coldest``: ``n`` candidates with the lowest ``eviction_key``s (all when fewer; lowest page id
-        first among equal keys), and their keys. Up to ``SCALAR_PAGES``, from the top of ``_cold``, as lists (what
-        ``evict`` takes one by one, no numpy call): entries of pages gone are dropped, those whose key grew are
-        pushed again at their key, those a live owner holds are set aside and put back; as arrays from a pass over
+        first among equal keys), and their keys. Up to ``SCALAR_PAGES``, from the top of ``_cold``
+        (``reclaim.coldest_off_heap``), as lists (what ``evict`` takes one by one, no numpy call): entries of pages
+        gone are dropped, those whose key grew are pushed again at their key, those a live owner holds are set aside
+        and put back; as arrays from a pass over
         the pool (``eviction_candidates``) for more, or when more than ``SCALAR_PAGES`` held pages are colder than
         what is asked (a pool whose cold pages are mostly live)."""
         if n > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
-        heap, W, flags, serials = self._cold, self.pool.num_pages + 1, self._flags, self._serials
-        ticks, depths, owners = self._ticks, self._depths, self.pool.owners
-        chosen, held = [], []
-        while heap and len(chosen) < n:
-            key, page, serial = top = heap[0]
-            if not flags[page] or serials[page] != serial:
-                heapq.heappop(heap)  # the page left the index (or was indexed again: that entry is its own)
-                continue
-            now = ticks[page] * W - depths[page]
-            if now != key:
-                heapq.heapreplace(heap, (now, page, serial))  # touched since it was pushed
-                continue
-            heapq.heappop(heap)
-            if owners(page) == 1:
-                chosen.append(top)
-            else:
-                held.append(top)
-                if len(held) > SCALAR_PAGES:
-                    break
-        for e in chosen + held:
-            heapq.heappush(heap, e)
-        if len(held) > SCALAR_PAGES:
+        W, flags, serials, ticks, depths, owners = (self.pool.num_pages + 1, self._flags, self._serials, self._ticks,
+                                                    self._depths, self.pool.owners)
+
+        def current(item):  # gone: unindexed, or indexed again (that indexing has its own item)
+            _, page, serial = item
+            return ticks[page] * W - depths[page] if flags[page] and serials[page] == serial else None
+
+        chosen = coldest_off_heap(self._cold, n, current, lambda item: owners(item[1]) == 1)
+        if chosen is None:
             return coldest_of(self.eviction_candidates(), n)
-        return [e[1] for e in chosen], [e[0] for e in chosen]
+        return [item[1] for item in chosen], [item[0] for item in chosen]
 
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal

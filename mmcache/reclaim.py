@@ -18,12 +18,13 @@ the order exact and explainable: the least recently used cached bytes go first, 
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import heapq
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from mmcache.errors import OutOfPages
-from mmcache.pool import PagePool
+from mmcache.pool import SCALAR_PAGES, PagePool
 
 
 class Evictable(Protocol):
@@ -56,6 +57,39 @@ def coldest_of(candidates: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.nd
         return pages, keys
     pick = keys.argmin() if n == 1 else np.argpartition(keys, n - 1)[:n]
     return pages[pick].reshape(-1), keys[pick].reshape(-1)
+
+
+def coldest_off_heap(heap: list, n: int, current: Callable[[tuple], int | None], alone: Callable[[tuple], bool],
+                     size: Callable[[tuple], int] | None = None, limit: int = SCALAR_PAGES) -> list[tuple] | None:
+    """The items at the top of a cache's lazy eviction heap whose sizes reach ``n``: what ``Evictable.coldest`` takes
+    off a heap instead of a pass over the cache. The cache keeps, for every entry it may evict, an item ``(key,
+    ...)`` whose key is at most the entry's current key (pushed when the entry is stored; keys only grow after).
+    ``current(item)``: the entry's key now, None when the entry is gone (the item is dropped); an item whose key grew
+    is pushed again at its key, so the top item whose key is current is the coldest entry. ``alone(item)``: only the
+    cache holds the entry's pages (else it is set aside and put back); ``size(item)``: its pages (default 1). Returns
+    the items chosen, coldest first (every item stays in the heap), or None when more than ``limit`` held entries
+    come first: the caller then makes its pass. Callers hold the pool's ``cache_lock``."""
+    chosen, held, found = [], [], 0
+    while heap and found < n:
+        top = heap[0]
+        now = current(top)
+        if now is None:
+            heapq.heappop(heap)
+            continue
+        if now != top[0]:
+            heapq.heapreplace(heap, (now, *top[1:]))
+            continue
+        heapq.heappop(heap)
+        if alone(top):
+            chosen.append(top)
+            found += 1 if size is None else size(top)
+        else:
+            held.append(top)
+            if len(held) > limit:
+                break
+    for item in chosen + held:
+        heapq.heappush(heap, item)
+    return None if len(held) > limit else chosen
 
 
 def reclaimable(owners: Sequence[Evictable]) -> int:
