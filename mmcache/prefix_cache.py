@@ -243,8 +243,11 @@ class PrefixCache:
             self._end(rid)
 
     def suspend(self, rid: Hashable) -> list[int]:
-        """Prepare a request for offload: release its shared pages (they stay resident for their other owners) and
-        return the pages it owns exclusively, which it keeps until ``resume`` or ``abort``."""
+        """Prepare a request for offload: release the leading run of its pages that other owners also hold (they stay
+        resident for them; ``resume`` looks them up again) and return the rest, from its first page it owns alone,
+        which it keeps until ``resume`` or ``abort``. A page after that one may be shared too (committed into the
+        index after the request's own copy of an equal page): it is copied out with the rest, and its other owners
+        keep it resident."""
         with self._lock:
             rec = self._get(rid, live=True)
             if rec.protected is not None or rec.released:

@@ -152,7 +152,10 @@ class CacheMachine(RuleBasedStateMachine):
             del self.live[rid]
         elif how == "suspend" and not r["suspended"] and not r.get("windowed"):
             own = self.cache.suspend(rid)
-            assert all(self.cache.pool.counts[p] == 1 for p in own)
+            # the kept run starts at a page the request alone holds; a later one may also be the index's (committed
+            # after the request's own copy of an equal page, which is why only the leading shared run is released)
+            assert not own or self.cache.pool.counts[own[0]] == 1
+            assert all(self.cache.pool.counts[p] >= 1 for p in own)
             r["suspended"] = True
         elif how == "resume" and r["suspended"]:
             rec = self.cache._live[rid]
