@@ -6,7 +6,6 @@ Each row carries a baseline measured in the same run and the ratio to it. Run: p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import pickle
 import sys
@@ -187,36 +186,18 @@ def main(argv=None) -> None:
     rows.append(("saturated pool: per request (admit..finish, 9 pages)", f"{t_sat * 1e6:.0f} us", "", None))
 
     # 4b. eviction sized to the shortfall (evict_batch_pages=1, what the continuous-batching allocator does) in full
-    # pools of growing size: the index's heap against the pass over the pool it replaced, same state, same requests
-    def pass_over_the_pool(index, n):
-        return coldest_of(index.eviction_candidates(), n)
-
-    for n_pages in (1024, 16384, 131072):
-        per_request = {}
-        for kind in ("heap", "pass"):
-            with contextlib.ExitStack() as scope:
-                if kind == "pass":
-                    scope.enter_context(mock.patch.object(PrefixIndex, "coldest", pass_over_the_pool))
-                per_request[kind] = evicting_request(fp, P, n_pages)
-        rows.append((f"full pool of {n_pages:,} pages: request (9 pages) that evicts",
-                     f"{per_request['heap'] * 1e6:.0f} us",
-                     f"{per_request['pass'] * 1e6:.0f} us (a pass over the pool per eviction)",
-                     per_request["pass"] / per_request["heap"]))
-
+    # pools of growing size: the index's heap against the pass over the pool it replaced, same state, same requests;
     # 4c. the same for the encoder store: a put that evicts in full stores of growing entry counts
-    def pass_over_the_entries(store, n):
-        return coldest_of(store.eviction_candidates(), n)
-
-    for n_entries in (256, 2048, 8192):
-        per_put = {}
-        for kind in ("heap", "pass"):
-            with contextlib.ExitStack() as scope:
-                if kind == "pass":
-                    scope.enter_context(mock.patch.object(EncoderStore, "coldest", pass_over_the_entries))
-                per_put[kind] = evicting_put(n_entries)
-        rows.append((f"full encoder store of {n_entries:,} entries: put that evicts", f"{per_put['heap'] * 1e6:.0f} us",
-                     f"{per_put['pass'] * 1e6:.0f} us (a pass over the entries per eviction)",
-                     per_put["pass"] / per_put["heap"]))
+    cases = [(PrefixIndex, n, "full pool of {:,} pages: request (9 pages) that evicts", "pool",
+              lambda n=n: evicting_request(fp, P, n)) for n in (1024, 16384, 131072)]
+    cases += [(EncoderStore, n, "full encoder store of {:,} entries: put that evicts", "entries",
+               lambda n=n: evicting_put(n)) for n in (256, 2048, 8192)]
+    for cache_class, n, label, what, measure in cases:
+        heap = measure()
+        with mock.patch.object(cache_class, "coldest", lambda cache, k: coldest_of(cache.eviction_candidates(), k)):
+            scan = measure()
+        rows.append((label.format(n), f"{heap * 1e6:.0f} us",
+                     f"{scan * 1e6:.0f} us (a pass over the {what} per eviction)", scan / heap))
 
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page
     ix = PrefixCache(PagePool(4096), fp).index
