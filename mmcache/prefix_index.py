@@ -428,9 +428,8 @@ class PrefixIndex:
         first among equal keys), and their keys. Up to ``SCALAR_PAGES``, from the top of ``_cold``
         (``reclaim.coldest_off_heap``), as lists (what ``evict`` takes one by one, no numpy call): entries of pages
         gone are dropped, those whose key grew are pushed again at their key, those a live owner holds are set aside
-        and put back; as arrays from a pass over
-        the pool (``eviction_candidates``) for more, or when more than ``SCALAR_PAGES`` held pages are colder than
-        what is asked (a pool whose cold pages are mostly live)."""
+        and put back; as arrays from a pass over the pool (``eviction_candidates``) for more, or when more than
+        ``SCALAR_PAGES`` held pages are colder than what is asked (a pool whose cold pages are mostly live)."""
         if n > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
         W, flags, serials, ticks, depths, owners = (self.pool.num_pages + 1, self._flags, self._serials, self._ticks,
