@@ -419,7 +419,7 @@ def test_shadow_mode_measures_what_reuse_would_match_and_changes_nothing():
     assert s.requests == 4 and s.matched_pages * P == on.kv.stats(LABEL).hit_tokens == 16 + 8 + 8
 
 
-def test_the_resource_adds_three_attributes_to_what_mstar_sets():
+def test_the_resource_adds_at_most_three_attributes_to_what_mstar_sets():
     """M*'s own admit and plan look attributes and methods up on the resource once per request a step: an instance
     with more than about 28 attributes loses CPython's inline attribute values and every such lookup costs a tenth
     more (measured: ``_alloc`` of 256 streams 120 -> 135-139 us). M*'s ``KVManager`` sets 24; ``ReuseKVManager``

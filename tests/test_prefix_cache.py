@@ -7,6 +7,7 @@ import torch
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache, page_names
 from mmcache.errors import DuplicateRequest, InvalidRequest, UnknownRequest
+from mmcache.reclaim import coldest_of
 
 P = 4
 FP = Fingerprint(model="org/m@rev", page_size=P)
@@ -434,10 +435,14 @@ def heap_coldest(index, n):
     return [(int(k), int(p)) for k, p in zip(keys, pages)]
 
 
-def test_the_coldest_page_is_found_past_many_colder_pages_that_live_requests_hold():
+def test_the_coldest_page_is_found_past_many_colder_pages_that_live_requests_hold(monkeypatch):
     """More than ``SCALAR_PAGES`` held pages colder than every cached one: ``coldest`` gives up on the heap and
     makes the pass over the pool, and the heap keeps every entry (a later eviction still finds them)."""
+    import mmcache.prefix_index as prefix_index
     from mmcache.pool import SCALAR_PAGES
+
+    passes = []
+    monkeypatch.setattr(prefix_index, "coldest_of", lambda found, n: (passes.append(n), coldest_of(found, n))[1])
 
     cache = make(num_pages=4 * SCALAR_PAGES, evict_batch_pages=1)
     for i in range(SCALAR_PAGES + 8):  # one indexed page each, held by its live request: cold but not evictable
@@ -448,11 +453,12 @@ def test_the_coldest_page_is_found_past_many_colder_pages_that_live_requests_hol
     index = cache.index
     entries = len(index._cold)
     pages, keys = index.coldest(1)
+    assert passes == [1], "more held pages than SCALAR_PAGES came first: the pass over the pool answers"
     assert [(int(k), int(p)) for k, p in zip(keys, pages)] == reference_coldest(index, 1) != []
     assert len(index._cold) == entries
     for i in range(SCALAR_PAGES + 8):
         cache.finish(("held", i))
-    assert heap_coldest(index, 3) == reference_coldest(index, 3)
+    assert heap_coldest(index, 3) == reference_coldest(index, 3) and passes == [1]  # from the heap again
 
 
 def test_churn_keeps_the_heap_bounded_and_its_answer_exact():
