@@ -1,7 +1,7 @@
 """Time the continuous-batching engine spends in its KV cache's bookkeeping, with its own prefix sharing and with
 mmcache's allocator under it, on the same replay in the same run.
 
-    python benchmarks/bench_cb_allocator.py [--runs 5] [--trace mt-bench] [--inflight 4] [--pages 644]
+    python benchmarks/bench_cb_allocator.py [--runs 5] [--trace mt-bench] [--inflight 4] [--pages 644] [--inside]
 
 Requests per second on this 2-core machine swing by a third from one replay to the next for the same engine
 (``bench_peer_transformers.py`` reports that spread), far more than either allocator costs, so this measures the
@@ -10,6 +10,11 @@ cost itself: the wall time inside the methods of transformers' ``PagedAttentionC
 replay, for the engine with sharing on (the peer) and with mmcache (``mmcache.hf.continuous_batching``). The engines
 take turns within each repetition; median and min-max over ``--runs``, and the ratio of medians. The replay itself
 is ``bench_peer_transformers``'s (same model, requests and order).
+
+``--inside`` adds a second table: where mmcache's share goes, per request, timed around the steps of its own
+lifecycle that the allocator's calls reach (naming a prompt, the verified match, the pages taken, indexing what was
+written, the index writes within it). Those timers cost a little themselves, so the first table is the one to
+compare with the peer.
 """
 
 from __future__ import annotations
@@ -30,6 +35,23 @@ import bench_peer_transformers as peer  # noqa: E402  (beside this script)
 
 METHODS = ("search_prefix_match", "mark_complete_blocks", "free_blocks", "can_store_request_tokens",
            "extend_read_and_write_indices")
+INSIDE = (("PrefixLifecycle", "name"), ("PrefixLifecycle", "match"), ("PrefixLifecycle", "take"),
+          ("PrefixLifecycle", "commit_many"), ("PrefixIndex", "insert_runs"))
+
+
+def add_timer(cls, name: str, label: str, spent: collections.Counter) -> None:
+    """Wrap ``cls.name`` (for this process) to add its wall time to ``spent[label]``."""
+    method = getattr(cls, name)
+
+    @functools.wraps(method)  # keeps mmcache's install mark on its search_prefix_match: installed once
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[label] += time.perf_counter() - t
+
+    setattr(cls, name, timed)
 
 
 def timed_cache_methods(model) -> collections.Counter:
@@ -43,17 +65,7 @@ def timed_cache_methods(model) -> collections.Counter:
     enable_prefix_cache(model).disable()
     spent: collections.Counter = collections.Counter()
     for name in METHODS:
-        method = getattr(cb_cache.PagedAttentionCache, name)
-
-        @functools.wraps(method)  # keeps mmcache's install mark on its search_prefix_match: installed once
-        def timed(self, *args, _method=method, _name=name, **kwargs):
-            t = time.perf_counter()
-            try:
-                return _method(self, *args, **kwargs)
-            finally:
-                spent[_name] += time.perf_counter() - t
-
-        setattr(cb_cache.PagedAttentionCache, name, timed)
+        add_timer(cb_cache.PagedAttentionCache, name, name, spent)
     return spent
 
 
@@ -63,6 +75,7 @@ def main(argv=None) -> None:
     ap.add_argument("--trace", default="mt-bench", help="mt-bench, sharegpt, swe-agent or mooncake")
     ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--pages", type=int, default=644, help="KV blocks (644 holds every MT-Bench prompt page)")
+    ap.add_argument("--inside", action="store_true", help="also time the steps of mmcache's own lifecycle")
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MMCACHE_MODEL_DIR",
                                                                           Path.home() / ".cache/mmcache/models")))
     args = ap.parse_args(argv)
@@ -72,6 +85,11 @@ def main(argv=None) -> None:
     opts = peer.parser().parse_args([])  # the replay's defaults
     model = peer.load_model("tiny", args.model_dir)
     spent = timed_cache_methods(model)
+    if args.inside:
+        from mmcache import lifecycle, prefix_index
+        for cls_name, name in INSIDE:
+            cls = getattr(lifecycle, cls_name, None) or getattr(prefix_index, cls_name)
+            add_timer(cls, name, f"{cls_name}.{name}", spent)
     calls = peer.load_calls(args.trace, opts)
     engines = {"peer share-on": False, "mmcache in peer": True}
     totals = {name: [] for name in engines}
@@ -83,8 +101,8 @@ def main(argv=None) -> None:
             spent.clear()
             peer.run_peer(model, calls, share=True, pages=args.pages, args=opts, inflight=args.inflight,
                           mmcache=mm)
-            totals[name].append(sum(spent.values()) * 1e3)
-            for m in METHODS:
+            totals[name].append(sum(spent[m] for m in METHODS) * 1e3)
+            for m in spent:
                 per_method[name][m].append(spent[m] * 1e3)
     base = statistics.median(totals["peer share-on"])
     print(f"# {args.trace}, {len(calls)} requests, {args.inflight} in flight, {args.pages} blocks; ms per replay in "
@@ -95,6 +113,11 @@ def main(argv=None) -> None:
         cells = "  ".join(f"{statistics.median(per_method[name][m]):18.2f}" for m in METHODS)
         print(f"{name:<17} {statistics.median(t):8.2f} ({min(t):.2f}-{max(t):.2f}) "
               f"{statistics.median(t) / base:7.2f}  {cells}")
+    if args.inside:
+        print(f"# inside mmcache's share: us per request, median (min-max) of {args.runs}")
+        for cls_name, name in INSIDE:
+            t = [x * 1e3 / len(calls) for x in per_method["mmcache in peer"][f"{cls_name}.{name}"]]
+            print(f"{cls_name + '.' + name:<30} {statistics.median(t):8.1f} ({min(t):.1f}-{max(t):.1f})")
 
 
 if __name__ == "__main__":

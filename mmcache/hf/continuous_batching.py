@@ -277,8 +277,15 @@ def allocator_class():
             return state.matched_tokens
 
         def needs_new_sectors(self, request_id: str, past_length: int, query_length: int) -> int:
-            self._claim()
-            return super().needs_new_sectors(request_id, past_length, query_length)
+            """transformers' answer, computed in place (the engine asks for every request at every step): no sector
+            while the blocks the request lacks fit in the blocks no live request holds, else the sectors it is short
+            of. This allocator holds every sector, so a positive answer means the request does not fit now."""
+            mm = self._mm
+            if self.pool._free_blocks[self.index] is not mm.free:
+                self._claim()
+            held, free = self.block_table.get(request_id), mm.free.num_pages - len(mm.live)
+            short = -(-(past_length + query_length) // self.tokens_per_page) - (len(held) if held else 0) - free
+            return 0 if short <= 0 else -(-short // self.blocks_per_sector)
 
         def allocate_cache_to_request(self, request_id: str, past_length: int, query_length: int) -> None:
             """Pages for ``past_length + query_length`` tokens; a request the engine never had matched (warmup,
