@@ -30,8 +30,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from mmcache.errors import InvalidRequest, RefusedByGroup
-from mmcache.names import (TOKEN_DTYPE, Fingerprint, NamedPrompt, chain, chain_children, media_by_page, media_ids,
-                           token_bytes)
+from mmcache.names import Fingerprint, NamedPrompt, chain, chain_children, media_by_page, media_ids, token_bytes
 from mmcache.pool import PagePool
 from mmcache.prefix_index import ChainRun, IndexObserver, PrefixIndex
 from mmcache.reclaim import take
@@ -410,14 +409,13 @@ class PrefixLifecycle:
 
 
 def _rows(prompt: NamedPrompt, generated: np.ndarray, lo: int, m: int) -> np.ndarray:
-    """Token ids of chain positions ``lo..m-1`` of prompt + ``generated`` as rows of one page each (read-only where
-    they span both). One numpy call: the bytes are cut and joined as bytes (between forwards, each numpy call on a
-    request's few pages runs cold, several microseconds each)."""
+    """Token ids of chain positions ``lo..m-1`` of prompt + ``generated`` as rows of one page each."""
     P = prompt.page_size
     n = prompt.tokens.size
     if m * P <= n:
-        return np.ndarray((m - lo, P), TOKEN_DTYPE, prompt.tokens, 4 * lo * P)
-    if lo * P >= n:
-        return np.ndarray((m - lo, P), TOKEN_DTYPE, generated, 4 * (lo * P - n))
-    joined = token_bytes(prompt.tokens)[4 * lo * P:].tobytes() + token_bytes(generated)[:4 * (m * P - n)]
-    return np.ndarray((m - lo, P), TOKEN_DTYPE, joined)
+        flat = prompt.tokens[lo * P:m * P]
+    elif lo * P >= n:
+        flat = generated[lo * P - n:m * P - n]
+    else:
+        flat = np.concatenate((prompt.tokens[lo * P:], generated[:m * P - n]))
+    return flat.reshape(m - lo, P)
