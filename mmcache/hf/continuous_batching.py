@@ -283,7 +283,7 @@ def allocator_class():
             mm = self._mm
             if self.pool._free_blocks[self.index] is not mm.free:
                 self._claim()
-            held, free = self.block_table.get(request_id), mm.free.num_pages - len(mm.live)
+            held, free = self.block_table.get(request_id), len(mm.free)
             short = -(-(past_length + query_length) // self.tokens_per_page) - (len(held) if held else 0) - free
             return 0 if short <= 0 else -(-short // self.blocks_per_sector)
 

@@ -113,9 +113,9 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             # when the model declares the embeddings are those of the ids (``PrefixReuse.id_walks``: Higgs Audio's and
             # Qwen3-Omni's text walks; ids its node inputs lack come from ``walk_ids``); any other step of embeddings
             # is named by its media marks, if the model says
-            rid, ids, marks, graph_walk = fwd_info.request_id, out.input_ids, (), kwargs.get("graph_walk")
+            rid, r, graph_walk = fwd_info.request_id, kv.reuse, kwargs.get("graph_walk")
+            ids, marks = out.input_ids, ()
             if getattr(out, "input_embeds", None) is not None:
-                r = kv.reuse
                 if graph_walk not in r.id_walks:
                     marks = walk_marks(kv, rid, graph_walk, fwd_info, kwargs.get("inputs"), out) if r.walk_media \
                         else None
@@ -124,10 +124,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                     ids = r.walk_ids(graph_walk, kwargs.get("inputs"))
             if ids is not None and not marks and int(out.input_seq_len) == 1:
                 # a decode step's feed: never cut (a prefill is never cut to one row), so it waits for the step
-                rows = one_row.get(kv)
-                if rows is None:
-                    rows = one_row[kv] = {}
-                rows[rid] = ids
+                one_row.setdefault(kv, {})[rid] = ids
                 one_row_infos[rid] = fwd_info
                 if full_prompts or walk_starts or advances or restores or announced:  # all empty in a decode step
                     for kept in (full_prompts, walk_starts, advances, restores, announced):
@@ -135,7 +132,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 continue
             if one_row:  # a one-row feed of an earlier step that was never declared is not this step's
                 one_row.get(kv, {}).pop(rid, None)
-            salt, r = step_salt(fwd_info), kv.reuse
+            salt = step_salt(fwd_info)
             rows = r.row_outputs
             needed = rows is not None and rows.needed(graph_walk, fwd_info)
             if rows is not None:
