@@ -15,10 +15,11 @@ Ownership: the store holds one owner on each indexed entry's pages, a pin one mo
 out. The pool frees a page when its count reaches 0; this module never frees pages any other way. Eviction
 (``mmcache.reclaim``) runs only when an owner of the pool needs pages (a put here, a live request's growth in a prefix
 cache on the same pool), takes only entries whose pages the store alone owns (count 1), whole entries, and orders them
-with the prefix indexes' pages by recency on the pool's one clock (``_Entry.tick``: the last put, hit or pin). The
-coldest entries come off a heap (``_cold``: ``(tick when pushed, serial, entry)``, one per stored entry with pages,
-pushed when it is stored): a tick only grows, so an entry whose tick grew is pushed again at its tick when it reaches
-the top, and the top entry with a current tick is the coldest; no pass over the entries per eviction.
+with the prefix indexes' pages by the key the pool's policy gave each at its last put, hit or pin (``_Entry.rank``,
+``mmcache.eviction``). The lowest come off a heap (``_cold``: ``(key when pushed, serial, entry)``, one per stored
+entry with pages, pushed when it is stored): a key only grows, so an entry whose key grew is pushed again at its key
+when it reaches the top, and the top entry with a current key is the one to go; no pass over the entries per
+eviction.
 
 Tiers: with ``tiers`` (an ``EncoderLowerTier``, ``mmcache.tiers.EncoderTiers``) an entry the pool evicts is handed to
 the tier with its bytes while they are intact (``spill``: write-back to a host tier), every stored value is handed to
@@ -175,7 +176,8 @@ class _Entry:
     layout: tuple  # (shape, dtype, byte offset) per tensor
     nbytes: int
     compute_s: float  # encoder time of the miss that stored it: what each hit saves
-    tick: int = 0     # the pool clock at its last put, hit or pin: its eviction key
+    tick: int = 0     # the pool clock at its last put, hit or pin
+    rank: int = 0     # the pool policy's eviction key at that use (never lowered while stored)
 
 
 @dataclasses.dataclass(eq=False)
@@ -386,7 +388,7 @@ class EncoderStore:
             with self._lock:
                 self._check_replace(key, tree, layout)  # a concurrent put of this key may have published meanwhile
                 self._remove(key.name)
-                entry.tick = self.pool.clock.tick()
+                self._used(entry)
                 self._entries[key.name] = entry
                 self._enqueue(entry)
                 self._count(key.modality, bytes_stored=nbytes)
@@ -547,7 +549,7 @@ class EncoderStore:
             entry = self._match(key)
             if entry is None:
                 return None
-            entry.tick = self.pool.clock.tick()
+            self._used(entry)
             self.pool.retain(entry.pages, distinct=True)
             return EncoderPin(self, entry)
 
@@ -635,7 +637,7 @@ class EncoderStore:
         if entry is None:
             self._count(key.modality, queries=1, misses=1)
             return None
-        entry.tick = self.pool.clock.tick()
+        self._used(entry)
         self.pool.retain(entry.pages, distinct=True)  # an entry's pages never repeat
         self._count(key.modality, queries=1, hits=1, time_saved_s=entry.compute_s)
         return entry
@@ -671,12 +673,12 @@ class EncoderStore:
     def eviction_candidates(self):
         """Pages of entries only the store holds (no pin, no hit copying out), keyed by ``eviction_key`` of the
         entry's last-use tick on the pool clock (depth 0), so keys compare with the prefix indexes' on the pool."""
-        owners, pages, ticks = self.pool.owners, [], []
+        owners, pages, ranks = self.pool.owners, [], []
         for e in self._entries.values():
             if e.pages and all(owners(p) == 1 for p in e.pages):
                 pages += e.pages
-                ticks += [e.tick] * len(e.pages)
-        return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
+                ranks += [e.rank] * len(e.pages)
+        return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ranks)
 
     def _enqueue(self, entry: _Entry) -> None:
         """A heap entry for ``entry``, just stored with its tick set (none for an entry without pages: it frees
@@ -685,10 +687,10 @@ class EncoderStore:
         if not entry.pages:
             return
         if len(self._cold) >= 2 * len(self._entries) + 4 * SCALAR_PAGES:
-            self._cold = [(e.tick, next(self._serial), e) for e in self._entries.values() if e.pages]
+            self._cold = [(e.rank, next(self._serial), e) for e in self._entries.values() if e.pages]
             heapq.heapify(self._cold)
         else:
-            heapq.heappush(self._cold, (entry.tick, next(self._serial), entry))
+            heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
         for p in entry.pages:
             self._holder[p] = entry
 
@@ -702,7 +704,7 @@ class EncoderStore:
 
         def current(item):  # gone: evicted, removed or replaced since
             e = item[2]
-            return e.tick if entries.get(e.key.name) is e else None
+            return e.rank if entries.get(e.key.name) is e else None
 
         chosen = coldest_off_heap(self._cold, n, current, lambda item: all(owners(p) == 1 for p in item[2].pages),
                                   lambda item: len(item[2].pages))
@@ -711,13 +713,24 @@ class EncoderStore:
         W = self.pool.num_pages + 1  # eviction_key of depth 0
         return [p for _, _, e in chosen for p in e.pages], [t * W for t, _, e in chosen for _ in e.pages]
 
+    def _used(self, entry: _Entry) -> None:
+        """``entry`` is stored or used now: its tick and its policy key (the pool's policy counts the use); a policy
+        whose keys may fall gets a fresh heap item."""
+        policy = self.pool.policy
+        entry.tick = self.pool.clock.tick()
+        entry.rank = policy.key(hash(entry.key.name) & 0xFFFFFFFFFFFFFFFF, entry.tick, entry.rank)
+        if not policy.monotone and entry.pages and self._entries.get(entry.key.name) is entry:
+            heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
+
     def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries: a partial one frees its other pages too)."""
         holder = self._holder
         chosen = {id(e): e for p in (pages if type(pages) is list else np.asarray(pages).tolist())
                   if (e := holder.get(p)) is not None}
         if chosen:
-            self._drop(list(chosen.values()), evicted=True)
+            gone = list(chosen.values())
+            self.pool.policy.evicted([e.rank for e in gone], [e.tick for e in gone])
+            self._drop(gone, evicted=True)
 
     def _remove(self, name: tuple) -> None:
         if (entry := self._entries.get(name)) is not None:

@@ -37,6 +37,10 @@ class InvalidRequest(MmcacheError, ValueError):
     """Arguments that cannot describe a request: bad tokens, salt, names or lengths."""
 
 
+class InvalidConfig(MmcacheError, ValueError):
+    """A setting that names nothing mmcache has, such as an unknown eviction policy."""
+
+
 class TraceError(MmcacheError, ValueError):
     """A trace file or line that cannot be read; carries the file and 1-based line number."""
 

@@ -22,6 +22,7 @@ import torch
 
 from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
+from mmcache.eviction import EvictionPolicy, make_policy
 
 # A request-sized list of at most this many page ids is counted (and, in the prefix index, stamped) one by one on
 # the arrays, not through numpy: see PagePool.
@@ -34,9 +35,11 @@ class Clock:
 
     def __init__(self):
         self._count = itertools.count(1)
+        self.now = 0  # the last tick handed out
 
     def tick(self) -> int:
-        return next(self._count)
+        self.now = t = next(self._count)
+        return t
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
@@ -73,10 +76,14 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", eviction: str | EvictionPolicy | None = None):
         self.num_pages = as_int(num_pages, "num_pages")
         if self.num_pages <= 0:
             raise InvalidRequest(f"num_pages must be positive, got {num_pages}")
+        self.clock = Clock()
+        # what every cache on the pool asks for its entries' eviction keys (mmcache.eviction; a name, or a policy)
+        self.policy = (make_policy(eviction, self.num_pages, lambda: self.clock.now) if eviction is None
+                       or isinstance(eviction, str) else eviction)
         self.page_shape = tuple(int(s) for s in page_shape)
         self.dtype = dtype
         self.device = canonical_device(device)
@@ -85,7 +92,6 @@ class PagePool:
             # Pages are always written before they are read, so the slab need not be zeroed (nor touched) up front.
             self.data = torch.empty((self.num_pages, *self.page_shape), dtype=dtype, device=self.device)
         self.lock = threading.Lock()
-        self.clock = Clock()
         self.cache_lock = threading.RLock()  # taken before ``lock``, never after
         self.evictables: list = []
         self._count_ids = array.array("i", bytes(4 * self.num_pages))  # never resized: _counts views its memory

@@ -112,6 +112,7 @@ class PrefixIndex:
         self._page_salts = array.array("i", bytes(4 * n))
         self._depths = array.array("i", bytes(4 * n))
         self._ticks = array.array("q", bytes(8 * n))
+        self._keys = array.array("q", bytes(8 * n))  # the pool policy's eviction key at the last use
         self._serials = array.array("q", bytes(8 * n))
         self._flags = array.array("b", bytes(n))
         # Indexed children of each page: a set of pages whose counts add up to the children it holds itself has no
@@ -127,6 +128,7 @@ class PrefixIndex:
         self._salt = np.frombuffer(self._page_salts, dtype=np.int32)
         self._depth = np.frombuffer(self._depths, dtype=np.int32)
         self._tick = np.frombuffer(self._ticks, dtype=np.int64)
+        self._key = np.frombuffer(self._keys, dtype=np.int64)
         self._serial = np.frombuffer(self._serials, dtype=np.int64)
         self._indexed = np.frombuffer(self._flags, dtype=bool)
         self._kids = np.frombuffer(self._kid_counts, dtype=np.int32)
@@ -205,13 +207,28 @@ class PrefixIndex:
         return idx.tolist()
 
     def touch(self, pages) -> None:
-        """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains)."""
-        if type(pages) is list and len(pages) <= SCALAR_PAGES:  # a request's chain: one by one on the array
-            tick, ticks = self.pool.clock.tick(), self._ticks
+        """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains) and
+        take each page's eviction key from the pool's policy."""
+        if len(pages):
+            self._stamp(pages if type(pages) is list else pages.tolist(), self.pool.clock.tick())
+
+    def looked_up(self, names: Sequence[int]) -> None:
+        """A request looked up ``names`` (its matchable chain): told to the pool's policy."""
+        self.pool.policy.looked_up(names)
+
+    def _stamp(self, pages: list[int], tick: int) -> None:
+        """``pages`` used at ``tick``: their ticks and their policy keys (never lowered by a monotone policy; a fresh
+        heap entry at every change for one that is not)."""
+        ticks, keys, names, policy = self._ticks, self._keys, self._names, self.pool.policy
+        key = policy.key
+        for page in pages:
+            ticks[page] = tick
+            keys[page] = key(names[page], tick, keys[page])
+        if not policy.monotone:
+            W, depths, serials = self.pool.num_pages + 1, self._depths, self._serials
             for page in pages:
-                ticks[page] = tick
-        elif len(pages):
-            self._tick[pages] = self.pool.clock.tick()
+                if self._flags[page]:
+                    heapq.heappush(self._cold, (keys[page] * W - depths[page], page, serials[page]))
 
     def insert(self, pages: Sequence[int], names: Sequence[int], page_tokens: np.ndarray, mids: np.ndarray,
                salt_id: int, depth: int = 0, parent: int = -1,
@@ -235,6 +252,10 @@ class PrefixIndex:
         only tells the observer which media each page holds.
         """
         out, adopted_all, fresh, flags, ticks = [], [], None, self._flags, self._ticks
+        for run in runs:  # keys of pages indexed anew start from nothing (their slot may hold an old indexing's)
+            for page in run.pages:
+                if not flags[page]:
+                    self._keys[page] = 0
         for run in runs:
             new, chain_pages, parent, ok = [], [], run.parent, True
             pages, rows, mids, step = run.pages, token_bytes(run.rows), memoryview(run.mids), self._step
@@ -272,11 +293,7 @@ class PrefixIndex:
                     tick = ticks[run.parent]
                 else:
                     tick = fresh = self.pool.clock.tick() if fresh is None else fresh
-                if len(chain_pages) <= SCALAR_PAGES:
-                    for page in chain_pages:
-                        ticks[page] = tick
-                else:
-                    self._tick[chain_pages] = tick
+                self._stamp(chain_pages, tick)
             if new:
                 self._enqueue([pages[j] for j in new])
             out.append(Inserted(new, chain_pages, ok))
@@ -309,7 +326,8 @@ class PrefixIndex:
                 self._put(page, names[j], by_row[j * step:(j + 1) * step], 0, 0, up, salt_ids[j], depths[j],
                           self._next_serial)
                 self._next_serial += 1
-                ticks[page] = ticks[up]  # the parent's tick: ticks never increase along a chain
+                self._keys[page] = 0
+                self._stamp([page], ticks[up])  # the parent's tick: ticks never increase along a chain
             adopted = [pages[j] for j in handled]
             self._enqueue(adopted)
             self.pool.retain(adopted, distinct=True)
@@ -321,7 +339,9 @@ class PrefixIndex:
         self._next_serial += idx.size
         self._write(idx, np.asarray(names, dtype=np.uint64)[at], rows[at], 0, 0, up,
                     np.asarray(salt_ids, dtype=np.int32)[at], np.asarray(depths, dtype=np.int32)[at], serial)
-        self._tick[idx] = self._tick[up]  # the parent's tick: ticks never increase along a chain
+        self._key[idx] = 0
+        for page, tick in zip(idx.tolist(), self._tick[up].tolist()):  # the parent's tick, as for a few
+            self._stamp([page], tick)
         self._enqueue(idx.tolist())
         self.pool.retain(idx, distinct=True)
         return handled
@@ -405,8 +425,8 @@ class PrefixIndex:
         dropped as they reach the top; when they outnumber the indexed pages the heap is rebuilt from those, so it
         never holds more than twice the pool's pages plus ``4 * SCALAR_PAGES``."""
         heap, W = self._cold, self.pool.num_pages + 1
-        ticks, depths, serials = self._ticks, self._depths, self._serials
-        entries = [(ticks[p] * W - depths[p], int(p), serials[p]) for p in pages]
+        keys, depths, serials = self._keys, self._depths, self._serials
+        entries = [(keys[p] * W - depths[p], int(p), serials[p]) for p in pages]
         if len(heap) + len(entries) > 2 * len(self._pages) + 4 * SCALAR_PAGES:
             self._rebuild_cold()
         elif len(entries) > SCALAR_PAGES:
@@ -419,7 +439,7 @@ class PrefixIndex:
     def _rebuild_cold(self) -> None:
         """``_cold`` anew: one entry per indexed page, at its current key."""
         idx = np.flatnonzero(self._indexed)
-        keys = eviction_key(self.pool, self._tick[idx], self._depth[idx])
+        keys = eviction_key(self.pool, self._key[idx], self._depth[idx])
         self._cold = list(zip(keys.tolist(), idx.tolist(), self._serial[idx].tolist()))
         heapq.heapify(self._cold)
 
@@ -432,12 +452,12 @@ class PrefixIndex:
         ``SCALAR_PAGES`` held pages are colder than what is asked (a pool whose cold pages are mostly live)."""
         if n > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
-        W, flags, serials, ticks, depths, owners = (self.pool.num_pages + 1, self._flags, self._serials, self._ticks,
-                                                    self._depths, self.pool.owners)
+        W, flags, serials, keys, depths, owners = (self.pool.num_pages + 1, self._flags, self._serials, self._keys,
+                                                   self._depths, self.pool.owners)
 
         def current(item):  # gone: unindexed, or indexed again (that indexing has its own item)
             _, page, serial = item
-            return ticks[page] * W - depths[page] if flags[page] and serials[page] == serial else None
+            return keys[page] * W - depths[page] if flags[page] and serials[page] == serial else None
 
         chosen = coldest_off_heap(self._cold, n, current, lambda item: owners(item[1]) == 1)
         if chosen is None:
@@ -448,7 +468,7 @@ class PrefixIndex:
         """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal
         ticks, so any prefix of the order is a set of whole cold tails (see the module docstring)."""
         cands = np.flatnonzero(self._indexed & (self.pool.counts == 1))
-        return cands, eviction_key(self.pool, self._tick[cands], self._depth[cands])
+        return cands, eviction_key(self.pool, self._key[cands], self._depth[cands])
 
     def evict(self, pages) -> None:
         """Drop ``pages`` (held only by the index; a list of a few, as ``coldest`` gives them, or an array) and every
@@ -458,6 +478,8 @@ class PrefixIndex:
             return
         if self._spill is not None:
             self._spill(self, np.asarray(pages, dtype=np.int64))
+        listed = pages if type(pages) is list else pages.tolist()
+        self.pool.policy.evicted([self._keys[p] for p in listed], [self._ticks[p] for p in listed])
         self._drop(pages)
         self.counters["evicted_pages"] += len(pages)
 

@@ -10,10 +10,9 @@ lowest keys) and ``evict(pages)``. ``reclaim`` merges the coldest candidates of 
 lowest keys as one batch, so one kind of cached data can never starve another, and a live request fails only when
 every cached page together would not cover its shortfall.
 
-Why recency alone, and not recompute cost per byte: the encoder store knows each entry's measured encoder time, but
-a KV page has no such figure (its cost depends on its position, the attention backend and the batch it was prefilled
-in), so a cost-weighted key would rank one kind by measurement and the other by a model of the engine. One clock keeps
-the order exact and explainable: the least recently used cached bytes go first, whichever kind they are.
+What goes first is the pool's policy's to say (``mmcache.eviction``, ``pool.policy``): every cache keeps, per entry,
+the key the policy gave it at its last use, and ``reclaim`` only compares keys. The policy may weigh recency,
+frequency or the future (the offline optimum of a replay); the caches keep every invariant whatever it says.
 """
 
 from __future__ import annotations
@@ -42,11 +41,12 @@ class Evictable(Protocol):
         whole entries, descendants) and release them."""
 
 
-def eviction_key(pool: PagePool, ticks, depths=0) -> np.ndarray:
-    """The one eviction order: coldest tick first and, among equal ticks, the deepest page of a chain first (so any
-    prefix of the order is a set of whole cold tails). Ticks come from ``pool.clock``, so keys of every cache on one
-    pool compare; entries with no chain (encoder outputs) have depth 0."""
-    return np.asarray(ticks, dtype=np.int64) * (pool.num_pages + 1) - depths
+def eviction_key(pool: PagePool, keys, depths=0) -> np.ndarray:
+    """The one eviction order: the lowest policy key first (``pool.policy``) and, among equal keys, the deepest page
+    of a chain first (so under ``lru`` any prefix of the order is a set of whole cold tails). Policy keys are ticks of
+    ``pool.clock`` plus a bonus in ticks, so keys of every cache on one pool compare; entries with no chain (encoder
+    outputs) have depth 0."""
+    return np.asarray(keys, dtype=np.int64) * (pool.num_pages + 1) - depths
 
 
 def coldest_of(candidates: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,6 +80,8 @@ def coldest_off_heap(heap: list, n: int, current: Callable[[tuple], int | None],
             heapq.heapreplace(heap, (now, *top[1:]))
             continue
         heapq.heappop(heap)
+        if (chosen and top == chosen[-1]) or (held and top == held[-1]):  # a second item of one entry: dropped
+            continue
         if alone(top):
             chosen.append(top)
             found += 1 if size is None else size(top)

@@ -90,6 +90,18 @@ def _sizes(text: str) -> list[int | None]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _policies(text: str) -> list[str]:
+    """``--eviction``: comma-separated policy names, each known (``mmcache.eviction.POLICIES`` or ``optimal``)."""
+    from mmcache.eviction import POLICIES
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = [*POLICIES, "optimal"]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown eviction policy {', '.join(bad) or repr(text)}; expected one or "
+                                         f"more of {', '.join(known)}")
+    return names
+
+
 def _positive(text: str) -> int:
     """A count of requests or sessions: a positive integer."""
     try:
@@ -186,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--pool-tokens", type=_sizes, default=parse_sizes(DEFAULT_POOLS), metavar="SIZES",
                     help=f"comma-separated pool sizes in tokens: 64k, 1M (binary), plain ints, inf "
                     f"(default: {DEFAULT_POOLS})")
+    rp.add_argument("--eviction", type=_policies, metavar="NAMES",
+                    help="trace replays: eviction policies to sweep, comma-separated: lru, lfu, adaptive (the "
+                    "default), optimal (the offline optimum of the same calls); every sweep also replays the optimum "
+                    "at each pool size for its 'of optimal' column")
     rp.add_argument("--order", choices=ORDERS, default="timestamp",
                     help="timestamp: the trace's own arrival times; round-robin: K sessions interleaved")
     rp.add_argument("--in-flight", type=int, metavar="K",
@@ -454,9 +470,20 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     if args.replicas:
         return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(TEXT_ROUTERS))
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
-    sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                      in_flight=args.in_flight, service=service, progress=progress, tiers=tiers, observer=exporter)
-    print(format_table(sweep))
+    from mmcache.eviction import DEFAULT_POLICY
+    sweeps = []
+    for k, policy in enumerate(args.eviction or [DEFAULT_POLICY]):
+        sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
+                          in_flight=args.in_flight, service=service, progress=progress, tiers=tiers,
+                          observer=exporter, eviction=policy, optimal=not sweeps)
+        if sweeps:  # the optimum of the same calls: replayed once
+            sweep.optimal = sweeps[0].optimal[:len(sweep.runs)]
+        sweeps.append(sweep)
+        if len(args.eviction or ()) > 1:
+            print(f"eviction {policy}:")
+        print(format_table(sweep))
+        if sweep.interrupted:
+            break
     c = sweep.ceiling
     print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
           f"{100 * c.hit_rate:.2f}%; total {time.perf_counter() - started:.1f} s")
@@ -464,11 +491,12 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
         print(f"partial: interrupted (Ctrl-C) after {len(sweep.runs)} of {len(args.pool_tokens)} pool sizes; the rows "
               "above are complete replays")
     saved = True
-    if args.json:
-        saved &= _save("--json", args.json, json.dumps(sweep_json(sweep), indent=2) + "\n")
+    if args.json:  # one policy: the sweep's document; several: one per policy under "sweeps"
+        doc = sweep_json(sweep) if len(sweeps) == 1 else {"sweeps": [sweep_json(s) for s in sweeps]}
+        saved &= _save("--json", args.json, json.dumps(doc, indent=2) + "\n")
     if args.plot:
         from workloads.sizing.plot import plot_sweeps
-        saved &= _save("--plot", args.plot, plot_sweeps([sweep]))
+        saved &= _save("--plot", args.plot, plot_sweeps(sweeps))
     if exporter is not None and args.metrics_linger and not sweep.interrupted:
         _linger(exporter, args.metrics_linger, port)
     return INTERRUPTED if sweep.interrupted else 0 if saved else 1

@@ -43,6 +43,7 @@ import time
 from typing import Protocol
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
+from mmcache.eviction import DEFAULT_POLICY, EvictionPolicy, OfflineOptimal, make_policy
 from workloads.harness.progress import progress_bar
 from workloads.sizes import format_size
 from workloads.sizing.ordering import schedule
@@ -70,6 +71,7 @@ class ReplayRun:
     page_size: int
     order: str
     in_flight: int | None
+    eviction: str = DEFAULT_POLICY
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
@@ -117,9 +119,10 @@ def pool_pages_for(trace: TextTrace, page_size: int, pool_tokens: int | None) ->
 class _Replayer:
     """The state of one replay: the cache, the live requests keyed by end, and the counters."""
 
-    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, tiers: TierModel = TierModel()):
+    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, tiers: TierModel = TierModel(),
+                 policy: EvictionPolicy | None = None):
         self.trace, self.run, self.service, self.tiers = trace, run, service, tiers
-        self.pool = PagePool(run.pool_pages, page_shape=())
+        self.pool = PagePool(run.pool_pages, page_shape=(), eviction=policy or run.eviction)
         fp = Fingerprint(model="replay", page_size=run.page_size)
         self.stack = tiers.build(fp, self.pool, run.page_size)
         self.cache = PrefixCache(self.pool, fp, tiers=self.stack)
@@ -225,19 +228,32 @@ class _Replayer:
 
 def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, order: str = "timestamp",
            in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
-           tiers: TierModel = TierModel(), observer: CacheObserver | None = None) -> ReplayRun:
+           tiers: TierModel = TierModel(), observer: CacheObserver | None = None,
+           eviction: str | EvictionPolicy = DEFAULT_POLICY, lookups: list[list[int]] | None = None) -> ReplayRun:
     """Replay every call of ``trace`` through a fresh cache of ``pool_tokens`` (None: unbounded) with ``tiers``
-    (host tier and store; the unbounded pool never evicts, so it gets none), sampled by ``observer``."""
+    (host tier and store; the unbounded pool never evicts, so it gets none), sampled by ``observer``, evicting by
+    ``eviction``: a policy's name (``mmcache.eviction``), or ``"optimal"`` with ``lookups``, the chains a replay of
+    the same calls looked up (``LookupRecorder``; the order of lookups does not depend on the pool), or a policy."""
+    if eviction == "optimal":
+        if lookups is None:
+            raise ValueError("eviction 'optimal' needs the lookups of a replay of the same calls (LookupRecorder)")
+        policy, name = OfflineOptimal(lookups), "optimal"
+    elif isinstance(eviction, str):
+        make_policy(eviction, 1, lambda: 0)  # an unknown name fails here, before the replay
+        policy, name = None, eviction
+    else:
+        policy, name = eviction, eviction.name
     if trace.page_size is not None and page_size != trace.page_size:
         raise ValueError(f"{trace.kind} traces fix the page size at {trace.page_size}, got {page_size}")
     pages = pool_pages_for(trace, page_size, pool_tokens)
     run = ReplayRun(pool_tokens=None if pool_tokens is None else pages * page_size, pool_pages=pages,
-                    page_size=page_size, order=order, in_flight=in_flight if order == "round-robin" else None)
+                    page_size=page_size, order=order, in_flight=in_flight if order == "round-robin" else None,
+                    eviction=name)
     if pool_tokens is None:
         tiers = TierModel(host_bytes_per_s=tiers.host_bytes_per_s, store_bytes_per_s=tiers.store_bytes_per_s,
                           kv_bytes_per_token=tiers.kv_bytes_per_token)
     run.host_tokens, run.store_tokens = tiers.host_tokens, tiers.store_tokens
-    r = _Replayer(trace, run, service, tiers)
+    r = _Replayer(trace, run, service, tiers, policy)
     if observer is not None:
         observer.new_caches()
         observer.sample(r.cache_stats())

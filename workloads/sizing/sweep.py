@@ -1,7 +1,9 @@
 """A pool-size sweep of one text trace: one replay per size plus the unbounded ceiling, as a table and as JSON.
 
 The ceiling is always run first (reused when ``inf`` is among the sizes), so "of ceiling" is defined for every run,
-also in a sweep that Ctrl-C stopped part way.
+also in a sweep that Ctrl-C stopped part way. It records the chains every call looks up, so each pool size is also
+replayed under the offline optimum of the same calls (``mmcache.eviction.OfflineOptimal``): "of optimal" says what a
+better policy could still buy at that size, "of ceiling" what more memory would.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from mmcache.eviction import DEFAULT_POLICY, LookupRecorder
 from workloads.sizes import format_size
 from workloads.sizing.replay import CacheObserver, ReplayRun, ServiceModel, replay_trace
 from workloads.sizing.tiers import TierModel
@@ -26,6 +29,7 @@ class Sweep:
     ceiling: ReplayRun           # the unbounded run
     tiers: TierModel = TierModel()
     interrupted: bool = False    # Ctrl-C stopped it before every size was replayed
+    optimal: list[ReplayRun | None] = dataclasses.field(default_factory=list)  # the offline optimum at each size
 
     @property
     def requests(self) -> int:
@@ -38,26 +42,44 @@ class Sweep:
     def of_ceiling(self, run: ReplayRun) -> float:
         return run.hit_tokens / self.ceiling.hit_tokens if self.ceiling.hit_tokens else 0.0
 
+    def of_optimal(self, i: int) -> float | None:
+        """``runs[i]``'s hit tokens over the offline optimum's at its size (None when it was not replayed)."""
+        opt = self.optimal[i] if i < len(self.optimal) else None
+        if opt is None:
+            return None
+        return self.runs[i].hit_tokens / opt.hit_tokens if opt.hit_tokens else 1.0
+
 
 def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], order: str = "timestamp",
               in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
-              tiers: TierModel = TierModel(), observer: CacheObserver | None = None) -> Sweep:
-    """Replay ``trace`` unbounded (the ceiling), then once per pool size (None = unbounded: the ceiling again);
-    every bounded pool gets ``tiers`` (host tier, store) under it; ``observer`` samples every replay's cache.
+              tiers: TierModel = TierModel(), observer: CacheObserver | None = None,
+              eviction: str = DEFAULT_POLICY, optimal: bool = True) -> Sweep:
+    """Replay ``trace`` unbounded (the ceiling, recording its lookups), then once per pool size (None = unbounded:
+    the ceiling again) evicting by ``eviction`` (a policy's name or ``"optimal"``), and, with ``optimal``, once more
+    under the offline optimum; every bounded pool gets ``tiers`` (host tier, store) under it; ``observer`` samples
+    every replay's cache.
 
     Ctrl-C (KeyboardInterrupt) after the ceiling stops the sweep with the sizes replayed so far and ``interrupted``
     set; every run in a sweep is a complete replay. During the ceiling it propagates: nothing was measured."""
-    def one(size):
+    recorder = LookupRecorder()
+
+    def one(size, policy):
         return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
-                            service=service, progress=progress, tiers=tiers, observer=observer)
-    ceiling, runs, interrupted = one(None), [], False
+                            service=service, progress=progress, tiers=tiers, observer=observer, eviction=policy,
+                            lookups=recorder.lookups)
+    ceiling, runs, best, interrupted = one(None, recorder), [], [], False
+    ceiling.eviction = eviction
     try:
         for size in pool_sizes:
-            runs.append(ceiling if size is None else one(size))
+            runs.append(ceiling if size is None else one(size, eviction))
+            if size is None or not optimal:
+                best.append(ceiling if size is None else None)
+            else:
+                best.append(runs[-1] if eviction == "optimal" else one(size, "optimal"))
     except KeyboardInterrupt:
         interrupted = True
-    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling, tiers,
-                 interrupted)
+    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs[:len(best)],
+                 ceiling, tiers, interrupted, optimal=best)
 
 
 def sweep_json(sweep: Sweep) -> dict:
@@ -75,7 +97,10 @@ def sweep_json(sweep: Sweep) -> dict:
         "in_flight": sweep.in_flight,
         "service_model": dataclasses.asdict(sweep.service) if sweep.order == "timestamp" else None,
         "tiers": dataclasses.asdict(sweep.tiers) if sweep.tiers.enabled else None,
-        "runs": [{**r.to_dict(), "of_ceiling": sweep.of_ceiling(r)} for r in sweep.runs],
+        "eviction": sweep.runs[0].eviction if sweep.runs else sweep.ceiling.eviction,
+        "runs": [{**r.to_dict(), "of_ceiling": sweep.of_ceiling(r), "of_optimal": sweep.of_optimal(i),
+                  "optimal_hit_tokens": None if (o := sweep.optimal[i]) is None else o.hit_tokens}
+                 for i, r in enumerate(sweep.runs)],
         "interrupted": sweep.interrupted,
         "malformed_lines": sweep.trace.malformed,
         "errors": [str(e) for e in sweep.trace.errors[:100]],
@@ -83,12 +108,17 @@ def sweep_json(sweep: Sweep) -> dict:
 
 
 def format_table(sweep: Sweep) -> str:
-    """A fixed-width table: pool tokens | hit tokens | realized reuse % | of ceiling % | evicted pages | stalls |
-    failed."""
-    head = ("pool tokens", "hit tokens", "realized reuse %", "of ceiling %", "evicted pages", "stalls", "failed")
-    rows = [(format_size(r.pool_tokens), f"{r.hit_tokens:,}", f"{100 * r.hit_rate:.2f}",
+    """A fixed-width table: pool tokens | hit tokens | realized reuse % | of optimal % | of ceiling % | evicted
+    pages | stalls | failed. "of optimal" is blank where the optimum was not replayed."""
+    head = ("pool tokens", "hit tokens", "realized reuse %", "of optimal %", "of ceiling %", "evicted pages",
+            "stalls", "failed")
+
+    def of_optimal(i):
+        share = sweep.of_optimal(i)
+        return "" if share is None else f"{100 * share:.1f}"
+    rows = [(format_size(r.pool_tokens), f"{r.hit_tokens:,}", f"{100 * r.hit_rate:.2f}", of_optimal(i),
              f"{100 * sweep.of_ceiling(r):.1f}", f"{r.evicted_pages:,}", f"{r.stalls:,}", f"{r.failed:,}")
-            for r in sweep.runs]
+            for i, r in enumerate(sweep.runs)]
     if sweep.tiers.enabled:  # reuse per tier and the TTFT model that charges transfers
         head += ("device %", "host %", "store %", "mean TTFT s")
         rows = [row + tuple(f"{100 * t / r.prompt_tokens:.2f}" if r.prompt_tokens else "0.00"
