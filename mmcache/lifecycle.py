@@ -87,7 +87,9 @@ class Claim:
     Invariant: positions ``0..indexed-1`` of the request's chain are indexed as ``chain`` (page ids; a position where
     another request indexed an equal page first names that page, not the request's own copy), the last of them
     with serial ``parent_serial`` at the time. ``open`` is False once a collision or a lost parent stopped indexing:
-    nothing of this request is indexed past that point. ``adopted`` are the pages the index took from the request.
+    nothing of this request is indexed past that point. ``adopted`` are the pages the index took from the request,
+    ``adopted_serials`` the serial of each one's indexing: a page whose serial changed since left the index, and its
+    id may stand for another request's page now.
     """
 
     prompt: NamedPrompt
@@ -97,6 +99,7 @@ class Claim:
     parent_serial: int = 0
     open: bool = True
     adopted: list[int] = dataclasses.field(default_factory=list)
+    adopted_serials: list[int] = dataclasses.field(default_factory=list)
     names: list[int] = dataclasses.field(default_factory=list)   # its own: the prompt's, then generated pages'
     media: dict[int, bytes] = dataclasses.field(default_factory=dict)  # page -> media blob: the prompt's, then walks'
 
@@ -178,6 +181,7 @@ class PrefixLifecycle:
         mids = prompt.media_ids(limit)
         with self.lock:
             salt_id = self.index.salt_id(prompt.salt)
+            self.index.looked_up(prompt.names[:limit])
             pages = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
             n = servable(np.asarray(pages, dtype=np.int64)) if servable is not None and pages else len(pages)
             stopped, pages, fetch = n < len(pages), pages[:n], None
@@ -217,12 +221,15 @@ class PrefixLifecycle:
         """Whether every rank of the group is ``ok`` (True without a group): for a step that all ranks take or none."""
         return self.agreement is None or self.agreement.agree(0, ok)[1]
 
-    def rematch(self, claim: Claim, pages: int) -> list[int]:
+    def rematch(self, claim: Claim, pages: int, generated: np.ndarray = _NO_TOKENS) -> list[int]:
         """The verified part of the first ``pages`` pages of ``claim``'s chain, retained (a suspended request coming
-        back); not counted as a query."""
-        prompt = claim.prompt
+        back); not counted as a query. The chain runs through ``claim.names``, the prompt's pages' then the generated
+        pages' it committed, whose ids ``generated`` holds (int32, every id after the prompt); each page is verified
+        against them, as at admission."""
+        tokens = np.concatenate((claim.prompt.tokens, generated)) if generated.size else claim.prompt.tokens
+        pages = min(pages, len(claim.names), tokens.size // self.page_size)
         with self.lock:
-            idx = self.index.match(prompt.names[:pages], prompt.tokens, prompt.media_ids(pages), claim.salt_id)
+            idx = self.index.match(claim.names[:pages], tokens, media_ids(claim.media, range(pages)), claim.salt_id)
             self.pool.retain(idx, distinct=True)
             self.index.touch(idx)
             return idx
@@ -332,6 +339,7 @@ class PrefixLifecycle:
                     claim.parent_serial = self.index.serial(walked[-1])
                 adopted = [int(w.pages[lo + j]) for j in new]
                 claim.adopted += adopted
+                claim.adopted_serials += self.index.serials(adopted)
                 out[i] = len(adopted)
                 if self.tiers is not None and new:
                     prompt = claim.prompt
@@ -376,6 +384,7 @@ class PrefixLifecycle:
                 claim.chain.append(pages[j])
                 claim.parent_serial = serials[j]
                 claim.adopted.append(pages[j])
+                claim.adopted_serials.append(serials[j])
                 out[i] = 1
             else:
                 left.append((i, w, lo))
@@ -392,11 +401,14 @@ class PrefixLifecycle:
 
     def discard(self, claim: Claim) -> int:
         """Unindex every page ``claim``'s request indexed, with the descendants other requests indexed under them
-        (its KV is bad); holders keep their own owners. Returns the pages unindexed."""
+        (its KV is bad); holders keep their own owners. Only a page still indexed under the serial it was adopted with
+        is the request's: one that left the index meanwhile may have been handed out and indexed by another request
+        since. Returns the pages unindexed."""
         with self.lock:
             claim.open = False
-            n = self.index.remove(claim.adopted)
-            claim.adopted = []
+            now = self.index.serials(claim.adopted)
+            n = self.index.remove([p for p, s, t in zip(claim.adopted, claim.adopted_serials, now) if s == t])
+            claim.adopted, claim.adopted_serials = [], []
             return n
 
     # ----------------------------------------------------------------- stats

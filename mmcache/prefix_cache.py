@@ -72,6 +72,7 @@ class _Request:
     protected: int | None = None  # windowed label: tokens kept at the start; only their full pages are indexed
     released: int = 0           # windowed label: pages released after the protected run
     fetch: Readiness | None = None  # the copy-up of the pages the lookup found below the device
+    generated: np.ndarray = dataclasses.field(default_factory=lambda: _NO_TOKENS)  # latest output ids (resume's)
 
     def state(self, page_size: int) -> RequestState:
         return RequestState(self.rid, tuple(self.pages), self.seq_len, self.first_page * page_size,
@@ -204,8 +205,10 @@ class PrefixCache:
                 checked.append((rec, self._computed(rec, total_tokens), self._generated(rec, output_ids)))
             if len({id(rec) for rec, _, _ in checked}) < len(checked):
                 raise InvalidRequest("mark_computed_many: a request is marked more than once")
-            for rec, total_tokens, _ in checked:
+            for rec, total_tokens, generated in checked:
                 rec.computed = total_tokens
+                if generated.size:  # every id generated so far: covers what earlier ones named
+                    rec.generated = generated
             self._commit([(rec, generated) for rec, _, generated in checked])
 
     def state(self, rid: Hashable) -> RequestState:
@@ -261,15 +264,16 @@ class PrefixCache:
             return list(rec.pages)
 
     def resume(self, rid: Hashable) -> RequestState:
-        """Bring a suspended request back: its released prefix comes back through a normal verified lookup; pages
-        the lookup cannot supply are allocated and ``computed_tokens`` drops to what is held contiguously."""
+        """Bring a suspended request back: its released prefix (prompt pages, then the generated pages it committed)
+        comes back through a verified lookup; pages the lookup cannot supply are allocated and ``computed_tokens``
+        drops to what is held contiguously."""
         P = self.page_size
         with self._lock:
             rec = self._get(rid)
             if not rec.suspended:
                 raise InvalidRequest(f"request {rid!r} is not suspended")
             j0 = rec.first_page
-            idx = [] if rec.claim is None else self.lifecycle.rematch(rec.claim, j0)  # unnamed: shares nothing
+            idx = [] if rec.claim is None else self.lifecycle.rematch(rec.claim, j0, rec.generated)  # unnamed: none
             gap = j0 - len(idx)
             try:
                 fresh = self.lifecycle.take(gap + rec.offloaded)
