@@ -45,13 +45,13 @@ def test_plot_without_matplotlib_fails_before_the_replay(tmp_path, monkeypatch, 
 def test_ctrl_c_in_a_sweep_keeps_the_finished_pool_sizes(tmp_path, monkeypatch, capsys):
     real, calls = sweep.replay_trace, []
 
-    def interrupt_third(*a, **k):
+    def interrupt_at_1m(*a, **k):
         calls.append(k["pool_tokens"])
-        if len(calls) == 3:  # the ceiling, 64k, then Ctrl-C during 1M
+        if k["pool_tokens"] == 1 << 20:  # the ceiling, 64k and its optimum, then Ctrl-C during 1M
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(sweep, "replay_trace", interrupt_third)
+    monkeypatch.setattr(sweep, "replay_trace", interrupt_at_1m)
     out = tmp_path / "r.json"
     assert main(["replay", "--limit", "100", "--pool-tokens", "64k,1M,4M", "--json", str(out), "--no-progress"]) == 130
     printed = capsys.readouterr().out

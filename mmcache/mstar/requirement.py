@@ -1,7 +1,8 @@
 """The M* mmcache adapts to: ``mstar-ai`` 0.2.1 from the package index, installed beside mmcache, never copied.
 
-``pip install --ignore-requires-python mstar-ai==0.2.1``: the release declares Python >= 3.12, yet every file compiles
-and its engine runs on 3.11 (measured: ../shared/notes/mstar.md), so pip needs the flag on 3.11. Another M* (an older
+``pip install -e ".[mstar]"`` (M*'s dependencies) then ``pip install --no-deps --ignore-requires-python
+mstar-ai==0.2.1``: the release declares Python >= 3.12, yet every file compiles and its engine runs on 3.11 (measured:
+../shared/notes/mstar.md), so pip needs the flag on 3.11, and alone, since it loosens every package of its resolve. Another M* (an older
 source checkout, an unreleased main) has another KV API; the adapter refuses it with the line to run instead of
 failing later inside M*'s code.
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 from importlib import metadata
 
 MSTAR_VERSION = "0.2.1"
-INSTALL = f"pip install --ignore-requires-python mstar-ai=={MSTAR_VERSION}"
+INSTALL = (f"pip install -e \".[mstar]\" && pip install --no-deps --ignore-requires-python "
+           f"mstar-ai=={MSTAR_VERSION}")
 
 
 def why_unavailable() -> str | None:

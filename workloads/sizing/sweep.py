@@ -124,6 +124,6 @@ def format_table(sweep: Sweep) -> str:
         rows = [row + tuple(f"{100 * t / r.prompt_tokens:.2f}" if r.prompt_tokens else "0.00"
                             for t in (r.device_hit_tokens, r.host_hit_tokens, r.store_hit_tokens))
                 + (f"{r.mean_ttft_s:.3f}",) for row, r in zip(rows, sweep.runs)]
-    widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(head)]
+    widths = [max([len(h), *(len(row[k]) for row in rows)]) for k, h in enumerate(head)]
     line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([line(head), "-+-".join("-" * w for w in widths), *map(line, rows)])
