@@ -63,10 +63,10 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
     set; every run in a sweep is a complete replay. During the ceiling it propagates: nothing was measured."""
     recorder = LookupRecorder()
 
-    def one(size, policy):
+    def one(size, policy, watched=True):  # the optimum is a yardstick: no observer samples it
         return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
-                            service=service, progress=progress, tiers=tiers, observer=observer, eviction=policy,
-                            lookups=recorder.lookups)
+                            service=service, progress=progress, tiers=tiers, observer=observer if watched else None,
+                            eviction=policy, lookups=recorder.lookups)
     ceiling, runs, best, interrupted = one(None, recorder), [], [], False
     ceiling.eviction = eviction
     try:
@@ -75,7 +75,7 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
             if size is None or not optimal:
                 best.append(ceiling if size is None else None)
             else:
-                best.append(runs[-1] if eviction == "optimal" else one(size, "optimal"))
+                best.append(runs[-1] if eviction == "optimal" else one(size, "optimal", watched=False))
     except KeyboardInterrupt:
         interrupted = True
     return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs[:len(best)],
