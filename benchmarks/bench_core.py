@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, page_names
+from mmcache.eviction import POLICIES
 from mmcache.names import chain, chain_root
 from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import coldest_of
@@ -80,6 +81,29 @@ def evicting_put(n_entries: int, page: int = 4096) -> float:
             times.append(time.perf_counter() - t0)
     assert store.stats().totals.evictions >= 200
     return float(np.median(times))
+
+
+def sessions_replay(fp: Fingerprint, P: int, policy: str) -> tuple[float, float]:
+    """Seconds per page looked up, and the share of pages hit, of 24 sessions taking turns, each re-sending its
+    history 4 pages longer, through a pool that holds about half of them (the knee: lookups, hits, touches, commits
+    and evictions every request) under ``policy``."""
+    pool = PagePool(24 * 4 * 6, eviction=policy)
+    cache = PrefixCache(pool, fp, evict_batch_pages=1)
+    rng = np.random.default_rng(2)
+    history = [rng.integers(0, 32000, size=4 * P, dtype=np.int32) for _ in range(24)]
+    looked = hit = 0
+    t0 = time.perf_counter()
+    for turn in range(12):
+        for s in range(24):
+            p = np.concatenate((history[s], [1])).astype(np.int32)
+            rid = (turn, s)
+            hit += cache.admit(rid, p).matched_tokens // P
+            looked += (p.size - 1) // P
+            cache.grow(rid, p.size)
+            cache.mark_computed(rid, p.size)
+            cache.finish(rid)
+            history[s] = np.concatenate((history[s], rng.integers(0, 32000, size=4 * P, dtype=np.int32)))
+    return (time.perf_counter() - t0) / looked, hit / looked
 
 
 def main(argv=None) -> None:
@@ -199,10 +223,22 @@ def main(argv=None) -> None:
         rows.append((label.format(n), f"{heap * 1e6:.0f} us",
                      f"{scan * 1e6:.0f} us (a pass over the {what} per eviction)", scan / heap))
 
+    # 4d. each eviction policy's cost against lru's on one replay at the knee (runs interleaved, best of 3 each)
+    timed: dict[str, list[float]] = {}
+    for _ in range(3):
+        for policy in POLICIES:
+            timed.setdefault(policy, []).append(sessions_replay(fp, 16, policy)[0])
+    for policy in POLICIES:
+        if policy != "lru":
+            ours, base = min(timed[policy]), min(timed["lru"])
+            rows.append((f"eviction policy {policy}: per page looked up, sessions at the knee", f"{ours * 1e6:.2f} us",
+                         f"{base * 1e6:.2f} us (lru, same run; hit {100 * sessions_replay(fp, 16, 'lru')[1]:.0f}% "
+                         f"vs {100 * sessions_replay(fp, 16, policy)[1]:.0f}%)", base / ours))
+
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page
     ix = PrefixCache(PagePool(4096), fp).index
     arrays = sum(a.nbytes for a in (ix._name, ix._tokens, ix._media_lo, ix._media_hi, ix._parent, ix._salt,
-                                    ix._depth, ix._tick, ix._indexed, ix.pool._counts)) / 4096
+                                    ix._depth, ix._tick, ix._key, ix._indexed, ix.pool._counts)) / 4096
     name, page = (1 << 63) + 12345, 4000
     per_entry = sys.getsizeof(name) + sys.getsizeof(page) + 8 * 3 * 1.5 + 8 * 1.5  # key, value, dict slot at 2/3 load
     rows.append((f"metadata per {P}-token page", f"{(arrays + per_entry) / 1024:.2f} KB",

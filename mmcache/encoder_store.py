@@ -180,6 +180,11 @@ class _Entry:
     rank: int = 0     # the pool policy's eviction key at that use (never lowered while stored)
 
 
+def _policy_name(key: EncoderKey) -> int:
+    """The 64-bit name the pool's eviction policy counts an entry's uses by (its name's hash in this process)."""
+    return hash(key.name) & 0xFFFFFFFFFFFFFFFF
+
+
 @dataclasses.dataclass(eq=False)
 class _Flight:
     verify_ids: bytes | None
@@ -632,7 +637,9 @@ class EncoderStore:
         return entry
 
     def _lookup(self, key: EncoderKey) -> _Entry | None:
-        """``_match`` counted as a query; a hit is marked recently used and retained until ``_gather`` releases it."""
+        """``_match`` counted as a query (and as a use by the pool's policy); a hit is marked recently used and
+        retained until ``_gather`` releases it."""
+        self.pool.policy.looked_up((_policy_name(key),))
         entry = self._match(key)
         if entry is None:
             self._count(key.modality, queries=1, misses=1)
@@ -718,7 +725,7 @@ class EncoderStore:
         whose keys may fall gets a fresh heap item."""
         policy = self.pool.policy
         entry.tick = self.pool.clock.tick()
-        entry.rank = policy.key(hash(entry.key.name) & 0xFFFFFFFFFFFFFFFF, entry.tick, entry.rank)
+        entry.rank = policy.key(_policy_name(entry.key), entry.tick, entry.rank)
         if not policy.monotone and entry.pages and self._entries.get(entry.key.name) is entry:
             heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
 

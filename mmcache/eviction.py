@@ -1,10 +1,11 @@
 """Eviction policies: what to drop first when a live owner needs pages, kept apart from the caches that hold them.
 
-A policy only orders. The caches on a pool (prefix indexes, the encoder store, host tiers) keep every invariant:
-they offer only pages no live request holds, a page leaves with its indexed descendants, and every hit is verified.
-A cache asks its pool's policy for an entry's **eviction key** whenever the entry is stored or used (``key``), keeps
-it per entry, and evicts the lowest keys first (``mmcache.reclaim`` merges the caches of one pool by key). Two rules
-every policy keeps, so the caches' lazy heaps stay exact:
+A policy only orders. The caches on a pool (prefix indexes, the encoder store) keep every invariant: they offer
+only pages no live request holds, a page leaves with its indexed descendants, and every hit is verified. A cache
+tells the pool's policy what each request looks up (``looked_up``: the uses a policy counts), asks it for an entry's
+**eviction key** whenever the entry is stored or used (``key``, or ``keys`` for many at once), keeps it per entry,
+and evicts the lowest keys first (``mmcache.reclaim`` merges the caches of one pool by key). Two rules every policy
+keeps, so the caches' lazy heaps stay exact:
 
 - an entry's key never decreases while it is cached (a cache passes the key it holds as ``floor``);
 - keys of every cache on one pool compare: they are ticks of the pool's one clock, plus a bonus in ticks.
@@ -13,11 +14,11 @@ Policies (``POLICIES``; ``make_policy(name)``):
 
 - ``lru``: the tick of the last use. Deeper pages first among equal ticks (the caches subtract the depth), so cold
   tails leave from their ends.
-- ``lfu``: the tick of the last use plus one **generation** per recent use of the entry's name: a generation is how
-  long an unused entry has lately stayed in the pool (measured from the evictions, ``Lifetimes``), so an entry used
-  ``k`` times outlives one used once by ``k - 1`` pool turnovers (GreedyDual's aging by inflation, in ticks). Uses are
-  counted per name, also after the entry left (``UseCounts``: a ghost history bounded by the pool), so a prefix
-  that comes back is known.
+- ``lfu``: the tick of the last use plus one **generation** per recent lookup of the entry's name beyond the first:
+  a generation is how long an unused entry has lately stayed in the pool (measured from the evictions,
+  ``Lifetimes``), so an entry looked up ``k`` times outlives one looked up once by ``k - 1`` pool turnovers
+  (GreedyDual's aging by inflation, in ticks). Lookups are counted per name, also after the entry left
+  (``UseCounts``: a ghost history bounded by the pool), so a prefix that comes back is known.
 - ``adaptive`` (the default): ``lru``'s or ``lfu``'s key, whichever of the two is realizing more reuse on this
   traffic lately. Both run as **shadow caches** on a sample of the names looked up (``SAMPLE`` of them, by name, in
   a pool of the same share of the pages: set dueling), scored by their hits with a decay; the real pool takes the
@@ -26,8 +27,9 @@ Policies (``POLICIES``; ``make_policy(name)``):
 - ``optimal`` (``OfflineOptimal``): the offline optimum for a replay, whose future is known (Belady: the entry whose
   next use is farthest goes first). Not an online policy; it bounds what any policy can keep.
 
-Costs: ``lru`` is one tick per use. ``lfu`` adds a dict update per page used. ``adaptive`` adds, per lookup, one
-modulo per name and the shadow work of the sampled names (1 in ``SAMPLE``), a heap operation each.
+Costs: ``lru`` is one tick per use. ``lfu`` adds a dict update per name looked up and a dict read per key.
+``adaptive`` adds, per lookup, one modulo per name and the shadow work of the sampled names (1 in ``SAMPLE``), a heap
+operation each.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from __future__ import annotations
 import bisect
 import heapq
 from typing import Callable, Iterable, Protocol, Sequence
+
+import numpy as np
 
 from mmcache.errors import InvalidConfig
 
@@ -49,12 +53,15 @@ class EvictionPolicy(Protocol):
     name: str
     monotone: bool  # keys never fall while an entry stays (the caches' lazy heaps rely on it); False: push at each
 
+    def looked_up(self, names: Sequence[int]) -> None:
+        """A request looked up ``names`` (a chain, before matching; an encoder key): one use of each."""
+
     def key(self, name: int, tick: int, floor: int = 0) -> int:
         """The eviction key of the entry named ``name`` used (or stored) at ``tick``: at least ``floor`` (the key it
-        holds). Lower keys are evicted first. A use is counted here: call it once per use."""
+        holds). Lower keys are evicted first."""
 
-    def looked_up(self, names: Sequence[int]) -> None:
-        """A request looked up the chain ``names`` (before matching): what an adaptive policy samples."""
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+        """``key`` of many entries at once (uint64 names, int64 floors; ``ticks`` one for all or one each)."""
 
     def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
         """Entries with these keys and last-use ticks left the pool at the pool's current tick."""
@@ -71,6 +78,9 @@ class LRU:
 
     def key(self, name: int, tick: int, floor: int = 0) -> int:
         return tick if tick > floor else floor
+
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+        return np.maximum(floors, ticks)
 
     def looked_up(self, names: Sequence[int]) -> None:
         pass
@@ -89,14 +99,14 @@ class UseCounts:
         self.counts: dict[int, int] = {}
         self.limit = limit
 
-    def add(self, name: int) -> int:
-        """Count one use of ``name``; its recent uses, this one included."""
+    def add(self, names: Iterable[int]) -> None:
+        """Count one use of each of ``names``."""
         counts = self.counts
-        k = counts[name] = counts.get(name, 0) + 1
+        get = counts.get
+        for name in names:
+            counts[name] = get(name, 0) + 1
         if len(counts) > self.limit:
             self.counts = {n: c >> 1 for n, c in counts.items() if c > 1}
-            k = self.counts.get(name, 0) or 1
-        return k
 
 
 class Lifetimes:
@@ -116,8 +126,8 @@ class Lifetimes:
 
 
 class LFU:
-    """The tick of the last use plus a generation (``Lifetimes.mean``) per recent use beyond the first (``UseCounts``):
-    frequency with aging, in the pool's ticks."""
+    """The tick of the last use plus a generation (``Lifetimes.mean``) per recent lookup beyond the first
+    (``UseCounts``): frequency with aging, in the pool's ticks."""
 
     name = "lfu"
     monotone = True
@@ -127,52 +137,59 @@ class LFU:
         self.lifetimes = Lifetimes(clock)
 
     def key(self, name: int, tick: int, floor: int = 0) -> int:
-        k = tick + int((self.uses.add(name) - 1) * self.lifetimes.mean)
+        k = tick + int(max(0, self.uses.counts.get(name, 0) - 1) * self.lifetimes.mean)
         return k if k > floor else floor
 
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+        get = self.uses.counts.get
+        counts = np.fromiter((get(n, 0) for n in names.tolist()), dtype=np.float64, count=len(names))
+        bonus = (np.maximum(counts - 1, 0) * self.lifetimes.mean).astype(np.int64)
+        return np.maximum(floors, ticks + bonus)
+
     def looked_up(self, names: Sequence[int]) -> None:
-        pass
+        self.uses.add(names)
 
     def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
         self.lifetimes.evicted(ticks)
 
 
 class ShadowCache:
-    """A names-only cache of ``capacity`` entries under ``lru`` or ``lfu`` keys (lazy heap, one entry per key change):
-    how many of a chain's names it would have held. Pages are independent here (no chains): it only scores."""
+    """A names-only cache of ``capacity`` entries ordered by a policy of its own (``kind``, on its own clock: one tick
+    per request): how many of a chain's names it would have held. Pages are independent here (no chains): it only
+    scores."""
 
-    __slots__ = ("capacity", "frequency", "keys", "heap", "tick", "uses", "generation", "_evictions")
+    __slots__ = ("capacity", "policy", "entries", "heap", "tick")
 
-    def __init__(self, capacity: int, frequency: bool):
-        self.capacity, self.frequency = max(1, capacity), frequency
-        self.keys: dict[int, float] = {}
-        self.heap: list[tuple[float, int]] = []
+    def __init__(self, capacity: int, kind: type):
+        self.capacity = max(1, capacity)
         self.tick = 0
-        self.uses = UseCounts(COUNT_TABLE_PAGES * self.capacity)
-        self.generation, self._evictions = 1.0, 0
+        self.policy = kind(self.capacity, lambda: self.tick)
+        self.entries: dict[int, tuple[int, int]] = {}  # name -> (key, tick of the last use)
+        self.heap: list[tuple[int, int]] = []
 
     def request(self, names: Sequence[int]) -> int:
         """Look up ``names`` (each then used or stored); how many were held."""
         self.tick += 1
-        hits, keys = 0, self.keys
+        self.policy.looked_up(names)
+        hits, entries, key = 0, self.entries, self.policy.key
         for name in names:
-            hits += name in keys
-            key = self.tick
-            if self.frequency:
-                key += (self.uses.add(name) - 1) * self.generation
-            if name not in keys:
-                while len(keys) >= self.capacity:
+            held = entries.get(name)
+            hits += held is not None
+            if held is None:
+                while len(entries) >= self.capacity:
                     self._evict_one()
-            keys[name] = key
-            heapq.heappush(self.heap, (key, name))
+            k = key(name, self.tick, 0 if held is None else held[0])
+            entries[name] = (k, self.tick)
+            heapq.heappush(self.heap, (k, name))
         return hits
 
     def _evict_one(self) -> None:
         while True:
-            key, name = heapq.heappop(self.heap)
-            if self.keys.get(name) == key:
-                del self.keys[name]
-                self.generation += (max(1.0, self.tick - key) - self.generation) * 0.01
+            k, name = heapq.heappop(self.heap)
+            held = self.entries.get(name)
+            if held is not None and held[0] == k:
+                del self.entries[name]
+                self.policy.evicted([k], [held[1]])
                 return
 
 
@@ -185,17 +202,20 @@ class Adaptive:
     def __init__(self, num_pages: int, clock: Callable[[], int]):
         self.lfu = LFU(num_pages, clock)
         shadow_pages = max(1, num_pages // SAMPLE)
-        self.shadows = (ShadowCache(shadow_pages, False), ShadowCache(shadow_pages, True))
+        self.shadows = (ShadowCache(shadow_pages, LRU), ShadowCache(shadow_pages, LFU))
         self.score = 0.0  # > 0: the frequency shadow realized more lately
         self.frequency = False
 
     def key(self, name: int, tick: int, floor: int = 0) -> int:
         if self.frequency:
             return self.lfu.key(name, tick, floor)
-        self.lfu.uses.add(name)  # counts kept either way, so a switch finds them
         return tick if tick > floor else floor
 
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+        return self.lfu.keys(names, ticks, floors) if self.frequency else np.maximum(floors, ticks)
+
     def looked_up(self, names: Sequence[int]) -> None:
+        self.lfu.looked_up(names)  # counted either way, so a switch finds them
         sampled = [n for n in names if n % SAMPLE == 0]
         if not sampled:
             return
@@ -230,6 +250,9 @@ class OfflineOptimal:
         times = self._uses.get(name, ())
         at = bisect.bisect_right(times, self._now)
         return self.NEVER - (times[at] if at < len(times) else self.NEVER)
+
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+        return np.fromiter((self.key(n, 0) for n in names.tolist()), dtype=np.int64, count=len(names))
 
     def looked_up(self, names: Sequence[int]) -> None:
         self._now += 1

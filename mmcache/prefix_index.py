@@ -210,25 +210,32 @@ class PrefixIndex:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains) and
         take each page's eviction key from the pool's policy."""
         if len(pages):
-            self._stamp(pages if type(pages) is list else pages.tolist(), self.pool.clock.tick())
+            self._stamp(pages, self.pool.clock.tick())
 
     def looked_up(self, names: Sequence[int]) -> None:
         """A request looked up ``names`` (its matchable chain): told to the pool's policy."""
         self.pool.policy.looked_up(names)
 
-    def _stamp(self, pages: list[int], tick: int) -> None:
-        """``pages`` used at ``tick``: their ticks and their policy keys (never lowered by a monotone policy; a fresh
-        heap entry at every change for one that is not)."""
-        ticks, keys, names, policy = self._ticks, self._keys, self._names, self.pool.policy
-        key = policy.key
-        for page in pages:
-            ticks[page] = tick
-            keys[page] = key(names[page], tick, keys[page])
+    def _stamp(self, pages, tick) -> None:
+        """Indexed ``pages`` used at ``tick`` (one for all; an array of one per page for many pages): their ticks and
+        their policy keys (never lowered by a monotone policy; a fresh heap entry at every change for one that is
+        not). A few one by one on the arrays, more through the views."""
+        policy, keys = self.pool.policy, self._keys
+        if len(pages) <= SCALAR_PAGES:
+            pages = pages if type(pages) is list else pages.tolist()
+            ticks, names, key = self._ticks, self._names, policy.key
+            for page in pages:
+                ticks[page] = tick
+                keys[page] = key(names[page], tick, keys[page])
+        else:
+            idx = np.asarray(pages, dtype=np.int64)
+            self._tick[idx] = tick
+            self._key[idx] = policy.keys(self._name[idx], tick, self._key[idx])
+            pages = idx.tolist()
         if not policy.monotone:
             W, depths, serials = self.pool.num_pages + 1, self._depths, self._serials
             for page in pages:
-                if self._flags[page]:
-                    heapq.heappush(self._cold, (keys[page] * W - depths[page], page, serials[page]))
+                heapq.heappush(self._cold, (keys[page] * W - depths[page], page, serials[page]))
 
     def insert(self, pages: Sequence[int], names: Sequence[int], page_tokens: np.ndarray, mids: np.ndarray,
                salt_id: int, depth: int = 0, parent: int = -1,
@@ -252,10 +259,6 @@ class PrefixIndex:
         only tells the observer which media each page holds.
         """
         out, adopted_all, fresh, flags, ticks = [], [], None, self._flags, self._ticks
-        for run in runs:  # keys of pages indexed anew start from nothing (their slot may hold an old indexing's)
-            for page in run.pages:
-                if not flags[page]:
-                    self._keys[page] = 0
         for run in runs:
             new, chain_pages, parent, ok = [], [], run.parent, True
             pages, rows, mids, step = run.pages, token_bytes(run.rows), memoryview(run.mids), self._step
@@ -326,7 +329,6 @@ class PrefixIndex:
                 self._put(page, names[j], by_row[j * step:(j + 1) * step], 0, 0, up, salt_ids[j], depths[j],
                           self._next_serial)
                 self._next_serial += 1
-                self._keys[page] = 0
                 self._stamp([page], ticks[up])  # the parent's tick: ticks never increase along a chain
             adopted = [pages[j] for j in handled]
             self._enqueue(adopted)
@@ -339,9 +341,7 @@ class PrefixIndex:
         self._next_serial += idx.size
         self._write(idx, np.asarray(names, dtype=np.uint64)[at], rows[at], 0, 0, up,
                     np.asarray(salt_ids, dtype=np.int32)[at], np.asarray(depths, dtype=np.int32)[at], serial)
-        self._key[idx] = 0
-        for page, tick in zip(idx.tolist(), self._tick[up].tolist()):  # the parent's tick, as for a few
-            self._stamp([page], tick)
+        self._stamp(idx, self._tick[up])  # the parent's tick: ticks never increase along a chain
         self._enqueue(idx.tolist())
         self.pool.retain(idx, distinct=True)
         return handled
@@ -380,6 +380,7 @@ class PrefixIndex:
         self._page_salts[page] = salt_id
         self._depths[page] = depth
         self._serials[page] = serial
+        self._keys[page] = 0  # a new indexing's key starts from nothing (the slot may hold an old one's)
         self._flags[page] = 1
 
     def _write(self, idx: np.ndarray, names, rows: np.ndarray, media_lo, media_hi, parents, salt_ids, depths,
@@ -395,6 +396,7 @@ class PrefixIndex:
         self._salt[idx] = salt_ids
         self._depth[idx] = depths
         self._serial[idx] = np.arange(serial, serial + idx.size)
+        self._key[idx] = 0
         self._indexed[idx] = True
 
     def _tell_stored(self, new, names, chain_pages, first_parent, page_tokens, salt_id, depth, media) -> None:

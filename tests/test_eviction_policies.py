@@ -94,17 +94,28 @@ def test_unknown_policy_is_a_clear_error_before_anything_changes():
         make_policy("", 8, lambda: 0)
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_every_policy_keeps_keys_from_falling(name):
-    """A monotone policy's key for an entry never falls below the floor it is given (the lazy heaps rely on it)."""
-    now = [0]
-    policy = make_policy(name, 16, lambda: now[0])
-    key = 0
-    for tick in range(1, 200):
-        now[0] = tick
-        policy.looked_up([tick % 5 * 16, 32])
-        new = policy.key(tick % 7, tick, key)
-        assert new >= key
-        key = new
-        if tick % 10 == 0:
-            policy.evicted([key], [tick - 3])
+def test_sessions_that_outgrow_the_pool_keep_more_under_frequency_and_adaptive_follows():
+    """Twelve sessions in turn, each re-sending its history three pages longer: on a pool that holds a third of
+    them LRU evicts each just before it returns; frequency keeps the oldest histories, and the adaptive default,
+    dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy
+    loses anything."""
+    chains = [tuple([s] * (3 * r + 3)) for r in range(8) for s in range(1, 13)]
+    lru, lfu, adaptive = (replay(chains, 150, name) for name in ("lru", "lfu", "adaptive"))
+    assert lru < adaptive <= optimal(chains, 150) and lru < lfu
+    assert adaptive > (lru + lfu) / 2
+    assert {replay(chains, 350, name) for name in POLICIES} == {optimal(chains, 350)}
+
+
+def test_replay_eviction_option(capsys):
+    """``--eviction`` sweeps each policy with the optimum's column; a name it does not know, or a replay it does not
+    apply to, is one clear line and exit 2, before anything is replayed."""
+    from workloads.cli import main
+    assert main(["replay", "--limit", "60", "--pool-tokens", "256k,inf", "--eviction", "lru,adaptive",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "eviction lru:" in out and "eviction adaptive:" in out and out.count("of optimal %") == 2
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--eviction", "mru"])
+    assert e.value.code == 2 and "unknown eviction policy mru" in capsys.readouterr().err
+    assert main(["replay", "--limit", "30", "--replicas", "2", "--eviction", "lru"]) == 2
+    assert "--eviction: only for the pool-size sweep" in capsys.readouterr().err

@@ -39,10 +39,12 @@ class CacheMachine(RuleBasedStateMachine):
     collide = False  # when True every page of every request has the same name: only verification keeps it exact
     page_local = False  # when True a page's name depends on its own tokens only: equal pages under different
     # prefixes collide, the sequence the reused-parent wrong hit needed (test_prefix_cache.py)
+    eviction = None  # the pool's eviction policy (None: the default); every invariant holds under each
 
     def __init__(self):
         super().__init__()
-        self.cache = PrefixCache(PagePool(PAGES, (P,), torch.int64), Fingerprint("m", page_size=P),
+        pool = PagePool(PAGES, (P,), torch.int64, eviction=self.eviction)
+        self.cache = PrefixCache(pool, Fingerprint("m", page_size=P),
                                  evict_batch_pages=2)
         self.live: dict[int, dict] = {}
         self.next_id = 0
@@ -278,6 +280,21 @@ class PageLocalNamesMachine(CacheMachine):
     page_local = True
 
 
+class LfuMachine(CacheMachine):
+    eviction = "lfu"
+
+
+class LfuCollidingNamesMachine(CacheMachine):
+    collide, eviction = True, "lfu"
+
+
+class LruMachine(CacheMachine):
+    eviction = "lru"
+
+
 TestPrefixCacheStateful = CacheMachine.TestCase
+TestPrefixCacheStatefulLfu = LfuMachine.TestCase
+TestPrefixCacheForcedCollisionsLfu = LfuCollidingNamesMachine.TestCase
+TestPrefixCacheStatefulLru = LruMachine.TestCase
 TestPrefixCacheForcedCollisions = CollidingNamesMachine.TestCase
 TestPrefixCachePageLocalNames = PageLocalNamesMachine.TestCase

@@ -21,9 +21,11 @@ def prefix_value(ids, end) -> float:
 
 
 class DeviceAndHost(RuleBasedStateMachine):
+    eviction = None  # the pool's eviction policy (None: the default); every invariant holds under each
+
     def __init__(self):
         super().__init__()
-        self.pool = PagePool(5, (P,), torch.float32)
+        self.pool = PagePool(5, (P,), torch.float32, eviction=self.eviction)
         fp = Fingerprint(model="collide", page_size=P)
         self.host = HostTier(HostPagePool.like(self.pool, 5), P)
         self.cache = PrefixCache(self.pool, fp, evict_batch_pages=1, tiers=TierStack(fp, host=self.host))
@@ -66,4 +68,9 @@ class DeviceAndHost(RuleBasedStateMachine):
         assert self.host.pool.num_free + len(self.host) == self.host.pool.num_pages
 
 
+class LfuDeviceAndHost(DeviceAndHost):
+    eviction = "lfu"
+
+
 TestDeviceAndHost = DeviceAndHost.TestCase
+TestDeviceAndHostLfu = LfuDeviceAndHost.TestCase

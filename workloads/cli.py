@@ -70,7 +70,7 @@ TRACE_KINDS = {"openai-requests": "OpenAI request log (a line a request)",
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 TEXT_ONLY = ("pool_tokens", "order", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
-             "kv_bytes_per_token")
+             "kv_bytes_per_token", "eviction")
 MODEL_ONLY = ("model", "schedule", "seed", "slo_ttft", "slo_ttfa", "html", "max_new_tokens", "pool_pages",
               "encoder_bytes")
 # what a replica replay of a model workload reads (it runs no model); any other option given is refused
@@ -411,6 +411,8 @@ def replay_command(args, defaults: dict) -> int:
         return _fail(problem)
     if args.encoder_s is not None and not (args.replicas and args.target in registry.MODEL_WORKLOADS):
         return _fail(f"--encoder-s: only with --replicas on a model workload ({', '.join(registry.REPLICA_WORKLOADS)})")
+    if args.eviction and args.replicas:
+        return _fail("--eviction: only for the pool-size sweep of a trace replay, not with --replicas")
     if args.target in registry.MODEL_WORKLOADS:
         if args.replicas:
             return model_replica_command(args, defaults)
