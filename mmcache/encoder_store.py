@@ -51,6 +51,7 @@ import torch
 from mmcache.checks import as_int
 from mmcache.encoder_key import EncoderKey
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
+from mmcache.eviction import entry_name
 from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key, take
 from mmcache.stats import EncoderCounters, EncoderStoreStats
@@ -178,11 +179,6 @@ class _Entry:
     compute_s: float  # encoder time of the miss that stored it: what each hit saves
     tick: int = 0     # the pool clock at its last put, hit or pin
     rank: int = 0     # the pool policy's eviction key at that use (never lowered while stored)
-
-
-def _policy_name(key: EncoderKey) -> int:
-    """The 64-bit name the pool's eviction policy counts an entry's uses by (its name's hash in this process)."""
-    return hash(key.name) & 0xFFFFFFFFFFFFFFFF
 
 
 @dataclasses.dataclass(eq=False)
@@ -639,7 +635,7 @@ class EncoderStore:
     def _lookup(self, key: EncoderKey) -> _Entry | None:
         """``_match`` counted as a query (and as a use by the pool's policy); a hit is marked recently used and
         retained until ``_gather`` releases it."""
-        self.pool.policy.looked_up((_policy_name(key),))
+        self.pool.policy.looked_up((entry_name(key.name),))
         entry = self._match(key)
         if entry is None:
             self._count(key.modality, queries=1, misses=1)
@@ -725,7 +721,7 @@ class EncoderStore:
         whose keys may fall gets a fresh heap item."""
         policy = self.pool.policy
         entry.tick = self.pool.clock.tick()
-        entry.rank = policy.key(_policy_name(entry.key), entry.tick, entry.rank)
+        entry.rank = policy.key(entry_name(entry.key.name), entry.tick, entry.rank)
         if not policy.monotone and entry.pages and self._entries.get(entry.key.name) is entry:
             heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
 

@@ -272,6 +272,12 @@ class LookupRecorder(LRU):
         self.lookups.append(list(names))
 
 
+def entry_name(key) -> int:
+    """The 64-bit name a policy counts the uses of a cache entry with no page name by (an encoder output's key: its
+    hash in this process, so counts live as long as the process does)."""
+    return hash(key) & 0xFFFFFFFFFFFFFFFF
+
+
 POLICIES: dict[str, type] = {"lru": LRU, "lfu": LFU, "adaptive": Adaptive}
 DEFAULT_POLICY = "adaptive"
 

@@ -22,7 +22,7 @@ import torch
 
 from mmcache.checks import as_ids, as_int
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
-from mmcache.eviction import EvictionPolicy, make_policy
+from mmcache.eviction import POLICIES, EvictionPolicy, make_policy
 
 # A request-sized list of at most this many page ids is counted (and, in the prefix index, stamped) one by one on
 # the arrays, not through numpy: see PagePool.
@@ -265,8 +265,8 @@ class HostPagePool(PagePool):
     CUDA), so device-to-host copies run at full bandwidth."""
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False):
-        super().__init__(num_pages, (), dtype, "cpu")  # ids and counts; the slab is made here, pinned if asked
+                 pin_memory: bool = False, eviction: str | EvictionPolicy | None = None):
+        super().__init__(num_pages, (), dtype, "cpu", eviction)  # ids and counts; the slab is made below
         self.page_shape = tuple(int(s) for s in page_shape)
         self.pinned = bool(pin_memory)
         if self.pinned and not torch.cuda.is_available():
@@ -276,8 +276,10 @@ class HostPagePool(PagePool):
 
     @classmethod
     def like(cls, pool: PagePool, num_pages: int, pin_memory: bool = False) -> "HostPagePool":
-        """A host pool whose pages can hold ``pool``'s pages."""
-        return cls(num_pages, pool.page_shape, pool.dtype, pin_memory)
+        """A host pool whose pages can hold ``pool``'s pages, evicting by the same online policy (a policy of its own
+        on its own clock; the default when ``pool``'s is not one of ``POLICIES``, such as a replay's optimum)."""
+        name = pool.policy.name if pool.policy.name in POLICIES else None
+        return cls(num_pages, pool.page_shape, pool.dtype, pin_memory, name)
 
 
 def can_hold(dst: PagePool, src: PagePool) -> bool:

@@ -119,3 +119,13 @@ def test_replay_eviction_option(capsys):
     assert e.value.code == 2 and "unknown eviction policy mru" in capsys.readouterr().err
     assert main(["replay", "--limit", "30", "--replicas", "2", "--eviction", "lru"]) == 2
     assert "--eviction: only for the pool-size sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_host_pool_made_like_a_device_pool_evicts_by_the_same_policy(name):
+    from mmcache.pool import HostPagePool
+    device = PagePool(8, (4,), eviction=name)
+    host = HostPagePool.like(device, 4)
+    assert host.policy.name == name and host.policy is not device.policy  # its own clock, its own counts
+    best = OfflineOptimal([[1, 2], [1]])  # a replay's yardstick, not an online policy: the host pool takes the default
+    assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == "adaptive"

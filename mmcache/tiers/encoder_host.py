@@ -4,8 +4,8 @@
 Write-back, inclusive, like the KV ``HostTier``: an entry is written only when the device evicts it, and one read back
 up stays here, so evicting it again costs no copy (an entry held under the same name and verifying ids is only
 refreshed). It lives on a ``HostPagePool`` (its pages viewed as bytes, any page shape), whose owner counts and
-recency clock it uses as the KV host tier does, and it is an evictable owner of that pool (``mmcache.reclaim``):
-whole entries, coldest first, by the same ``eviction_key``, room made by the same ``make_room``. So one host pool
+eviction policy it uses as the KV host tier does, and it is an evictable owner of that pool (``mmcache.reclaim``):
+whole entries, lowest key first, by the same ``eviction_key``, room made by the same ``make_room``. So one host pool
 can hold a KV ``HostTier`` and an ``EncoderHostTier`` side by side, and a shortfall of either evicts the coldest
 host pages of both kinds. Every method takes the host pool's ``cache_lock`` (which the KV host tier takes too); it
 is taken after a device pool's lock, never before one.
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mmcache.errors import InvalidRequest, OutOfPages
+from mmcache.eviction import entry_name
 from mmcache.pool import HostPagePool
 from mmcache.reclaim import coldest_of, eviction_key, make_room
 
@@ -29,6 +30,7 @@ class _HostEntry:
     length: int           # payload bytes (the last page is zero-padded)
     verify_ids: bytes | None
     tick: int
+    rank: int = 0         # the host pool policy's eviction key at the last use
 
 
 class EncoderHostTier:
@@ -53,7 +55,7 @@ class EncoderHostTier:
             e = self._entries.get(key)
             if e is None or e.verify_ids != verify_ids:
                 return False
-            e.tick = self.pool.clock.tick()
+            self._used(key, e)
             return True
 
     def put(self, key: str, payload: bytes, verify_ids: bytes | None) -> bool:
@@ -72,33 +74,43 @@ class EncoderHostTier:
             blob = torch.zeros(n * self.page_bytes, dtype=torch.uint8)
             blob.numpy()[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
             self._bytes.index_copy_(0, torch.as_tensor(pages), blob.view(n, self.page_bytes))
-            self._entries[key] = _HostEntry(pages, len(payload), verify_ids, self.pool.clock.tick())
+            self._entries[key] = e = _HostEntry(pages, len(payload), verify_ids, 0)
+            self._used(key, e)
             self._owner.update(dict.fromkeys(pages, key))
             return True
 
     def get(self, key: str) -> np.ndarray | None:
         """A copy of the payload under ``key`` (uint8, fresh memory), marked used; None when not held."""
         with self.pool.cache_lock:
+            self.pool.policy.looked_up((entry_name(key),))
             e = self._entries.get(key)
             if e is None:
                 return None
-            e.tick = self.pool.clock.tick()
+            self._used(key, e)
             return self._bytes.index_select(0, torch.as_tensor(e.pages)).view(-1)[:e.length].numpy()
 
     # -- the host pool's reclaim protocol (``mmcache.reclaim``; called under its ``cache_lock``) -----------------------
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every held page (no hit pins one: a hit copies its payload out under the lock), keyed by its entry's
-        last use on the host pool's clock (depth 0), so keys compare with the KV host tier's."""
+        """Every held page (no hit pins one: a hit copies its payload out under the lock), keyed by the host pool
+        policy's key of its entry (depth 0), so keys compare with the KV host tier's."""
         pages = [p for e in self._entries.values() for p in e.pages]
-        ticks = [e.tick for e in self._entries.values() for _ in e.pages]
-        return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ticks)
+        ranks = [e.rank for e in self._entries.values() for _ in e.pages]
+        return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ranks)
 
     def coldest(self, n: int):
         return coldest_of(self.eviction_candidates(), n)
 
     def evict(self, pages) -> None:
         """Drop every entry holding one of ``pages`` (whole entries)."""
-        self._drop({self._owner[p] for p in np.asarray(pages).tolist() if p in self._owner})
+        keys = {self._owner[p] for p in np.asarray(pages).tolist() if p in self._owner}
+        gone = [self._entries[k] for k in keys]
+        self.pool.policy.evicted([e.rank for e in gone], [e.tick for e in gone])
+        self._drop(keys)
+
+    def _used(self, key: str, e: _HostEntry) -> None:
+        """Entry ``e`` under ``key`` stored or used now: its tick and the host pool policy's key for it."""
+        e.tick = self.pool.clock.tick()
+        e.rank = self.pool.policy.key(entry_name(key), e.tick, e.rank)
 
     def _drop(self, keys) -> None:
         for key in keys:

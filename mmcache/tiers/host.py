@@ -5,7 +5,8 @@ the device. Inclusive: a page copied back up stays in the host tier too, so evic
 no copy. The tier owns one owner count on each page it holds in its ``HostPagePool``; a lookup that hits pins the
 matched pages (one more owner) until their bytes are copied up, so the tier's own eviction never takes a page that
 is being read. The tier is an evictable owner of its host pool (``mmcache.reclaim``): its entries are ordered by the
-host pool's clock with the same ``eviction_key`` as the device index, and room is made by the same ``make_room``; an
+host pool's policy (``mmcache.eviction``) with the same ``eviction_key`` as the device index, and room is made by the
+same ``make_room``; an
 ``EncoderHostTier`` may share the pool (``mmcache.tiers.encoder_host``), and eviction then chooses across both. Its
 one KV user (``TierStack``) drives it under the device pool's ``cache_lock``; ``put`` and ``match`` also take the host
 pool's (after the device's, never before), which serializes them with an encoder tier on the same host pool.
@@ -67,6 +68,7 @@ class HostTier:
         self._plin = np.zeros(n, dtype=_LIN)
         self._depth = np.zeros(n, dtype=np.int32)
         self._tick = np.zeros(n, dtype=np.int64)
+        self._key = np.zeros(n, dtype=np.int64)  # the host pool policy's eviction key at the last use
         self._held = np.zeros(n, dtype=bool)
         self._pages: dict[int, int] = {}
         pool.register(self)
@@ -94,6 +96,7 @@ class HostTier:
                 page = self._pages.get(name)
                 if page is not None and self._same(page, tokens[j], media[j], parent_lineages[j], depths[j]):
                     self._tick[page] = tick
+                    self._key[page] = self.pool.policy.key(int(name), tick, int(self._key[page]))
                     self.counters["refreshed_pages"] += 1
                 else:
                     if page is not None:
@@ -114,6 +117,7 @@ class HostTier:
             self._plin[hp] = np.array([parent_lineages[j] for j in fresh_at], dtype=_LIN)
             self._depth[hp] = np.asarray(depths)[fresh_at]
             self._tick[hp] = tick
+            self._key[hp] = self.pool.policy.keys(self._name[hp], tick, np.zeros(len(hp), dtype=np.int64))
             self._held[hp] = True
             self.counters["written_pages"] += len(hp)
             return len(hp)
@@ -123,6 +127,7 @@ class HostTier:
         each entry's tokens, media, depth and parent lineage must equal the request's own. Pins the returned pages
         (one more owner each): the caller releases them once their bytes are copied up."""
         with self.pool.cache_lock:  # shared with an EncoderHostTier on the same host pool
+            self.pool.policy.looked_up(names[start:])
             idx = np.fromiter(map(self._pages.get, names[start:], repeat(-1)), dtype=np.int64,
                               count=len(names) - start)
             miss = np.flatnonzero(idx < 0)
@@ -145,7 +150,8 @@ class HostTier:
             out = idx[:k].tolist()
             if out:
                 self.pool.retain(out, distinct=True)
-                self._tick[out] = self.pool.clock.tick()
+                tick = self._tick[out] = self.pool.clock.tick()
+                self._key[out] = self.pool.policy.keys(self._name[out], tick, self._key[out])
                 self.counters["hit_pages"] += len(out)
             return out
 
@@ -165,15 +171,18 @@ class HostTier:
 
     # -- the pool's reclaim protocol (``mmcache.reclaim``) ------------------------------------------------------------
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
-        """Pages only the tier holds (no hit pinning them), keyed coldest then deepest first."""
+        """Pages only the tier holds (no hit pinning them), keyed by the host pool's policy, then deepest first."""
         cands = np.flatnonzero(self._held & (self.pool.counts == 1))
-        return cands, eviction_key(self.pool, self._tick[cands], self._depth[cands])
+        return cands, eviction_key(self.pool, self._key[cands], self._depth[cands])
 
     def coldest(self, n: int):
         return coldest_of(self.eviction_candidates(), n)
 
     def evict(self, pages: np.ndarray) -> None:
-        self._drop(np.asarray(pages, dtype=np.int64))
+        pages = np.asarray(pages, dtype=np.int64)
+        held = pages[self._held[pages]] if pages.size else pages
+        self.pool.policy.evicted(self._key[held].tolist(), self._tick[held].tolist())
+        self._drop(pages)
 
     def _drop(self, pages: np.ndarray) -> None:
         pages = pages[self._held[pages]] if pages.size else pages
