@@ -14,16 +14,17 @@ Policies (``POLICIES``; ``make_policy(name)``):
 
 - ``lru``: the tick of the last use. Deeper pages first among equal ticks (the caches subtract the depth), so cold
   tails leave from their ends.
-- ``lfu``: the tick of the last use plus one **generation** per recent lookup of the entry's name beyond the first:
-  a generation is how long an unused entry has lately stayed in the pool (measured from the evictions,
-  ``Lifetimes``), so an entry looked up ``k`` times outlives one looked up once by ``k - 1`` pool turnovers
-  (GreedyDual's aging by inflation, in ticks). Lookups are counted per name, also after the entry left
+- ``lfu`` (the default): the tick of the last use plus ``GENERATIONS_PER_USE`` **generations** per recent lookup of the entry's
+  name beyond the first: a generation is how long an unused entry has lately stayed in the pool (measured from the
+  evictions, ``Lifetimes``), so an entry looked up ``k`` times outlives one looked up once by ``2 (k - 1)`` pool
+  turnovers (GreedyDual's aging by inflation, in ticks). Lookups are counted per name, also after the entry left
   (``UseCounts``: a ghost history bounded by the pool), so a prefix that comes back is known.
-- ``adaptive`` (the default): ``lru``'s or ``lfu``'s key, whichever of the two is realizing more reuse on this
-  traffic lately. Both run as **shadow caches** on a sample of the names looked up (``SAMPLE`` of them, by name, in
-  a pool of the same share of the pages: set dueling), scored by their hits with a decay; the real pool takes the
-  winner's keys from then on. LRU thrashes on loops (sessions in flight that need more pages than the pool holds)
-  and frequency wins there; frequency keeps dead history too long when the pool is large, and recency wins there.
+- ``adaptive``: ``lru``'s or ``lfu``'s key, whichever of the two is realizing more reuse on this traffic lately.
+  Both run as **shadow caches** on a sample of the names looked up (``SAMPLE`` of them, by name, in a pool of the
+  same share of the pages: set dueling), scored by their hits with a decay; the real pool takes the winner's keys
+  from then on. A hedge for traffic where frequency would keep dead history too long. Measured, it realizes less
+  than ``lfu`` (its shadows see neither chains nor live requests, so they misjudge which wins) and was nowhere
+  ahead of it, so it is not the default (``benchmarks/bench_eviction.py``).
 - ``optimal`` (``OfflineOptimal``): the offline optimum for a replay, whose future is known (Belady: the entry whose
   next use is farthest goes first). Not an online policy; it bounds what any policy can keep.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections import Counter
 from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -45,6 +47,7 @@ from mmcache.errors import InvalidConfig
 SAMPLE = 16            # adaptive: one name in SAMPLE runs through the shadow caches
 SCORE_DECAY = 0.99     # adaptive: a lookup's hit difference weighs this much less at every later lookup
 COUNT_TABLE_PAGES = 4  # lfu: the use-count table holds at most this many names per page of the pool
+GENERATIONS_PER_USE = 2  # lfu: how many pool turnovers each lookup beyond the first buys an entry
 
 
 class EvictionPolicy(Protocol):
@@ -96,17 +99,14 @@ class UseCounts:
     __slots__ = ("counts", "limit")
 
     def __init__(self, limit: int):
-        self.counts: dict[int, int] = {}
+        self.counts: Counter[int] = Counter()
         self.limit = limit
 
     def add(self, names: Iterable[int]) -> None:
-        """Count one use of each of ``names``."""
-        counts = self.counts
-        get = counts.get
-        for name in names:
-            counts[name] = get(name, 0) + 1
-        if len(counts) > self.limit:
-            self.counts = {n: c >> 1 for n, c in counts.items() if c > 1}
+        """Count one use of each of ``names`` (``Counter.update`` counts in C)."""
+        self.counts.update(names)
+        if len(self.counts) > self.limit:
+            self.counts = Counter({n: c >> 1 for n, c in self.counts.items() if c > 1})
 
 
 class Lifetimes:
@@ -126,8 +126,8 @@ class Lifetimes:
 
 
 class LFU:
-    """The tick of the last use plus a generation (``Lifetimes.mean``) per recent lookup beyond the first
-    (``UseCounts``): frequency with aging, in the pool's ticks."""
+    """The tick of the last use plus ``GENERATIONS_PER_USE`` generations (``Lifetimes.mean``) per recent lookup
+    beyond the first (``UseCounts``): frequency with aging, in the pool's ticks."""
 
     name = "lfu"
     monotone = True
@@ -137,13 +137,13 @@ class LFU:
         self.lifetimes = Lifetimes(clock)
 
     def key(self, name: int, tick: int, floor: int = 0) -> int:
-        k = tick + int(max(0, self.uses.counts.get(name, 0) - 1) * self.lifetimes.mean)
+        k = tick + int(max(0, self.uses.counts.get(name, 0) - 1) * GENERATIONS_PER_USE * self.lifetimes.mean)
         return k if k > floor else floor
 
     def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
-        get = self.uses.counts.get
-        counts = np.fromiter((get(n, 0) for n in names.tolist()), dtype=np.float64, count=len(names))
-        bonus = (np.maximum(counts - 1, 0) * self.lifetimes.mean).astype(np.int64)
+        # a Counter answers 0 for a name it lacks
+        counts = np.fromiter(map(self.uses.counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
+        bonus = (np.maximum(counts - 1, 0) * (GENERATIONS_PER_USE * self.lifetimes.mean)).astype(np.int64)
         return np.maximum(floors, ticks + bonus)
 
     def looked_up(self, names: Sequence[int]) -> None:
@@ -279,7 +279,7 @@ def entry_name(key) -> int:
 
 
 POLICIES: dict[str, type] = {"lru": LRU, "lfu": LFU, "adaptive": Adaptive}
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "lfu"
 
 
 def make_policy(name: str | None, num_pages: int, clock: Callable[[], int]) -> EvictionPolicy:

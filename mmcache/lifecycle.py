@@ -187,7 +187,7 @@ class PrefixLifecycle:
             stopped, pages, fetch = n < len(pages), pages[:n], None
             if pages:  # lists: counted and touched one by one (the scalar paths); a new prompt holds nothing
                 self.pool.retain(pages, distinct=True)
-                self.index.touch(pages)
+                self.index.touch(pages, rekey=False)
             lower = (self.tiers is not None and not stopped and len(pages) < limit
                      and self.tiers.nominates(prompt.names[len(pages)]))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
@@ -231,7 +231,7 @@ class PrefixLifecycle:
         with self.lock:
             idx = self.index.match(claim.names[:pages], tokens, media_ids(claim.media, range(pages)), claim.salt_id)
             self.pool.retain(idx, distinct=True)
-            self.index.touch(idx)
+            self.index.touch(idx, rekey=False)
             return idx
 
     def extend_match(self, claim: Claim, tokens: np.ndarray, rows_left: int = 1, written: int = 0,
@@ -257,7 +257,7 @@ class PrefixLifecycle:
             if servable is not None and idx:
                 idx = idx[:servable(np.asarray(idx, dtype=np.int64))]
             self.pool.retain(idx, distinct=True)
-            self.index.touch(idx)
+            self.index.touch(idx, rekey=False)
             pages = idx
         if self.agreement is not None:
             agreed, _ = self.agreement.agree(len(pages), True)

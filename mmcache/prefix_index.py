@@ -206,11 +206,21 @@ class PrefixIndex:
             idx = idx[:int(np.argmin(ok))]
         return idx.tolist()
 
-    def touch(self, pages) -> None:
+    def touch(self, pages, rekey: bool = True) -> None:
         """Mark a chain prefix used now (one tick for the whole prefix keeps ticks non-increasing along chains) and
-        take each page's eviction key from the pool's policy."""
-        if len(pages):
+        take each page's eviction key from the pool's policy. ``rekey=False``, ticks only: for a request that just
+        retained the pages it matched, which no eviction can take while it holds them, and which it rekeys when it
+        is done with them (``PrefixLifecycle.touch``); a lookup of a long prefix then asks the policy nothing."""
+        if not len(pages):
+            return
+        if rekey:
             self._stamp(pages, self.pool.clock.tick())
+        elif type(pages) is list and len(pages) <= SCALAR_PAGES:
+            tick, ticks = self.pool.clock.tick(), self._ticks
+            for page in pages:
+                ticks[page] = tick
+        else:
+            self._tick[pages] = self.pool.clock.tick()
 
     def looked_up(self, names: Sequence[int]) -> None:
         """A request looked up ``names`` (its matchable chain): told to the pool's policy."""

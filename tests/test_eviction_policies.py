@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidConfig
-from mmcache.eviction import POLICIES, LookupRecorder, OfflineOptimal, make_policy
+from mmcache.eviction import DEFAULT_POLICY, POLICIES, LookupRecorder, OfflineOptimal, make_policy
 
 P = 2  # tokens per page
 FP = Fingerprint(model="eviction-test", page_size=P)
@@ -96,8 +96,8 @@ def test_unknown_policy_is_a_clear_error_before_anything_changes():
 
 def test_sessions_that_outgrow_the_pool_keep_more_under_frequency_and_adaptive_follows():
     """Twelve sessions in turn, each re-sending its history three pages longer: on a pool that holds a third of
-    them LRU evicts each just before it returns; frequency keeps the oldest histories, and the adaptive default,
-    dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy
+    them LRU evicts each just before it returns; frequency (the default) keeps the oldest histories, and the
+    adaptive policy, dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy
     loses anything."""
     chains = [tuple([s] * (3 * r + 3)) for r in range(8) for s in range(1, 13)]
     lru, lfu, adaptive = (replay(chains, 150, name) for name in ("lru", "lfu", "adaptive"))
@@ -128,4 +128,4 @@ def test_a_host_pool_made_like_a_device_pool_evicts_by_the_same_policy(name):
     host = HostPagePool.like(device, 4)
     assert host.policy.name == name and host.policy is not device.policy  # its own clock, its own counts
     best = OfflineOptimal([[1, 2], [1]])  # a replay's yardstick, not an online policy: the host pool takes the default
-    assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == "adaptive"
+    assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == DEFAULT_POLICY

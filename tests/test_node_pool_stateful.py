@@ -182,10 +182,10 @@ class NodeMachine(RuleBasedStateMachine):
         assert self.pool.num_free == NUM_PAGES
 
 
-class LfuNodeMachine(NodeMachine):
-    eviction = "lfu"
+class LruNodeMachine(NodeMachine):
+    eviction = "lru"
 
 
 TestNodePool = NodeMachine.TestCase
-TestNodePoolLfu = LfuNodeMachine.TestCase
+TestNodePoolLru = LruNodeMachine.TestCase
 TestNodePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

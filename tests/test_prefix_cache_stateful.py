@@ -280,12 +280,12 @@ class PageLocalNamesMachine(CacheMachine):
     page_local = True
 
 
-class LfuMachine(CacheMachine):
-    eviction = "lfu"
+class AdaptiveMachine(CacheMachine):
+    eviction = "adaptive"
 
 
-class LfuCollidingNamesMachine(CacheMachine):
-    collide, eviction = True, "lfu"
+class LruCollidingNamesMachine(CacheMachine):
+    collide, eviction = True, "lru"
 
 
 class LruMachine(CacheMachine):
@@ -293,8 +293,8 @@ class LruMachine(CacheMachine):
 
 
 TestPrefixCacheStateful = CacheMachine.TestCase
-TestPrefixCacheStatefulLfu = LfuMachine.TestCase
-TestPrefixCacheForcedCollisionsLfu = LfuCollidingNamesMachine.TestCase
+TestPrefixCacheStatefulAdaptive = AdaptiveMachine.TestCase
+TestPrefixCacheForcedCollisionsLru = LruCollidingNamesMachine.TestCase
 TestPrefixCacheStatefulLru = LruMachine.TestCase
 TestPrefixCacheForcedCollisions = CollidingNamesMachine.TestCase
 TestPrefixCachePageLocalNames = PageLocalNamesMachine.TestCase

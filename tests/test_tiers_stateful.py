@@ -68,9 +68,9 @@ class DeviceAndHost(RuleBasedStateMachine):
         assert self.host.pool.num_free + len(self.host) == self.host.pool.num_pages
 
 
-class LfuDeviceAndHost(DeviceAndHost):
-    eviction = "lfu"
+class LruDeviceAndHost(DeviceAndHost):
+    eviction = "lru"
 
 
 TestDeviceAndHost = DeviceAndHost.TestCase
-TestDeviceAndHostLfu = LfuDeviceAndHost.TestCase
+TestDeviceAndHostLru = LruDeviceAndHost.TestCase
