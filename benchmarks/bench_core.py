@@ -83,10 +83,11 @@ def evicting_put(n_entries: int, page: int = 4096) -> float:
     return float(np.median(times))
 
 
-def sessions_replay(fp: Fingerprint, P: int, policy: str) -> tuple[float, float]:
+def sessions_replay(fp: Fingerprint, policy: str) -> tuple[float, float]:
     """Seconds per page looked up, and the share of pages hit, of 24 sessions taking turns, each re-sending its
     history 4 pages longer, through a pool that holds a quarter of their last turn (the knee: lookups, hits, commits
     and evictions every request) under ``policy``."""
+    P = fp.page_size
     pool = PagePool(24 * 4 * 3, eviction=policy)
     cache = PrefixCache(pool, fp, evict_batch_pages=1)
     rng = np.random.default_rng(2)
@@ -248,14 +249,14 @@ def main(argv=None) -> None:
     timed: dict[str, list[float]] = {}
     for _ in range(3):
         for policy in POLICIES:
-            timed.setdefault(policy, []).append(sessions_replay(fp, 16, policy)[0])
+            timed.setdefault(policy, []).append(sessions_replay(fp, policy)[0])
             timed.setdefault(("hit", policy), []).append(long_hit(fp, P, policy, max(10, args.repeat)))
     for policy in POLICIES:
         if policy != "lru":
             ours, base = min(timed[policy]), min(timed["lru"])
             rows.append((f"eviction policy {policy}: per page looked up, sessions at the knee", f"{ours * 1e6:.2f} us",
-                         f"{base * 1e6:.2f} us (lru, same run; hit {100 * sessions_replay(fp, 16, 'lru')[1]:.0f}% "
-                         f"vs {100 * sessions_replay(fp, 16, policy)[1]:.0f}%)", base / ours))
+                         f"{base * 1e6:.2f} us (lru, same run; hit {100 * sessions_replay(fp, 'lru')[1]:.0f}% "
+                         f"vs {100 * sessions_replay(fp, policy)[1]:.0f}%)", base / ours))
             ours, base = min(timed[("hit", policy)]), min(timed[("hit", "lru")])
             rows.append((f"eviction policy {policy}: 1,000-page hit, per page", f"{ours * 1e6:.2f} us",
                          f"{base * 1e6:.2f} us (lru, same run)", base / ours))

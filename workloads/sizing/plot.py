@@ -12,9 +12,10 @@ from workloads.sizes import format_size
 from workloads.sizing.sweep import Sweep
 
 
-def label_of(sweep: Sweep) -> str:
+def label_of(sweep: Sweep, eviction: bool = True) -> str:
     order = sweep.order if sweep.in_flight is None else f"{sweep.order}, {sweep.in_flight} in flight"
-    return f"{sweep.trace.kind} ({order}, {sweep.runs[0].eviction if sweep.runs else sweep.ceiling.eviction})"
+    policy = sweep.runs[0].eviction if sweep.runs else sweep.ceiling.eviction
+    return f"{sweep.trace.kind} ({order}{f', {policy}' if eviction else ''})"
 
 
 def plot_sweeps(sweeps: Sequence[Sweep], title: str | None = None) -> bytes:
@@ -38,12 +39,12 @@ def plot_sweeps(sweeps: Sequence[Sweep], title: str | None = None) -> bytes:
             ax.plot(xs, [100 * r.hit_rate for r in finite], "o-", color=color, label=f"{label_of(sweep)}: realized")
         best = sorted((o for o in sweep.optimal if o is not None and o.pool_tokens is not None),
                       key=lambda r: r.pool_tokens)
-        if best and (k == 0 or sweep.optimal is not sweeps[0].optimal):  # the optimum of the same calls: drawn once
-            ax.plot([r.pool_tokens for r in best], [100 * r.hit_rate for r in best], "s:", color="black",
-                    label=f"{sweep.trace.kind}: offline optimum")
-        if k == 0 or sweep.trace is not sweeps[0].trace:
+        if k == 0 or sweep.trace is not sweeps[0].trace:  # the optimum and the ceiling of the same calls: once
+            if best:
+                ax.plot([r.pool_tokens for r in best], [100 * r.hit_rate for r in best], "s:", color="black",
+                        label=f"{label_of(sweep, False)}: offline optimum")
             ax.axhline(100 * sweep.ceiling.hit_rate, color=color, linestyle="--", linewidth=1,
-                       label=f"{label_of(sweep)}: ceiling {100 * sweep.ceiling.hit_rate:.1f}%")
+                       label=f"{label_of(sweep, False)}: ceiling {100 * sweep.ceiling.hit_rate:.1f}%")
     if ticks:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(ticks), [format_size(t) for t in sorted(ticks)])
