@@ -129,3 +129,22 @@ def test_a_host_pool_made_like_a_device_pool_evicts_by_the_same_policy(name):
     assert host.policy.name == name and host.policy is not device.policy  # its own clock, its own counts
     best = OfflineOptimal([[1, 2], [1]])  # a replay's yardstick, not an online policy: the host pool takes the default
     assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == DEFAULT_POLICY
+
+
+def test_ctrl_c_during_a_sizes_optimum_keeps_the_size(monkeypatch):
+    """A pool size whose replay finished keeps its row when Ctrl-C stops the optimum's replay of it."""
+    from workloads import registry
+    from workloads.sizing import sweep
+
+    real = sweep.replay_trace
+
+    def interrupt_the_optimum(*a, **k):
+        if k["eviction"] == "optimal":
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(sweep, "replay_trace", interrupt_the_optimum)
+    trace = registry.load("mooncake", registry.resolve(None, None, "auto")[1], limit=50)
+    done = sweep.run_sweep(trace, page_size=512, pool_sizes=[1 << 18, 1 << 20])
+    assert done.interrupted and [r.pool_tokens for r in done.runs] == [1 << 18]
+    assert done.of_optimal(0) is None and "of optimal %" in sweep.format_table(done)

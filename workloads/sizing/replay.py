@@ -43,7 +43,7 @@ import time
 from typing import Protocol
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
-from mmcache.eviction import DEFAULT_POLICY, EvictionPolicy, OfflineOptimal, make_policy
+from mmcache.eviction import DEFAULT_POLICY, EvictionPolicy, OfflineOptimal
 from workloads.harness.progress import progress_bar
 from workloads.sizes import format_size
 from workloads.sizing.ordering import schedule
@@ -238,8 +238,7 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, o
         if lookups is None:
             raise ValueError("eviction 'optimal' needs the lookups of a replay of the same calls (LookupRecorder)")
         policy, name = OfflineOptimal(lookups), "optimal"
-    elif isinstance(eviction, str):
-        make_policy(eviction, 1, lambda: 0)  # an unknown name fails here, before the replay
+    elif isinstance(eviction, str):  # an unknown name fails when the pool is made, before the replay
         policy, name = None, eviction
     else:
         policy, name = eviction, eviction.name

@@ -76,10 +76,11 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
                 best.append(ceiling if size is None else None)
             else:
                 best.append(runs[-1] if eviction == "optimal" else one(size, "optimal", watched=False))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a size replayed whose optimum was not keeps its row, with no "of optimal"
         interrupted = True
-    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs[:len(best)],
-                 ceiling, tiers, interrupted, optimal=best)
+        best += [None] * (len(runs) - len(best))
+    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling, tiers,
+                 interrupted, optimal=best)
 
 
 def sweep_json(sweep: Sweep) -> dict:
