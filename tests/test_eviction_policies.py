@@ -148,3 +148,14 @@ def test_ctrl_c_during_a_sizes_optimum_keeps_the_size(monkeypatch):
     done = sweep.run_sweep(trace, page_size=512, pool_sizes=[1 << 18, 1 << 20])
     assert done.interrupted and [r.pool_tokens for r in done.runs] == [1 << 18]
     assert done.of_optimal(0) is None and "of optimal %" in sweep.format_table(done)
+
+
+def test_a_sweep_with_tiers_replays_no_optimum():
+    """Belady's rule is the optimum of one pool; with a host tier under it a policy could beat it, so none is shown."""
+    from workloads import registry
+    from workloads.sizing.sweep import format_table, run_sweep
+    from workloads.sizing.tiers import TierModel
+
+    trace = registry.load("mooncake", registry.resolve(None)[1], limit=50)
+    done = run_sweep(trace, page_size=512, pool_sizes=[1 << 18], tiers=TierModel(host_tokens=1 << 20))
+    assert done.optimal == [None] and done.of_optimal(0) is None and format_table(done)

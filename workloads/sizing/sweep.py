@@ -57,10 +57,12 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
     """Replay ``trace`` unbounded (the ceiling, recording its lookups), then once per pool size (None = unbounded:
     the ceiling again) evicting by ``eviction`` (a policy's name or ``"optimal"``), and, with ``optimal``, once more
     under the offline optimum; every bounded pool gets ``tiers`` (host tier, store) under it; ``observer`` samples
-    every replay's cache.
+    every replay's cache. Belady's rule is the optimum of one pool: with tiers under it, where a page the device
+    drops may still be served from below, it is not, so a sweep with tiers replays no optimum.
 
     Ctrl-C (KeyboardInterrupt) after the ceiling stops the sweep with the sizes replayed so far and ``interrupted``
     set; every run in a sweep is a complete replay. During the ceiling it propagates: nothing was measured."""
+    optimal = optimal and not tiers.enabled
     recorder = LookupRecorder()
 
     def one(size, policy, watched=True):  # the optimum is a yardstick: no observer samples it
