@@ -152,6 +152,17 @@ class TierRead:
     counts: dict = dataclasses.field(default_factory=dict)
 
 
+class EncoderObserver(Protocol):
+    """Hears which outputs the store holds (``mmcache.kv_events.KVEventPublisher``: events for external routers).
+    Called under the pool's ``cache_lock``: it must only queue what it hears, never block."""
+
+    def encoder_stored(self, key: EncoderKey, nbytes: int) -> None:
+        """An output of ``nbytes`` bytes was stored under ``key`` (a put, or a tier's copy stored again)."""
+
+    def encoder_removed(self, keys: list[EncoderKey]) -> None:
+        """The outputs stored under ``keys`` left the store (evicted, replaced or cleared)."""
+
+
 class EncoderLowerTier(Protocol):
     """Storage below an ``EncoderStore``'s pool (``mmcache.tiers.EncoderTiers``). A tier's failure is a miss:
     nothing raises into a lookup, and nothing blocks past the tier's own deadline."""
@@ -287,12 +298,16 @@ class EncoderStore:
     ``expect=(shape or shape_fn(key), dtype)`` refuses other outputs (a list of shapes and a list of dtypes for a
     tuple/list/dict of tensors; ``None`` in a shape matches any size). ``tiers``: an ``EncoderLowerTier`` under the
     pool (see the module docstring); its keys' fingerprints must have a stable byte form
-    (``EncoderKey.stable_name``), else ``InvalidRequest`` before anything changes.
+    (``EncoderKey.stable_name``), else ``InvalidRequest`` before anything changes. ``eviction``: the policy of the
+    store's own pool (a name in ``mmcache.eviction.POLICIES``, None for the default; ``InvalidConfig`` for an unknown
+    one); a given ``pool`` evicts by its own, so not with ``pool``. ``observer``: an ``EncoderObserver`` told of
+    every output stored and dropped (``mmcache.kv_events``).
     """
 
     def __init__(self, capacity_bytes: int | None = None, page_bytes: int = 65536, device: str | torch.device = "cpu",
                  *, pool: PagePool | None = None, expect: tuple | None = None,
-                 page_data: torch.Tensor | None = None, page_dim: int = 0, tiers: EncoderLowerTier | None = None):
+                 page_data: torch.Tensor | None = None, page_dim: int = 0, tiers: EncoderLowerTier | None = None,
+                 eviction: str | None = None, observer: EncoderObserver | None = None):
         if pool is None:
             if capacity_bytes is None:
                 raise InvalidRequest("an encoder store needs capacity_bytes or a pool")
@@ -300,9 +315,11 @@ class EncoderStore:
             if page <= 0 or capacity < page:
                 raise InvalidRequest(f"capacity_bytes ({capacity_bytes}) must hold at least one page of {page_bytes} "
                                      f"bytes")
-            pool = PagePool(capacity // page, (page,), torch.uint8, device)
+            pool = PagePool(capacity // page, (page,), torch.uint8, device, eviction)
         elif capacity_bytes is not None:
             raise InvalidRequest("give capacity_bytes or pool, not both")
+        elif eviction is not None:
+            raise InvalidRequest("a store on a given pool evicts by the pool's policy: give eviction or pool, not both")
         if page_data is None:
             if pool.data is None:
                 raise InvalidRequest(f"an encoder store needs a pool with data (or page_data), got {pool!r}")
@@ -313,6 +330,7 @@ class EncoderStore:
         self.capacity_bytes = pool.num_pages * self.page_bytes
         self.expect = expect
         self.tiers = tiers
+        self.observer = observer
         self._lock = pool.cache_lock
         self._entries: dict[tuple, _Entry] = {}
         self._holder: dict[int, _Entry] = {}  # page -> the stored entry holding it
@@ -393,6 +411,8 @@ class EncoderStore:
                 self._entries[key.name] = entry
                 self._enqueue(entry)
                 self._count(key.modality, bytes_stored=nbytes)
+                if self.observer is not None:
+                    self.observer.encoder_stored(key, nbytes)
         except BaseException:
             self.pool.release(pages)
             raise
@@ -752,6 +772,8 @@ class EncoderStore:
                 del self._holder[p]
             self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
                         evicted_bytes=e.nbytes if evicted else 0, host_spilled=int(spill))
+        if self.observer is not None and entries:
+            self.observer.encoder_removed([e.key for e in entries])
         self.pool.release([p for e in entries for p in e.pages])
 
     def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:

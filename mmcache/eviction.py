@@ -282,10 +282,16 @@ POLICIES: dict[str, type] = {"lru": LRU, "lfu": LFU, "adaptive": Adaptive}
 DEFAULT_POLICY = "lfu"
 
 
-def make_policy(name: str | None, num_pages: int, clock: Callable[[], int]) -> EvictionPolicy:
-    """The online policy ``name`` (None: ``DEFAULT_POLICY``) for a pool of ``num_pages`` on ``clock`` (its current
-    tick). ``InvalidConfig`` for an unknown name."""
+def check_policy(name: str | None) -> str:
+    """The online policy's name ``name`` stands for (None: ``DEFAULT_POLICY``); ``InvalidConfig`` for an unknown one.
+    APIs that build their pools later call it up front, so a bad name fails before any state changes."""
     name = DEFAULT_POLICY if name is None else name
     if name not in POLICIES:
         raise InvalidConfig(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICIES)}")
-    return POLICIES[name](num_pages, clock)
+    return name
+
+
+def make_policy(name: str | None, num_pages: int, clock: Callable[[], int]) -> EvictionPolicy:
+    """The online policy ``name`` (None: ``DEFAULT_POLICY``) for a pool of ``num_pages`` on ``clock`` (its current
+    tick). ``InvalidConfig`` for an unknown name."""
+    return POLICIES[check_policy(name)](num_pages, clock)

@@ -100,11 +100,12 @@ class PagePool:
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
 
     @classmethod
-    def over(cls, data: torch.Tensor, page_dim: int = 0) -> "PagePool":
+    def over(cls, data: torch.Tensor, page_dim: int = 0,
+             eviction: str | EvictionPolicy | None = None) -> "PagePool":
         """A pool whose pages are the slices of an engine's own tensor along ``page_dim`` (M*'s KV tensor
-        ``[layers, pages, ...]`` has them in dim 1): ``data`` is that tensor's view with the page first, so copies in
-        and out of pages (tiers) write through to the engine's tensor."""
-        pool = cls(data.shape[page_dim])
+        ``[layers, pages, ...]`` has them in dim 1), evicting by ``eviction``: ``data`` is that tensor's view with
+        the page first, so copies in and out of pages (tiers) write through to the engine's tensor."""
+        pool = cls(data.shape[page_dim], eviction=eviction)
         pool.data = data.movedim(page_dim, 0)
         pool.page_shape, pool.dtype, pool.device = tuple(pool.data.shape[1:]), data.dtype, canonical_device(data.device)
         return pool

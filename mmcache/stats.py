@@ -21,6 +21,9 @@ class PrefixCacheStats(_Snapshot):
     """``PrefixCache.stats()``: index counters since creation, then the pool and the live table now.
 
     ``pages_live`` counts pages some live request holds (indexed or not); ``pages_cached`` the indexed pages.
+    ``evicted_pages`` counts the pages that left this index; ``eviction_batches``, ``shortfall_pages`` and ``stalls``
+    the shortfalls of the owner that asked for pages: the cache's requests (in M*, the node's arena, which takes every
+    stream's pages: ``ReuseKVManager.stats``).
     """
 
     queries: int = 0

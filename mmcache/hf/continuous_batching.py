@@ -17,7 +17,8 @@ What changes inside the engine (and nothing else does: the scheduler, the model 
   cancelled request too, its KV is good), ``abort`` after them when the engine frees with ``no_cache`` (offload:
   nothing more is indexed), so nothing is ever de-duplicated by hash alone;
 - eviction: the engine's free-block count is the pages no live request holds, so its safety margin never flushes
-  the cache; ``grow`` evicts cold tails only as many pages as a live request is short (``evict_batch_pages=1``).
+  the cache; ``grow`` evicts cached pages, in the order of the policy ``enable_prefix_cache(eviction=...)`` names,
+  only as many as a live request is short (``evict_batch_pages=1``).
 
 Page ``p`` of the ``PrefixCache`` is the engine's block ``p + reserved``, where ``reserved`` are the trash sectors'
 blocks. The ``PagePool`` holds ids and owner counts only (``page_shape=()``): the KV stays in the engine's tensor.
@@ -39,6 +40,7 @@ from typing import Callable, Sequence
 
 from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
+from mmcache.eviction import DEFAULT_POLICY, check_policy
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache
@@ -95,13 +97,14 @@ class MmcacheBatching:
     it outlives manager restarts over the same engine cache, as the engine's KV tensor does.
     """
 
-    def __init__(self, model, fingerprint: str | None, evict_batch_pages: int, namer: Namer | None):
+    def __init__(self, model, fingerprint: str | None, evict_batch_pages: int, namer: Namer | None,
+                 eviction: str = DEFAULT_POLICY):
         text = model.config.get_text_config(decoder=True)
         p = next(model.parameters())
         self.model_id = fingerprint or module_fingerprint(model)
         self.kv_dtype, self.attention = str(p.dtype), str(text._attn_implementation)
         self.vocab_size = text.vocab_size
-        self.evict_batch_pages, self.namer = evict_batch_pages, namer
+        self.evict_batch_pages, self.namer, self.eviction = evict_batch_pages, namer, eviction
         self.cache: PrefixCache | None = None
         self._salts: dict[str, bytes] = {}
         self._config = text
@@ -118,8 +121,8 @@ class MmcacheBatching:
     def new_cache(self, num_pages: int, page_size: int) -> PrefixCache:
         fp = Fingerprint(model=self.model_id, kv_dtype=self.kv_dtype, attention_backend=self.attention,
                          page_size=page_size, extra="transformers-cb")
-        self.cache = PrefixCache(PagePool(num_pages), fp, evict_batch_pages=self.evict_batch_pages,
-                                 vocab_size=self.vocab_size)
+        self.cache = PrefixCache(PagePool(num_pages, eviction=self.eviction), fp,
+                                 evict_batch_pages=self.evict_batch_pages, vocab_size=self.vocab_size)
         return self.cache
 
     def disable(self) -> None:
@@ -138,13 +141,16 @@ _INSTALL = threading.Lock()
 
 
 def enable_prefix_cache(model, *, fingerprint: str | None = None, evict_batch_pages: int = 1,
-                        namer: Namer | None = None) -> MmcacheBatching:
+                        namer: Namer | None = None, eviction: str = DEFAULT_POLICY) -> MmcacheBatching:
     """Serve every continuous-batching engine built from ``model`` after this call on mmcache's ``PrefixCache``.
 
     The engine's ``allow_block_sharing`` still turns reuse on and off. ``fingerprint`` names the weights (default: a
     hash of the module's parameters); ``namer(fingerprint, token_ids, salt)`` overrides page names (tests force
-    collisions with it). Only models whose layers are all full attention are accepted.
+    collisions with it); ``eviction`` (a name in ``mmcache.eviction.POLICIES``) orders what each engine's pool evicts.
+    Only models whose layers are all full attention are accepted. An unknown ``eviction`` raises ``InvalidConfig``
+    before anything is installed.
     """
+    check_policy(eviction)
     _check_version()
     cb_cache, _ = _engine()
     text = model.config.get_text_config(decoder=True)
@@ -154,7 +160,7 @@ def enable_prefix_cache(model, *, fingerprint: str | None = None, evict_batch_pa
                              f"has {sorted(groups)}")
     if evict_batch_pages < 1:
         raise InvalidRequest(f"evict_batch_pages must be at least 1, got {evict_batch_pages}")
-    handle = MmcacheBatching(model, fingerprint, evict_batch_pages, namer)
+    handle = MmcacheBatching(model, fingerprint, evict_batch_pages, namer, eviction)
     with _INSTALL:
         _install(cb_cache)
         _BOUND[id(text)] = handle

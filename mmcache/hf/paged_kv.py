@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 
 from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
+from mmcache.eviction import DEFAULT_POLICY
 from mmcache.lifecycle import LowerTier
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool, same_device
@@ -128,12 +129,15 @@ class PagedKVCache(Cache):
 
     @classmethod
     def for_model(cls, model, num_pages: int, page_size: int = 16, *, fingerprint: str | None = None,
-                  evict_batch_pages: int | None = None, tiers: LowerTier | None = None) -> PagedKVCache:
-        """A cache over a new pool of ``num_pages`` pages in the model's dtype and device, with a ``PrefixCache``
-        under ``fingerprint_for(model, page_size, fingerprint)`` and, if given, ``tiers`` below its pool."""
+                  evict_batch_pages: int | None = None, tiers: LowerTier | None = None,
+                  eviction: str = DEFAULT_POLICY) -> PagedKVCache:
+        """A cache over a new pool of ``num_pages`` pages in the model's dtype and device, evicting by ``eviction`` (a
+        name in ``mmcache.eviction.POLICIES``; ``InvalidConfig`` for an unknown one, before the pool is allocated),
+        with a ``PrefixCache`` under ``fingerprint_for(model, page_size, fingerprint)`` and, if given, ``tiers``
+        below its pool."""
         p = next(model.parameters())
         text = model.config.get_text_config(decoder=True)
-        pool = PagePool(num_pages, kv_page_shape(model.config, page_size), p.dtype, p.device)
+        pool = PagePool(num_pages, kv_page_shape(model.config, page_size), p.dtype, p.device, eviction)
         prefix = PrefixCache(pool, cls.fingerprint_for(model, page_size, fingerprint),
                              evict_batch_pages=evict_batch_pages, vocab_size=text.vocab_size, tiers=tiers)
         return cls(prefix, model.config)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
+from mmcache.eviction import check_policy
 from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.salts import request_salt
 
@@ -107,24 +108,32 @@ class CachedEncoderNode(NodeSubmodule):
 
     ``items`` says how requests split into keyed items (``WholeRequest`` or a model's own, see
     ``mmcache.mstar.encoder_items``). ``store``: pass a shared one (e.g. one on the node's KV pool); by default the
-    node gets a store of its own of ``capacity_bytes`` on the node's device. ``fingerprint``: what names the node's
-    weights (default: a hash of every weight, taken once here).
+    node gets a store of its own of ``capacity_bytes`` on the node's device, evicting by ``eviction`` (a name in
+    ``mmcache.eviction.POLICIES``, None for the default; ``InvalidConfig`` here for an unknown one; not with
+    ``store``, which evicts by its pool's). ``fingerprint``: what names the node's weights (default: a hash of every
+    weight, taken once here).
     """
 
     disable_torch_compile = True  # the engine would compile ``forward``; this wrapper dispatches in forward_batched
 
     def __init__(self, node: NodeSubmodule, items: NodeItems, store: EncoderStore | None = None, *,
-                 capacity_bytes: int = DEFAULT_CAPACITY, page_bytes: int = 65536, fingerprint: str | None = None):
+                 capacity_bytes: int = DEFAULT_CAPACITY, page_bytes: int = 65536, fingerprint: str | None = None,
+                 eviction: str | None = None):
         if not isinstance(node, NodeSubmodule):
             raise InvalidRequest(f"CachedEncoderNode wraps an M* NodeSubmodule, got {type(node).__name__}")
         if type(node).declare_step is not NodeSubmodule.declare_step:
             raise InvalidRequest(f"{type(node).__name__} declares engine steps (it owns resources such as KV or "
                                  f"attention): its outputs are not a function of its inputs alone")
+        if eviction is not None:
+            if store is not None:
+                raise InvalidRequest("a given store evicts by its pool's policy: give eviction or store, not both")
+            check_policy(eviction)
         super().__init__()
         self.node, self.spec = node, items
         self.request_states = node.request_states  # one state table: the engine's view and the node's agree
         self.disable_autocast = node.disable_autocast  # the engine reads it off the submodule it holds
         self._store, self._own_store, self._store_size = store, store is None, (capacity_bytes, page_bytes)
+        self._eviction = eviction
         self._given_fingerprint, self._fingerprint = fingerprint, None
         self.counters = NodeCounters()
         self._lock = threading.RLock()
@@ -135,7 +144,7 @@ class CachedEncoderNode(NodeSubmodule):
         """The store: the one given, else one of this node's own, made on first use on the node's device then."""
         with self._lock:
             if self._store is None:
-                self._store = EncoderStore(*self._store_size, device=self.node.get_device())
+                self._store = EncoderStore(*self._store_size, device=self.node.get_device(), eviction=self._eviction)
             return self._store
 
     @property

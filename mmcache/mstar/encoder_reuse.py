@@ -21,6 +21,7 @@ from typing import Callable
 
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidRequest
+from mmcache.eviction import DEFAULT_POLICY, check_policy
 from mmcache.mstar.encoder_items import items_for
 from mmcache.mstar.encoder_node import DEFAULT_CAPACITY, CachedEncoderNode
 from mmcache.mstar.media_digests import route_digests
@@ -28,9 +29,13 @@ from mmcache.mstar.salts import route_salt
 
 
 def enable_encoder_reuse(model, *, capacity_bytes: int = DEFAULT_CAPACITY, page_bytes: int = 65536,
-                         store_for: Callable[[str, object], EncoderStore | None] | None = None) -> None:
+                         store_for: Callable[[str, object], EncoderStore | None] | None = None,
+                         eviction: str = DEFAULT_POLICY) -> None:
     """Turn encoder-output reuse on for M* model instance ``model`` (see the module doc). Idempotent; the class and
-    M*'s files are untouched. ``capacity_bytes``/``page_bytes`` size each node's own store."""
+    M*'s files are untouched. ``capacity_bytes``/``page_bytes`` size each node's own store, and ``eviction`` (a name
+    in ``mmcache.eviction.POLICIES``) orders what it evicts; a store from ``store_for`` evicts by its pool's policy.
+    An unknown ``eviction`` raises ``InvalidConfig`` before ``model`` is touched."""
+    check_policy(eviction)
     if getattr(model, "_mmcache_encoder_reuse", False):
         return
     get, wrapped = model.get_submodule, {}
@@ -47,7 +52,8 @@ def enable_encoder_reuse(model, *, capacity_bytes: int = DEFAULT_CAPACITY, page_
                 return sub
             store = store_for(node_name, sub) if store_for is not None else None
             wrapped[id(sub)] = (sub, CachedEncoderNode(sub, items, store, capacity_bytes=capacity_bytes,
-                                                       page_bytes=page_bytes))
+                                                       page_bytes=page_bytes,
+                                                       eviction=eviction if store is None else None))
         return wrapped[id(sub)][1]
 
     model.get_submodule = get_submodule

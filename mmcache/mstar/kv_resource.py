@@ -30,8 +30,10 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
   after a forward no hook saw); a feed that needs them is served only pages whose rows are all stored, and
   ``held_rows`` reads those of the rows it cut.
 - The methods that assumed one owner per page count owners: ``reset_request(free=False)`` gives up a stream's pages
-  when another owner holds one (M* would rewind onto them and overwrite shared KV), ``reclaimable`` and the offload's
-  freed count count only the pages a request alone holds.
+  when another owner holds one (M* would rewind onto them and overwrite shared KV); ``reclaimable`` and ``offload``
+  count the pages no other live stream holds (after the offload each is free, or its label's index holds it alone and
+  a shortfall evicts it: M*'s ``num_free`` counts both), and an offload that would free none moves nothing and
+  returns 0, as M*'s contract reads 0.
 
 With no ``PrefixReuse`` (``reuse=None``) nothing is matched or indexed: M*'s own behaviour on a counted pool.
 """
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 
 from mmcache.errors import InvalidRequest, OutOfPages
+from mmcache.eviction import DEFAULT_POLICY, check_policy
 from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
 from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.row_outputs import RowOutputs, RowParts, SideRows
@@ -163,7 +166,8 @@ class _Landing(NamedTuple):
 class CountedPageAllocator(PageAllocator):
     """M*'s ``PageAllocator`` interface over a ``PagePool``: ``try_allocate`` takes pages with one owner each,
     evicting cold cached pages of the pool first; ``free`` drops one owner per page (the pool frees a page when its
-    count reaches 0). Thread-safe: every take and release holds the pool's locks."""
+    count reaches 0). Thread-safe: every take and release holds the pool's locks. ``counters``: the shortfalls of the
+    takes made here, the one count of them (``ReuseKVManager.shortfalls`` reports them)."""
 
     def __init__(self, pool: PagePool, evict_batch_pages: int = 1, side: SideRows | None = None):
         self.pool, self.max_num_pages, self.evict_batch_pages = pool, pool.num_pages, evict_batch_pages
@@ -209,6 +213,9 @@ class PrefixReuse:
     - ``labels``: the streams the seam names (the label a node's step writes its prompt into).
     - ``attention_backend``: part of the fingerprint.
     - ``evict_batch_pages``: least pages one eviction frees (default 1/64 of the pool).
+    - ``eviction``: the policy that orders what the node's pool evicts (its prefix indexes and an encoder store on
+      ``manager.pool``): a name in ``mmcache.eviction.POLICIES``; an unknown one raises ``InvalidConfig`` here, before
+      any resource is built.
     - ``tiers(fingerprint, pool)``: a ``LowerTier`` per label (host tier, shared store), or None.
     - ``observer(fingerprint, pool)``: an ``IndexObserver`` per label (``mmcache.kv_events.KVEventPublisher``), or
       None.
@@ -259,6 +266,7 @@ class PrefixReuse:
     labels: tuple[str, ...] = ("main",)
     attention_backend: str = "flashinfer"
     evict_batch_pages: int | None = None
+    eviction: str = DEFAULT_POLICY
     tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None
     observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None
     position_advance: Callable[[str, object, int], int | None] | None = None
@@ -269,6 +277,9 @@ class PrefixReuse:
     id_walks: tuple[str, ...] = ()
     walk_ids: Callable | None = None
     shadow: bool = False
+
+    def __post_init__(self):
+        check_policy(self.eviction)
 
 
 @dataclasses.dataclass
@@ -342,7 +353,7 @@ class ReuseKVManager(KVManager):
                  reuse: PrefixReuse | None = None):
         super().__init__(cfg, name, joint_comm_group, transfer_engine_info, device, dtype)
         self.reuse = reuse
-        self.pool = PagePool.over(self.kv_cache.tensor, page_dim=1)
+        self.pool = PagePool.over(self.kv_cache.tensor, page_dim=1, eviction=reuse.eviction if reuse else None)
         batch = max(1, (reuse.evict_batch_pages if reuse and reuse.evict_batch_pages else self.pool.num_pages // 64))
         self._lock = self.pool.cache_lock
         side = None  # row outputs per page (PrefixReuse.row_outputs)
@@ -874,27 +885,60 @@ class ReuseKVManager(KVManager):
                 named.life.touch(named.claim)
 
     def reclaimable(self, rid: str) -> int:
-        """Device pages only this request holds: what offloading it frees (shared pages stay for their owners)."""
+        """What ``offload(rid)`` frees now (``_freeable``): 0 when it would move nothing."""
         with self._lock:
             streams = self._streams.get(rid)
-            if streams is None:
-                return 0
-            counts = self.pool.counts
-            return sum(int((counts[s.page_indices] == 1).sum()) for s in streams.values() if s.page_indices)
+            return 0 if streams is None else self._freeable((label, s.page_indices) for label, s in streams.items())
+
+    def offload(self, rid: str) -> int:
+        """M*'s offload of every stream of ``rid``, only when it frees a page: returns the pages it freed
+        (``_freeable``, counted when the copies are committed), and 0 exactly when nothing moved (M*'s worker then
+        picks another victim, and the request runs on)."""
+        if not self.reclaimable(rid):
+            return 0  # no host copy for nothing; a change before the commit is caught there
+        return super().offload(rid)
 
     def _commit_offload(self, rid, moved):
         with self._lock:
-            counts = self.pool.counts
-            alone = sum(int((counts[c.pages] == 1).sum()) for c in moved if c.pages)
-            freed, labels = super()._commit_offload(rid, moved)
-            return (alone if labels else freed), labels
+            freed = self._freeable((c.label, c.pages) for c in moved)
+            if not freed:  # other live streams took every page meanwhile: M* abandons the claims, nothing moves
+                return 0, set()
+            _, labels = super()._commit_offload(rid, moved)
+            return (freed if labels else 0), labels
+
+    def _freeable(self, streams) -> int:
+        """Of the ``(label, pages)`` of one request's streams, the pages no other live stream holds: released, each
+        is free, or held by its label's index alone (an eviction candidate, which M*'s ``num_free`` counts). Labels
+        never share pages, and a stream lists a page once. Under the lock."""
+        counts, n = self.pool.counts, 0
+        for label, pages in streams:
+            if pages:
+                others = counts[pages] - 1
+                life = self._mm.lifecycles.get(label)
+                if life is not None:
+                    others -= life.index.indexed[pages]
+                n += int((others == 0).sum())
+        return n
 
     # ----------------------------------------------------------------- stats
     def stats(self, label: str) -> PrefixCacheStats:
-        """``label``'s lifecycle counters and the node's pool; ``pages_live``: distinct pages its live streams hold."""
+        """``label``'s lifecycle counters and the node's pool; ``pages_live``: distinct pages its live streams hold.
+        ``eviction_batches``, ``shortfall_pages`` and ``stalls`` are the node's (``shortfalls``), the same for every
+        label: M*'s arena takes every stream's pages, whatever its label. ``evicted_pages``: pages that left
+        ``label``'s index."""
         with self._lock:
             held = [s.page_indices for streams in self._streams.values() for lab, s in streams.items()
                     if lab == label and s.page_indices]
             live = int(np.unique(np.concatenate(held)).size) if held else 0
             n = sum(1 for streams in self._streams.values() if label in streams)
-            return self.lifecycle(label).stats(live, n)
+            return dataclasses.replace(self.lifecycle(label).stats(live, n), **self.shortfalls())
+
+    def shortfalls(self) -> dict[str, int]:
+        """The node's shortfalls since creation, each counted once where it happened: M*'s arena (the allocator's
+        ``counters``) and every label's host tier copying pages up (its index's counters)."""
+        with self._lock:
+            out = dict(self._arena.allocator.counters)
+            for life in self._mm.lifecycles.values():
+                for k in out:
+                    out[k] += life.index.counters[k]
+            return out
