@@ -17,7 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import torch
 import zmq
@@ -25,6 +24,7 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import best
 from mmcache import Fingerprint, PagePool, PrefixCache
+from mmcache.events import BlockStored, decode_batch
 from mmcache.kv_events import KVEventPublisher
 
 P = 16
@@ -93,9 +93,9 @@ def main():
 
     def drain():
         while sub.poll(1000):
-            for ev in msgpack.unpackb(sub.recv_multipart()[2])[1]:
-                if ev[0] == "BlockStored":
-                    received["stored"] += len(ev[1])
+            for ev in decode_batch(sub.recv_multipart()[2]).events:
+                if isinstance(ev, BlockStored):
+                    received["stored"] += len(ev.block_hashes)
     reader = threading.Thread(target=drain)
     reader.start()
     thru = []

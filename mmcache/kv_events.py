@@ -1,138 +1,48 @@
-"""KV events for external routers: what a prefix index stores and drops, published over ZMQ in vLLM's KV-event format,
-so a KV-aware router (Dynamo, llm-d, vLLM's own subscriber) can index mmcache's pages, multimodal keys kept.
+"""KV and encoder-output events for external routers, in the format vLLM's consumers decode (``mmcache.events``).
 
-Wire format (vLLM ``vllm/distributed/kv_events.py``, the msgspec structs encoded ``array_like`` and ``tag``-ged as in
-vLLM's ``kv_events_subscriber`` example): each ZMQ message is three frames ``(topic, seq as 8 bytes big-endian,
-msgpack payload)``; the payload is a ``KVEventBatch`` ``[ts, events]`` (``[ts, events, data_parallel_rank]`` with a
-rank), each event one of
+Transport (vLLM ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``): ZMQ PUB; each message is three frames
+``(topic, seq as 8 bytes big-endian, payload)``, ``seq`` counting 0, 1, 2, ... per topic. The payload is msgpack
+``[ts, events, data_parallel_rank]`` (rank 0 unless given: vLLM always sends it and Dynamo requires it).
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
+KV events, under ``topic`` (default ""), in vLLM's ``encoding``: ``"map"`` (default; vLLM since PR #42892, each event
+``{"type": tag, field: value}`` with defaulted fields left out while at their default) or ``"array"`` (vLLM before
+it, ``[tag, field, ...]`` with trailing defaults left out). Fields in vLLM's order:
 
-``block_hashes`` are page names (unsigned 64-bit), ``token_ids`` the pages' ids concatenated, ``extra_keys`` one
-list per page: ``["mm", <hex of the page's media blob: offset ‖ digest per medium>]`` when the page holds media and
-``["salt", <hex>]`` on a depth-0 page of a salted chain (vLLM puts its ``cache_salt`` on the first block too).
+    BlockStored   block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+                  extra_keys, group_idx (0), kv_cache_spec_kind ("full_attention")
+    BlockRemoved  block_hashes, medium, group_idx (0)
+    AllBlocksCleared
 
-Off the request path: the index calls ``stored``/``removed``/``cleared`` under the pool's lock; they only append to a
-bounded queue, and a publisher thread encodes batches and sends them. An event that does not fit the queue is
-dropped and counted (``counters["dropped"]``): a router's view is exact only while that stays 0.
+``block_hashes`` are page names (unsigned 64-bit), ``token_ids`` the pages' ids concatenated, ``lora_id`` and
+``lora_name`` null. ``extra_keys`` has one entry per page (vLLM ``kv_cache_utils.generate_block_hash_extra_keys``):
+null, or a list of ``[identifier, offset]`` for every media item whose placeholders overlap the page, ``offset`` the
+item's first placeholder relative to the page's first token (negative on the pages after the item's first), in prompt
+order, then on a chain's first page the tenant salt as a bare string. ``identifier`` is the media digest in hex,
+zero-padded to 64 hex digits (``media_identifier``); the salt is its UTF-8 text, or ``"hex:<hex>"``. An item's
+length is told with ``KVEventPublisher.describe_media(digest, tokens)`` before its pages are stored; an item never
+described rides on its first page only (``unsized_media`` counts them).
+
+Encoder-output events, under ``encoder_topic`` (default ``"mmcache-encoder"``; it must not start with the KV topic),
+same batch and encoding, for a router that routes by the media an instance already encoded:
+
+    EncoderOutputStored   identifier, digest, encoder, modality, nbytes, cache_salt (null), medium
+    EncoderOutputRemoved  identifier, digest, encoder, modality, cache_salt (null), medium
+
+``identifier`` as in ``extra_keys``, ``digest`` the digest's hex, ``encoder`` the encoder fingerprint as text (a str
+as is, else its repr), ``cache_salt`` as in ``extra_keys``. They come when an ``EncoderStore`` reports to the
+publisher (``EncoderStore(observer=publisher)``). A consumer subscribed to every topic that knows only KV events
+(Dynamo's relay subscribes to "") should get a publisher of its own that no encoder store reports to.
+
+Consumers: vLLM's ``KVEventBatch`` decodes both encodings (the one its version speaks); Dynamo's ``zmq_wire`` reads
+both and takes media from 64-hex identifiers; llm-d reads ``[identifier, offset]`` keys as media and parses the topic
+as ``kv@<pod>@<model>`` (set ``topic`` so). ``mmcache.events.CacheView`` rebuilds an instance from the messages.
+
+Off the request path: the caches call under the pool's lock and the calls only queue; a publisher thread builds,
+encodes and sends. A call that does not fit the queue is dropped and counted (``counters["dropped"]``).
 """
 
-from __future__ import annotations
+from mmcache.events.extra_keys import media_identifier, salt_key
+from mmcache.events.publisher import KVEventPublisher
+from mmcache.events.wire import DEFAULT_ENCODER_TOPIC
 
-import queue
-import threading
-import time
-from itertools import count
-
-import msgpack
-import numpy as np
-import zmq
-
-from mmcache.errors import InvalidRequest
-
-
-class KVEventPublisher:
-    """An ``IndexObserver`` that publishes vLLM-format KV events on a ZMQ PUB socket bound to ``endpoint``.
-
-    ``block_size``: the page size. ``medium``: where the pages live ("GPU" on a CUDA pool). ``max_batch``: events per
-    message at most. ``queue_events``: events held for the publisher thread; past it events are dropped (counted).
-    Invariant: events leave in the order the index made them, one sequence number per message."""
-
-    def __init__(self, endpoint: str, block_size: int, *, topic: str = "", medium: str = "GPU",
-                 data_parallel_rank: int | None = None, max_batch: int = 256, queue_events: int = 100_000,
-                 hwm: int = 100_000):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidRequest(f"block_size must be a positive integer, got {block_size!r}")
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise InvalidRequest(f"endpoint must be a ZMQ address such as tcp://127.0.0.1:5557, got {endpoint!r}")
-        self.block_size, self.medium, self.rank = block_size, medium, data_parallel_rank
-        self.topic, self.max_batch = topic.encode(), int(max_batch)
-        self.counters = {"events": 0, "messages": 0, "dropped": 0}
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_events)
-        self._seq = count()
-        self._socket = zmq.Context.instance().socket(zmq.PUB)
-        self._socket.set_hwm(hwm)
-        try:
-            self._socket.bind(endpoint)
-        except zmq.ZMQError as e:
-            self._socket.close(linger=0)
-            raise InvalidRequest(f"cannot bind the KV-event socket to {endpoint}: {e}") from e
-        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._thread = threading.Thread(target=self._run, name="mmcache-kv-events", daemon=True)
-        self._thread.start()
-
-    # ----------------------------------------------------------------- IndexObserver (under the pool's lock)
-    def stored(self, names, parent, tokens: np.ndarray, media, salt: bytes, depth: int) -> None:
-        self._put(("s", names, parent, tokens, media, salt, depth))
-
-    def removed(self, names) -> None:
-        self._put(("r", names))
-
-    def cleared(self) -> None:
-        self._put(("c",))
-
-    def _put(self, item) -> None:
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.counters["dropped"] += 1
-
-    # ----------------------------------------------------------------- publisher thread
-    def _event(self, item) -> list:
-        kind = item[0]
-        if kind == "s":
-            _, names, parent, tokens, media, salt, depth = item
-            extra = []
-            for i, blob in enumerate(media):
-                keys = [["mm", blob.hex()]] if blob else []
-                if salt and depth + i == 0:
-                    keys.append(["salt", salt.hex()])
-                extra.append(keys or None)
-            return ["BlockStored", names, parent, tokens.ravel().tolist(), self.block_size, None, self.medium, None,
-                    extra]
-        if kind == "r":
-            return ["BlockRemoved", item[1], self.medium]
-        return ["AllBlocksCleared"]
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            batch, done, taken = [], item is None, 1
-            while item is not None:
-                batch.append(self._event(item))
-                if len(batch) >= self.max_batch:
-                    break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                taken += 1
-                done = item is None
-            if batch:
-                body = [time.time(), batch] + ([self.rank] if self.rank is not None else [])
-                self._socket.send_multipart((self.topic, next(self._seq).to_bytes(8, "big"), msgpack.packb(body)))
-                self.counters["events"] += len(batch)
-                self.counters["messages"] += 1
-            for _ in range(taken):
-                self._queue.task_done()
-            if done:
-                return
-
-    def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every queued event was sent; False if ``timeout`` passed first."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        return True
-
-    def close(self) -> None:
-        """Send what is queued, stop the thread, close the socket."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-            self._socket.close(linger=1000)
+__all__ = ["DEFAULT_ENCODER_TOPIC", "KVEventPublisher", "media_identifier", "salt_key"]

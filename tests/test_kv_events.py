@@ -1,19 +1,21 @@
 """KV events for external routers over a real ZMQ socket on 127.0.0.1: a subscriber decodes vLLM-format batches and
 rebuilds the set of stored pages, which equals the index's under eviction, a discard and a clear, and with pages
-copied up from a store; media digests and the salt ride in the extra keys; parents are always stored before their
-children."""
+copied up from a store; media identifiers ride in the extra keys of every page an item overlaps and the salt on the
+first page, as vLLM's do; encoder outputs stored and dropped come under their own topic; parents are always stored
+before their children. (Each consumer's own format: ``tests/test_kv_event_consumers.py``.)"""
 
 import time
 
-import msgpack
 import numpy as np
 import pytest
 import torch
 import zmq
 
-from mmcache import Fingerprint, PagePool, PrefixCache
+from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
-from mmcache.kv_events import KVEventPublisher
+from mmcache.events import (AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved, EncoderOutputStored,
+                            decode_batch, media_identifier)
+from mmcache.kv_events import DEFAULT_ENCODER_TOPIC, KVEventPublisher
 from mmcache.tiers import MemoryStore, StoreTier, TierStack
 
 P = 4
@@ -26,26 +28,30 @@ class Router:
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(endpoint)
-        self.blocks, self.seqs, self.orphans = {}, [], 0
+        self.blocks, self.seqs, self.orphans, self.outputs = {}, [], 0, []
 
     def drain(self, timeout=2.0):
         while self.sock.poll(int(timeout * 1000)):
-            _topic, seq, payload = self.sock.recv_multipart()
+            topic, seq, payload = self.sock.recv_multipart()
+            batch = decode_batch(payload)
+            assert batch.data_parallel_rank == 0
+            if topic == DEFAULT_ENCODER_TOPIC.encode():
+                self.outputs.extend(batch.events)
+                continue
             self.seqs.append(int.from_bytes(seq, "big"))
-            _ts, events = msgpack.unpackb(payload)[:2]
-            for ev in events:
-                if ev[0] == "BlockStored":
-                    _, hashes, parent, tokens, size, _lora, medium, _name, extra = ev
-                    assert size == P and len(tokens) == len(hashes) * P and medium == "CPU"
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    hashes, tokens = ev.block_hashes, ev.token_ids
+                    assert ev.block_size == P and len(tokens) == len(hashes) * P and ev.medium == "CPU"
                     for i, h in enumerate(hashes):
-                        up = parent if i == 0 else hashes[i - 1]
+                        up = ev.parent_block_hash if i == 0 else hashes[i - 1]
                         self.orphans += up is not None and up not in self.blocks
-                        self.blocks[h] = (up, tokens[i * P:(i + 1) * P], extra[i])
-                elif ev[0] == "BlockRemoved":
-                    for h in ev[1]:
+                        self.blocks[h] = (up, tokens[i * P:(i + 1) * P], ev.extra_keys[i])
+                elif isinstance(ev, BlockRemoved):
+                    for h in ev.block_hashes:
                         del self.blocks[h]
                 else:
-                    assert ev == ["AllBlocksCleared"]
+                    assert isinstance(ev, AllBlocksCleared)
                     self.blocks.clear()
             timeout = 0.2
 
@@ -95,17 +101,40 @@ def test_a_subscriber_rebuilds_the_index_under_eviction_discard_and_clear(wired)
     assert router.seqs == list(range(len(router.seqs))) and pub.counters["dropped"] == 0
 
 
-def test_media_digests_and_the_salt_ride_in_the_extra_keys(wired):
+def test_media_identifiers_ride_on_every_page_an_item_overlaps_and_the_salt_on_the_first(wired):
     cache, pub, router = wired
     digest = bytes(range(16))
-    tokens = list(range(1, 3 * P + 2))
+    tokens = list(range(1, 4 * P + 2))
+    pub.describe_media(digest, 2 * P)  # placeholders P+1 .. 3P: pages 1, 2 and 3
     serve(cache, "img", tokens, media=[(P + 1, digest)], salt=b"tenant")
     assert pub.flush() and router.drain() is None
-    by_depth = sorted(router.blocks.values(), key=lambda b: b[0] is not None)
-    extras = [b[2] for b in router.blocks.values()]
-    assert ["salt", b"tenant".hex()] in by_depth[0][2]
-    mm = [e for e in extras if e and e[0][0] == "mm"]
-    assert len(mm) == 1 and mm[0][0][1] == ((P + 1).to_bytes(8, "little") + digest).hex()
+    by_depth = sorted(router.blocks.values(), key=lambda b: b[1][0])
+    ident = media_identifier(digest)
+    assert len(ident) == 64 and ident.startswith(digest.hex())
+    assert [b[2] for b in by_depth] == [("tenant",), ((ident, 1),), ((ident, 1 - P),), ((ident, 1 - 2 * P),)]
+
+
+def test_an_item_never_described_rides_on_its_first_page_only(wired):
+    cache, pub, router = wired
+    digest = bytes(range(1, 17))
+    serve(cache, "img", list(range(1, 3 * P + 2)), media=[(P + 1, digest)])
+    assert pub.flush() and router.drain() is None
+    keys = [b[2] for b in sorted(router.blocks.values(), key=lambda b: b[1][0])]
+    assert keys == [None, ((media_identifier(digest), 1),), None] and pub.unsized_media == 1
+
+
+def test_encoder_outputs_stored_and_dropped_come_under_their_own_topic(wired):
+    _, pub, router = wired
+    store = EncoderStore(capacity_bytes=64, page_bytes=16, observer=pub)
+    keys = [EncoderKey(bytes([k]) * 16, "vit@0", "image", b"t" if k else b"") for k in range(3)]
+    for k in keys:
+        store.put(k, torch.zeros(32, dtype=torch.uint8))  # two fit: the third evicts the first
+    assert pub.flush() and router.drain() is None
+    got = [(type(e), e.identifier, e.encoder, e.cache_salt) for e in router.outputs]
+    ident = [media_identifier(k.digest) for k in keys]
+    assert got == [(EncoderOutputStored, ident[0], "vit@0", None), (EncoderOutputStored, ident[1], "vit@0", "t"),
+                   (EncoderOutputRemoved, ident[0], "vit@0", None), (EncoderOutputStored, ident[2], "vit@0", "t")]
+    assert router.outputs[0].nbytes == 32 and router.outputs[0].digest == keys[0].digest.hex()
 
 
 def test_publisher_arguments_are_checked():
@@ -113,6 +142,10 @@ def test_publisher_arguments_are_checked():
         KVEventPublisher("tcp://127.0.0.1:*", 0)
     with pytest.raises(InvalidRequest):
         KVEventPublisher("127.0.0.1:5557", 4)
+    with pytest.raises(InvalidRequest):
+        KVEventPublisher("tcp://127.0.0.1:*", 4, encoding="json")
+    with pytest.raises(InvalidRequest):  # a subscriber to the KV topic would get encoder messages
+        KVEventPublisher("tcp://127.0.0.1:*", 4, topic="kv", encoder_topic="kv-encoder")
 
 
 def test_pages_copied_up_from_the_store_are_stored_events_too(wired):

@@ -4,6 +4,7 @@ are built from small generated items here; the data's own replays skip without .
 
 import json
 
+import numpy as np
 import pytest
 
 from workloads import cli, registry
@@ -123,3 +124,36 @@ def test_the_shared_mmmu_questions_replay_with_media_affinity_ahead_of_random():
     trace = load_image_chats(_shared_root(), limit=60)
     rand, media = (replay_replicas(trace, replicas=4, router=r, **KW) for r in ("random", "media-affinity"))
     assert media.encoder_hit_rate > rand.encoder_hit_rate and media.encoder_items == rand.encoder_items > 60
+
+
+class _Internals:
+    """A replica's caches read from their internals (the index's indexed names, the store's entries), asserting at
+    every query that the replica's view decoded from its events answers the same."""
+
+    def __init__(self, rep):
+        self.rep = rep
+
+    def matched_pages(self, names):
+        index = self.rep.cache.index
+        held = {int(n) for n in index.tier_view().name[np.flatnonzero(index.indexed)]}
+        k = 0
+        while k < len(names) and int(names[k]) in held:
+            k += 1
+        assert self.rep.view.matched_pages(names) == k and self.rep.view.gaps == 0
+        return k
+
+    def holds_media(self, digest):
+        held = any(e.key.digest == bytes(digest) for e in self.rep.store._entries.values())
+        assert self.rep.view.holds_media(digest) == held
+        return held
+
+
+def test_kv_aware_routes_the_same_from_decoded_events_as_from_the_caches_internals():
+    kw = dict(replicas=4, router="kv-aware", **KW)
+    from_events = replay_replicas(CHATS, **kw)
+    from_internals = replay_replicas(CHATS, view_of=_Internals, **kw)
+    a, b = from_events.to_dict(), from_internals.to_dict()
+    a.pop("elapsed_s"), b.pop("elapsed_s")
+    assert a == b and from_events.requests == CHATS.num_requests
+    rand = replay_replicas(CHATS, replicas=4, router="random", **KW)
+    assert from_events.hit_rate > rand.hit_rate and from_events.encoder_hit_rate > rand.encoder_hit_rate

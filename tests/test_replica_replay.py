@@ -33,7 +33,7 @@ def test_affinity_keeps_hits_near_one_pool_and_stores_fewer_copies_than_random(r
 
 
 def test_round_robin_is_even_and_every_router_sees_every_request():
-    for router in ("random", "round-robin", "affinity", "cache-aware"):
+    for router in ("random", "round-robin", "affinity", "cache-aware", "kv-aware"):
         run = replay_replicas(TRACE, replicas=3, router=router, **KW)
         assert run.requests == TRACE.num_requests and len(run.per_replica_requests) == 3
     rr = replay_replicas(TRACE, replicas=3, router="round-robin", **KW)

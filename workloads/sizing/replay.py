@@ -44,6 +44,7 @@ from typing import Protocol
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from mmcache.eviction import DEFAULT_POLICY, EvictionPolicy, OfflineOptimal
+from mmcache.prefix_index import IndexObserver
 from workloads.harness.progress import progress_bar
 from workloads.sizes import format_size
 from workloads.sizing.ordering import schedule
@@ -120,12 +121,12 @@ class _Replayer:
     """The state of one replay: the cache, the live requests keyed by end, and the counters."""
 
     def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, tiers: TierModel = TierModel(),
-                 policy: EvictionPolicy | None = None):
+                 policy: EvictionPolicy | None = None, observer: IndexObserver | None = None):
         self.trace, self.run, self.service, self.tiers = trace, run, service, tiers
         self.pool = PagePool(run.pool_pages, page_shape=(), eviction=policy or run.eviction)
         fp = Fingerprint(model="replay", page_size=run.page_size)
         self.stack = tiers.build(fp, self.pool, run.page_size)
-        self.cache = PrefixCache(self.pool, fp, tiers=self.stack)
+        self.cache = PrefixCache(self.pool, fp, tiers=self.stack, observer=observer)  # observer: its KV events
         self.live: dict[str, TextRequest] = {}
         self.ends: list[tuple[float, int, str]] = []  # heap of (end, admission seq, rid); stale entries skipped
         self.by_session: dict[str, str] = {}

@@ -17,6 +17,11 @@ call is finished on whichever replica holds it; the router sees the request's pa
 of its encoded media and each replica's live requests (its queue) and picks a replica, whose ``_Replayer`` admits
 and runs the request exactly as the single-pool replay does (``workloads.sizing.replay``).
 
+A router that reads the replicas' caches (``kv-aware``) reads them as an external router would: each replica's
+prefix cache and encoder store report to an ``EventLog`` (``mmcache.events``: the messages a ``KVEventPublisher``
+sends, with each item's placeholder count described at admission), and before each choice the router's
+``CacheView`` of every replica applies the messages made since the last one, decoded from their bytes.
+
 Service model, per replica: a request's prefill waits for the replica's earlier prefills (one prefill at a time,
 FIFO) and takes ``encoder misses * encoder_s + uncached tokens / prefill_tokens_per_s`` (the encoder runs in the
 request's turn, before its prefill); ``TTFT = prefill end - arrival`` (admission stalls included); the request then
@@ -39,6 +44,7 @@ import numpy as np
 import torch
 
 from mmcache import EncoderKey, EncoderStore, Fingerprint, page_names
+from mmcache.events import CacheView, EventLog
 from mmcache.shadow import ReplicaSpread
 from workloads.sizing.ordering import schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
@@ -112,13 +118,27 @@ def _stand_in(item: MediaItem) -> torch.Tensor:
 class _Replica(_Replayer):
     """One replica's cache, encoder store and live set, with a FIFO prefill queue for TTFT."""
 
-    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_units: int):
-        super().__init__(trace, run, service)
-        self.store = EncoderStore(capacity_bytes=encoder_units, page_bytes=1)
+    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_units: int,
+                 events: bool = False):
+        self.log = EventLog(run.page_size, medium="CPU") if events else None  # what this replica would publish
+        super().__init__(trace, run, service, observer=self.log)
+        self.store = EncoderStore(capacity_bytes=encoder_units, page_bytes=1, observer=self.log)
+        self.view = CacheView()  # a router's picture of this replica, from the decoded messages alone
         self.prefill_free = 0.0
         self.ttfts: list[float] = []
         self.sent: set[int] = set()
         self.encoder_items = self.encoder_in_prefix = self.encoder_store_hits = 0
+
+    def sync(self) -> None:
+        """Decode the messages this replica made since the last call into its ``view``."""
+        if self.log is not None:
+            self.view.apply(self.log.take())
+
+    def step(self, req: TextRequest) -> int | None:
+        if self.log is not None:  # as an engine does at admission: each item's placeholder count
+            for item in req.media:
+                self.log.describe_media(item.digest, item.tokens)
+        return super().step(req)
 
     def encode(self, req: TextRequest, matched: int) -> int:
         """Serve every encoded media item of the admitted ``req``: from the first ``matched`` tokens when its rows
@@ -145,9 +165,10 @@ class _Replica(_Replayer):
 
 def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: int, pool_tokens: int,
                     service: ServiceModel = ServiceModel(), threshold: int | None = None, key_pages: int | None = None,
-                    seed: int = 0, encoder_bytes: int = DEFAULT_ENCODER_BYTES) -> ReplicaRun:
+                    seed: int = 0, encoder_bytes: int = DEFAULT_ENCODER_BYTES, view_of=None) -> ReplicaRun:
     """Replay ``trace`` over ``replicas`` pools of ``pool_tokens // replicas`` tokens and encoder stores of
-    ``encoder_bytes // replicas`` bytes each, routed by ``router``."""
+    ``encoder_bytes // replicas`` bytes each, routed by ``router``. A router that reads the replicas' caches gets
+    ``view_of(replica)`` for each (default: the replica's ``CacheView`` of its decoded events)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if trace.page_size is not None and page_size != trace.page_size:
@@ -161,8 +182,11 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
                          f"{ENCODER_UNIT} bytes each")
     kw = {k: v for k, v in (("threshold", threshold), ("key_pages", key_pages)) if v is not None}
     policy = make_router(router, replicas, page_size, seed=seed, **kw)
-    reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None), service, units)
-            for _ in range(replicas)]
+    reads_caches = hasattr(policy, "attach")
+    reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None), service, units,
+                     events=reads_caches) for _ in range(replicas)]
+    if reads_caches:
+        policy.attach([view_of(rep) if view_of is not None else rep.view for rep in reps])
     run = ReplicaRun(replicas, router, pages * page_size * replicas, page_size, units * ENCODER_UNIT * replicas)
     fp = Fingerprint(model="replay", page_size=page_size)  # the root the replay's caches use
     spread, where = ReplicaSpread(), {}  # where: session -> replica of its live call
@@ -176,6 +200,8 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
         prev = where.pop(req.session, None)
         if prev is not None and reps[prev].by_session.get(req.session) is not None:
             reps[prev].finish(reps[prev].by_session[req.session])
+        for rep in reps:
+            rep.sync()
         pick = policy.choose(req.names, req.prompt_len, [len(r.live) for r in reps], req.arrival_s,
                              [m.digest for m in req.encoded])
         rep = reps[pick]

@@ -13,6 +13,12 @@
   replica with the smallest tree. The chosen replica's tree then takes the request's prompt. SGLang's trees hold
   the request text by character; here they hold page names (a chain name is a whole prefix, so a set of names per
   replica is a radix tree at page granularity) and sizes count tokens.
+- ``kv-aware``: routes by what each replica's caches hold, as a router that reads their events does (Dynamo's KV
+  router, llm-d's precise prefix-cache scorer): among the replicas whose queue is below ``threshold`` (all, when none
+  is), the one with the highest score, ``cached leading pages of the prompt + media_weight x the request's encoded
+  media whose encoder output it holds``, ties to the shorter queue, then the lower index. It holds no state of its
+  own: the replay attaches one view per replica (``attach``), by default a ``mmcache.events.CacheView`` rebuilt from
+  the replica's decoded KV and encoder-output events.
 
 ``loads`` are the live (admitted, not yet finished) requests of each replica, SGLang's "pending requests".
 """
@@ -97,6 +103,27 @@ class CacheAwareRouter:
         return k
 
 
+class KVAwareRouter:
+    """The ``kv-aware`` policy (see the module doc) over views with ``matched_pages(names)`` and
+    ``holds_media(digest)``; ``media_weight``: pages an encoder output held counts for (an encoder run saved)."""
+
+    def __init__(self, replicas: int, threshold: int = DEFAULT_THRESHOLD, media_weight: int = 4):
+        self.replicas, self.threshold, self.media_weight = replicas, threshold, media_weight
+        self.views: list | None = None
+
+    def attach(self, views) -> None:
+        if len(views) != self.replicas:
+            raise ValueError(f"{len(views)} views for {self.replicas} replicas")
+        self.views = list(views)
+
+    def choose(self, names, prompt_len, loads, now, media=()) -> int:
+        if self.views is None:
+            raise RuntimeError("kv-aware routing needs a view of each replica (attach)")
+        score = [v.matched_pages(names) + self.media_weight * sum(map(v.holds_media, media)) for v in self.views]
+        open_ = [i for i in range(self.replicas) if loads[i] < self.threshold] or range(self.replicas)
+        return max(open_, key=lambda i: (score[i], -loads[i], -i))
+
+
 def make_router(name: str, replicas: int, page_size: int, *, threshold: int = DEFAULT_THRESHOLD,
                 key_pages: int = DEFAULT_KEY_PAGES, seed: int = 0):
     if name == "random":
@@ -108,4 +135,6 @@ def make_router(name: str, replicas: int, page_size: int, *, threshold: int = DE
         return PrefixAffinityRouter(replicas, threshold, key_pages, seed, key)
     if name == "cache-aware":
         return CacheAwareRouter(replicas, page_size)
+    if name == "kv-aware":
+        return KVAwareRouter(replicas, threshold)
     raise ValueError(f"unknown router {name!r}; expected one of {', '.join(ROUTERS)}")
