@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from mmcache.errors import InvalidMedia
+from digests.errors import InvalidMedia
 
 # init_kwargs entries that describe where and how a tokenizer was loaded, not what it does; they differ per machine.
 _LOCAL_KWARGS = frozenset({"name_or_path", "is_local", "local_files_only", "cache_dir", "token", "use_auth_token"})

@@ -13,7 +13,7 @@ import wave
 
 import numpy as np
 
-from mmcache.errors import InvalidMedia
+from digests.errors import InvalidMedia
 
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error)
 

@@ -15,7 +15,7 @@ from functools import partial
 
 import xxhash
 
-from mmcache.errors import InvalidMedia, InvalidRequest
+from digests.errors import InvalidMedia, InvalidRequest
 
 CHUNK = 1 << 20
 DEFAULT = "xxh3_128"

@@ -17,7 +17,7 @@ import numpy as np
 
 from digests.canonical import canonical
 from digests.digest import DEFAULT, Digest, compute
-from mmcache.errors import InvalidMedia
+from digests.errors import InvalidMedia
 
 _VERSION = 1
 
@@ -146,3 +146,19 @@ def _array(x) -> tuple[dict, np.ndarray]:
         raise InvalidMedia(f"cannot digest an array of dtype {x.dtype}")
     x = np.ascontiguousarray(x, dtype=x.dtype.newbyteorder("<"))
     return {"kind": "array", "dtype": x.dtype.name, "shape": list(x.shape)}, x.reshape(-1).view(np.uint8)
+
+
+def media_bytes(data, kind: str) -> bytes | None:
+    """``data`` as immutable bytes, a path read exactly once (the same bytes are then digested and decoded, so a file
+    rewritten in between can never store one input's output under another's digest); None if it is neither."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    if isinstance(data, (str, os.PathLike)):
+        try:
+            with open(data, "rb") as f:
+                return f.read()
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+            raise InvalidMedia(f"cannot read {kind} file {os.fspath(data)!r}: {e}") from e
+    return None

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 import digests
-from encoders.base import CachedEncoder, module_fingerprint
+from encoders.base import CachedEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
 from mmcache.extras import import_torchaudio
+from mmcache.module_fingerprint import module_fingerprint
 
 torchaudio = import_torchaudio()
 

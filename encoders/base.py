@@ -1,5 +1,5 @@
-"""The base of every cached encoder wrapper: one media reader, the fingerprint that names what a module computes, and
-the lookup through an ``EncoderStore``.
+"""The base of every cached encoder wrapper: one media reader (``digests.media.media_bytes``), the fingerprint that names
+what a module computes (``mmcache.module_fingerprint``), and the lookup through an ``EncoderStore``.
 
 A wrapper turns media into an encoder output. The base holds the store, the fingerprint, the modality, the device
 and dtype outputs come back in, and the lookup: ``read`` the media once (a path is read exactly once, so the same
@@ -13,57 +13,15 @@ than bytes and paths in ``read`` (a PIL image, a waveform) and add verifying ids
 
 from __future__ import annotations
 
-import os
-
 import torch
-import xxhash
-from torch import nn
 
 import digests
+from digests.media import media_bytes
 from mmcache.encoder_key import EncoderKey, stable_bytes
 from mmcache.encoder_store import EncoderStore, Lookup
 from mmcache.errors import InvalidMedia, InvalidRequest
 
 
-def module_fingerprint(module: nn.Module) -> str:
-    """``Class/hash/dtype/device type`` naming what ``module`` computes: equal fingerprints give equal outputs.
-
-    The hash (xxh3-128) covers every tensor of the state dict (name, dtype, shape, bytes), the canonical config and
-    the attention backend (``config._attn_implementation``: sdpa and eager differ in the last bits). All the bytes,
-    not a sample: two checkpoints that differ in a single weight never share an entry. That is one pass over the
-    weights at construction (about 0.1 s per GB on a CPU); pass a ``fingerprint`` string to the wrapper instead for
-    weights on the meta device (sequential offload) or too large to read. Taken once: weights changed in place later
-    keep the old fingerprint, so build a new wrapper after changing them. Configs that differ only in fields without
-    effect (e.g. ``architectures``) give different fingerprints: a needless miss, never a wrong hit.
-    """
-    h = xxhash.xxh3_128()
-    config = getattr(module, "config", None)
-    h.update(digests.canonical({"config": config, "attn": getattr(config, "_attn_implementation", None)}))
-    for name, t in module.state_dict().items():
-        if t.device.type == "meta":
-            raise ValueError(f"{name} of {type(module).__name__} is on the meta device (offloaded): its weights "
-                             f"cannot be hashed, pass fingerprint= to the wrapper")
-        t = t.detach().cpu().contiguous()
-        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # via uint8: bfloat16 has no numpy dtype
-    p = next(module.parameters())
-    return f"{type(module).__name__}/{h.hexdigest()}/{str(p.dtype).removeprefix('torch.')}/{p.device.type}"
-
-
-def media_bytes(data, kind: str) -> bytes | None:
-    """``data`` as immutable bytes, a path read exactly once (the same bytes are then digested and decoded, so a file
-    rewritten in between can never store one input's output under another's digest); None if it is neither."""
-    if isinstance(data, bytes):
-        return data
-    if isinstance(data, (bytearray, memoryview)):
-        return bytes(data)
-    if isinstance(data, (str, os.PathLike)):
-        try:
-            with open(data, "rb") as f:
-                return f.read()
-        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-            raise InvalidMedia(f"cannot read {kind} file {os.fspath(data)!r}: {e}") from e
-    return None
 
 
 class CachedEncoder:

@@ -28,9 +28,10 @@ from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 from diffusers.utils.torch_utils import get_module_execution_device
 
 import digests
-from encoders.base import CachedEncoder, module_fingerprint
+from encoders.base import CachedEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
+from mmcache.module_fingerprint import module_fingerprint
 
 
 def decode(data):

@@ -31,8 +31,9 @@ from diffusers.utils.torch_utils import get_module_execution_device
 from torch import nn
 
 import digests
-from encoders.base import CachedEncoder, module_fingerprint
+from encoders.base import CachedEncoder
 from mmcache.encoder_store import EncoderStore
+from mmcache.module_fingerprint import module_fingerprint
 
 
 class CachedPromptEncoder(CachedEncoder):

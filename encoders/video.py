@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import digests
-from encoders.base import CachedEncoder, module_fingerprint
+from encoders.base import CachedEncoder
 from mmcache.encoder_store import EncoderStore
+from mmcache.module_fingerprint import module_fingerprint
 
 
 class CachedVideoEncoder(CachedEncoder):

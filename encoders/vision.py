@@ -28,9 +28,11 @@ import torch
 from torch import nn
 
 import digests
-from encoders.base import CachedEncoder, media_bytes, module_fingerprint
+from digests.media import media_bytes
+from encoders.base import CachedEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
+from mmcache.module_fingerprint import module_fingerprint
 
 
 class CachedVisionEncoder(CachedEncoder):

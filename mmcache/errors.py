@@ -3,9 +3,8 @@
 Each error is raised before any state changes, so catching one leaves the cache exactly as it was.
 """
 
-
-class MmcacheError(Exception):
-    """Base of every mmcache error."""
+# the root and the digests' errors live in the lowest layer (digests raise them); re-exported here with the rest
+from digests.errors import InvalidMedia, InvalidRequest, MmcacheError  # noqa: F401
 
 
 class OutOfPages(MmcacheError):
@@ -33,9 +32,6 @@ class DuplicateRequest(MmcacheError):
     """A second admit of a request id that is still live."""
 
 
-class InvalidRequest(MmcacheError, ValueError):
-    """Arguments that cannot describe a request: bad tokens, salt, names or lengths."""
-
 
 class InvalidConfig(MmcacheError, ValueError):
     """A setting that names nothing mmcache has, such as an unknown eviction policy."""
@@ -53,9 +49,6 @@ class TraceError(MmcacheError, ValueError):
 class EncoderOutputError(MmcacheError, ValueError):
     """An encoder output the store refuses: not tensors, or a shape/dtype other than expected or already stored."""
 
-
-class InvalidMedia(MmcacheError, ValueError):
-    """Media, params or token ids that cannot be digested or decoded: missing file, unsupported type, corrupt data."""
 
 
 class AllocationFailed(OutOfPages):

@@ -22,7 +22,7 @@ from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, DynamicCache,
 from conftest import save_tiny
 from mmcache.hf.paged_kv import PagedKVCache
 from mmcache.hf.runner import chunk_spans, generate, replay, serve
-from mmcache.hf.llava import LlavaPrefill
+from encoders.llava import LlavaPrefill
 from mmcache.encoder_store import EncoderStore
 
 P = 4  # page size; also the prefill chunk

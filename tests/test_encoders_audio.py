@@ -13,11 +13,11 @@ from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
 from transformers.modeling_outputs import BaseModelOutput
 
 from conftest import save_tiny
-from encoders.base import module_fingerprint
 from encoders.audio import CachedAudioEncoder
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
+from mmcache.module_fingerprint import module_fingerprint
 from workloads import fixtures
 
 KINDS = ("audio", "speaker")

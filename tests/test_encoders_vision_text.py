@@ -12,11 +12,11 @@ from PIL import Image
 
 import digests
 from conftest import save_tiny
-from encoders.base import module_fingerprint
 from encoders.text import CachedPromptEncoder
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidMedia
+from mmcache.module_fingerprint import module_fingerprint
 
 PX = 32  # image side of the tiny towers: 4 x 4 patches of 8 px
 L = 16  # max_sequence_length of the tiny Wan pipeline

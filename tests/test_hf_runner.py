@@ -9,7 +9,7 @@ from conftest import png_bytes
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.hf import runner
-from mmcache.hf.llava import LlavaPrefill
+from encoders.llava import LlavaPrefill
 from mmcache.hf.paged_kv import PagedKVCache
 from workloads import fixtures
 

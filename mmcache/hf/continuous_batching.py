@@ -38,9 +38,9 @@ import threading
 from typing import Callable, Sequence
 
 
-from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import DEFAULT_POLICY, check_policy
+from mmcache.module_fingerprint import module_fingerprint
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache

@@ -23,10 +23,10 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from encoders.base import module_fingerprint
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import DEFAULT_POLICY
 from mmcache.lifecycle import LowerTier
+from mmcache.module_fingerprint import module_fingerprint
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool, same_device
 from mmcache.prefix_cache import PrefixCache, RequestState

@@ -118,7 +118,7 @@ def serve(model, kv: PagedKVCache | None, rid: Hashable, token_ids, *, max_new_t
     output's too with ``index_output``. Any error aborts the request: nothing more of it is indexed.
     ``kv=None`` is the uncached run of the same schedule (``chunk_tokens`` required).
 
-    ``embed`` feeds ``inputs_embeds`` for prefill chunks instead of ``input_ids`` (VLMs, see ``mmcache.hf.llava``);
+    ``embed`` feeds ``inputs_embeds`` for prefill chunks instead of ``input_ids`` (VLMs, see ``encoders.llava``);
     ``prepare(matched)``, called after admission, returns it instead when it depends on what was matched;
     ``arrival`` is the ``time.perf_counter()`` the request arrived at (default: now), from which ``ttft_s`` counts.
     """

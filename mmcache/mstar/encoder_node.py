@@ -155,7 +155,7 @@ class CachedEncoderNode(NodeSubmodule):
             if self._fingerprint is None:
                 given = self._given_fingerprint
                 if given is None:
-                    from encoders.base import module_fingerprint
+                    from mmcache.module_fingerprint import module_fingerprint
                     given = module_fingerprint(self.node)
                 self._fingerprint = (given, type(self.spec).__name__)
             return self._fingerprint

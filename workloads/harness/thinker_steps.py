@@ -52,7 +52,7 @@ class ThinkerSteps:
         self.model, self.processor = q.omni_model(made.weights), q.image_processor()  # the data worker's
 
     def start(self, lv) -> None:
-        from encoders.base import media_bytes
+        from digests.media import media_bytes
 
         q, schedule, rows = self.q, [], 0
         for kind, x in self.workload.walks(lv.req):

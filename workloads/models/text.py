@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from encoders.base import module_fingerprint
 from mmcache import ShadowIndex
 from mmcache.errors import InvalidRequest
 from mmcache.hf import runner
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.module_fingerprint import module_fingerprint
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.harness.serving import Clock, Request

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
-from encoders.base import media_bytes
+from digests.media import media_bytes
 from mmcache.errors import InvalidMedia
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult

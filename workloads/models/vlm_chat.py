@@ -18,7 +18,7 @@ the request's salt) -> ``runner.serve`` -> ``PagedKVCache`` -> the core, and bac
 ``workloads.fixtures`` (a CLIP tower, projector and Llama, hidden 64, 2 layers; or ``options.model``) prefills
 ``inputs_embeds``: token embeddings with each image's projected features in its placeholder rows. Cache off: every
 request decodes, preprocesses and encodes every image it holds and prefills every token. Cache on: a
-``PagedKVCache`` whose page names carry the images' digests (``mmcache.hf.llava``) and an ``EncoderStore``; only images
+``PagedKVCache`` whose page names carry the images' digests (``encoders.llava``) and an ``EncoderStore``; only images
 with a placeholder past the matched prefix are encoded, through the store. Stages: ``image`` (digests and encoder),
 ``prefill``; ``Clock.token()`` at each generated token. A turn whose image file is missing raises ``InvalidMedia``;
 a follow-up of a failed turn raises ``InvalidRequest`` (it has no history to re-send).
@@ -44,7 +44,7 @@ from PIL import Image, ImageDraw
 
 from mmcache import EncoderStore, ShadowIndex
 from mmcache.errors import InvalidMedia, InvalidRequest
-from mmcache.hf.llava import LlavaPrefill, VlmPrompt
+from encoders.llava import LlavaPrefill, VlmPrompt
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from workloads import fixtures, registry
 from workloads.harness.metrics import RequestResult

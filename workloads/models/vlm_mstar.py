@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from encoders.base import media_bytes
+from digests.media import media_bytes
 from mmcache import Fingerprint, ShadowIndex
 from mmcache.errors import InvalidMedia, InvalidRequest
 from workloads.harness.serving import Request

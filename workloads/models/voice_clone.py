@@ -53,13 +53,13 @@ import numpy as np
 import torch
 
 import digests
-from encoders.base import module_fingerprint
 from encoders.codec import CachedCodecEncoder
 from mmcache import EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
 from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
 from mmcache.hf import runner
 from mmcache.hf.csm import CsmSpeech, Template, frames_digest
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.module_fingerprint import module_fingerprint
 from workloads import fixtures
 from workloads.harness.metrics import RequestResult
 from workloads.harness.serving import Clock, Request

@@ -28,7 +28,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 import digests
-from encoders.base import media_bytes
+from digests.media import media_bytes
 from encoders.video import CachedVideoEncoder, tokens_per_video
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
