@@ -106,8 +106,10 @@ def test_failure_lines_give_count_and_first_reason_per_class():
 def test_model_replay_prints_failures_service_time_and_the_pool_note(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["replay", "vlm-chat", "--limit", "3", "--max-new-tokens", "2", "--pool-pages", "2",
-                 "--json", str(out), "--no-progress"]) == 0
-    printed = capsys.readouterr().out
+                 "--json", str(out), "--no-progress"]) == 1  # every cache-on request failed: not a success
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert captured.err.splitlines()[-1].startswith("mmcache: error: every request failed with the cache on")
     assert "failed: cache on: 1 failed with OutOfPages, first: request 'i0u0t0': out of pages" in printed
     assert "failed: cache on: 2 failed with InvalidRequest, first: request 'i0u0t1'" in printed
     assert "bound the cache-on run only" in printed and "service time p50 (ms)" in printed

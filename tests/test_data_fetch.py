@@ -78,7 +78,7 @@ def test_fetch_downloads_verifies_and_names_source_and_licence(tmp_path, server,
     assert (data / "many/2.json").read_bytes() == b"[2, 2]" and not list(data.rglob("*.part"))
     assert f"source {server}; licence CC0-1.0" in out and "size and sha256 checked" in out
     assert "sha256 " + hashlib.sha256(b"[1]").hexdigest() + ", not on record" in out
-    assert "byhand: not fetched (no file to download as is): convert it yourself" in out
+    assert "not fetched by default, made by hand: byhand (mmcache data fetch NAME says how)" in out
     assert main(["data", "fetch", "one", "--manifest", str(manifest(tmp_path, server)), "--data", str(data)]) == 0
     assert "present one/trace.jsonl" in capsys.readouterr().out  # verified in place, not fetched again
 

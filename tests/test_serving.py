@@ -31,17 +31,20 @@ def test_cache_on_hits_on_the_same_schedule(runs):
     assert "TTFT p50 (ms)" in table and "prefix hit rate (tokens)" in table and "100% of ceiling" in table
 
 
-def test_cache_on_is_faster(runs, tiny_chat):
-    """Wall-clock medians on a shared CPU: a burst of load from other processes can slow one run, so up to 3 tries
-    (the ideal prefill ratio is about 0.2)."""
+def test_cache_on_computes_less(runs):
+    """What the cache saves, counted exactly: prompt tokens not prefilled and images not encoded, on the same
+    requests. How much faster that makes a run is timing, measured in benchmarks/, never asserted here."""
     off, on = runs
-    for _ in range(3):
-        prefill = [float(np.median([r.stages["prefill"] for r in run.completed])) for run in (off, on)]
-        ttft = [summarize(run)["latency_s"]["ttft"]["p50"] for run in (off, on)]
-        if prefill[1] < 0.5 * prefill[0] and ttft[1] < ttft[0]:
-            return
-        off, on = compare(tiny_chat.factory(), SCHEDULE)
-    pytest.fail(f"cache on not faster in 3 tries: median prefill off/on {prefill} s, TTFT p50 off/on {ttft} s")
+    prompts = [sum(r.result.prompt_tokens for r in run.completed) for run in (off, on)]
+    prefilled = [sum(r.result.prompt_tokens - r.result.hit_tokens for r in run.completed) for run in (off, on)]
+    assert prompts[0] == prompts[1] and prefilled[0] == prompts[0]
+    assert prefilled[1] < 0.3 * prefilled[0]
+    assert summarize(on)["hit_rate"]["prefix"] == pytest.approx(1 - prefilled[1] / prompts[1])
+    images = [[(r.result.encoder_items.get("image", 0), r.result.encoder_hits.get("image", 0)) for r in run.completed]
+              for run in (off, on)]
+    assert [n for n, _ in images[0]] == [n for n, _ in images[1]] and not any(h for _, h in images[0])
+    encoded = [sum(n - h for n, h in run) for run in images]
+    assert encoded[1] * 3 == encoded[0] * 2  # a third of the image items hit
 
 
 def test_timeline_invariants(runs):

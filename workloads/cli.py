@@ -30,19 +30,24 @@ Data: ``mmcache data list`` names each public data set the replays read (source,
 Model replay: MODEL_WORKLOAD (``vlm-chat``, ``image-gen``, ``voice-clone``, ``voice-mstar``, ``vlm-mstar``,
 ``agent-model``, ``mooncake-model``, ``mixed``) serves its requests through real models with the cache off, then on, on
 the same schedule, and prints both runs side by side (latencies, goodput at the SLO, hit rates against their ceilings,
-time per stage). Without ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA`` or
-../shared/data. With ``--in-flight N`` the text workloads (``ENGINE_WORKLOADS``) are served through transformers'
-continuous-batching engine with N requests in flight, cache off (its sharing off) then on (mmcache under it), every
-latency measured (``workloads.harness.engine_serving``); without it one request is served at a time and queueing is
-simulated. The M* workloads (``MSTAR_WORKLOADS``: ``voice-mstar``, M*'s Orpheus; ``vlm-mstar``, vlm-chat's image
-questions through M*'s Qwen3-Omni vision encoder and thinker) are always served through M*'s own ``Engine``, N in flight
-(default 1), M*'s KV resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``), and print
-the prompt rows each run computed.
+time per stage). Without ``--data`` the workload's embedded default runs; ``--data`` alone reads ``$MMCACHE_DATA``,
+else the data folder ``mmcache data fetch`` fills (``workloads.registry.data_place``). With ``--in-flight N`` the
+text workloads (``ENGINE_WORKLOADS``) are served through transformers' continuous-batching engine with N requests in
+flight, cache off (its sharing off) then on (mmcache under it), every latency measured
+(``workloads.harness.engine_serving``); without it one request is served at a time and queueing is simulated. The M*
+workloads (``MSTAR_WORKLOADS``: ``voice-mstar``, M*'s Orpheus; ``vlm-mstar``, vlm-chat's image questions through M*'s
+Qwen3-Omni vision encoder and thinker) are always served through M*'s own ``Engine``, N in flight (default 1), M*'s KV
+resource for cache off and mmcache's for cache on (``workloads.harness.mstar_serving``), and print the prompt rows each
+run computed.
 
-``main`` returns the exit status: 0 on success, 2 on a usage, workload, model or trace error (printed as
-``mmcache: error: ...``). Output paths are checked before anything runs. Only argparse, the registry and a few
-torch-free modules are imported at start, so ``mmcache --help`` stays fast; the cache, torch and the model libraries
-are imported when a replay runs.
+``main`` returns the exit status: 0 on success; 2 on a usage, workload, model or trace error, or a pool that cannot
+run (smaller than every request, or past the machine's memory), each refused before anything runs; 1 when a run ran
+but did not succeed (an output written to a fallback file, every request of a run failed, a download failed, a source
+made by hand missing); 130 after Ctrl-C, with what finished printed and written (``workloads.interrupts`` holds Ctrl-C
+while results are written). Every error is one line, ``mmcache: error: ...``. Output paths and trace paths (a regular
+file or a folder: a pipe or a device is never opened) are checked before anything runs. Only argparse, the registry
+and a few torch-free modules are imported at start, so ``mmcache --help`` stays fast; the cache, torch and the model
+libraries are imported when a replay runs.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ import time
 from pathlib import Path
 
 from workloads import registry
+from workloads.interrupts import hold_interrupts
 from workloads.options import ModelWorkloadOptions
 from workloads.sizes import parse_size, parse_sizes
 from workloads.sizing.ordering import ORDERS
@@ -67,6 +73,9 @@ TEXT_PAGE_SIZE = 128
 _SHOWN_ERRORS = 5
 TRACE_KINDS = {"openai-requests": "OpenAI request log (a line a request)",
                "openai-conversations": "OpenAI conversation log (a line a conversation)"}
+OTHER_READING = {"openai-requests": ("openai-conversations", "a conversation log"),
+                 "openai-conversations": ("openai-requests", "a request log")}
+MAX_PAGES = 1 << 31  # page ids are int32 in the pool and the prefix index
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 TEXT_ONLY = ("pool_tokens", "order", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
@@ -181,14 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
                     f"JSON) or a folder of mini-swe-agent trajectories (default: the embedded Mooncake slice); or a "
                     f"model workload ({models})")
     rp.add_argument("--data", metavar="PATH", nargs="?", const="",
-                    help=f"shared data folder for workload names (default: ${registry.DATA_ENV}, else "
-                    "../shared/data); a model workload runs its embedded default unless --data is given")
+                    help=f"data folder for workload names (default: ${registry.DATA_ENV}, else ../shared/data beside "
+                    f"this checkout when present, else the per-user data folder, {registry.user_data()}: where "
+                    "mmcache data fetch puts it); a model workload runs its embedded default unless --data is given")
     rp.add_argument("--format", choices=registry.FORMATS, default="auto",
                     help="format of a TARGET file or folder (default auto: a folder is mini-swe-agent trajectories; "
                     "a file is told from its first line: a JSON list is ShareGPT, {\"messages\": ...} lines are "
-                    "OpenAI chat, anything else Mooncake; OpenAI chat is a request log when most lines end in a "
-                    "turn other than the assistant's, else a conversation log: openai-requests or "
-                    "openai-conversations says which)")
+                    "OpenAI chat, anything else Mooncake; OpenAI chat is a request log when lines re-send an earlier "
+                    "line's messages, else a conversation log when lines hold earlier turns, and the header says "
+                    "why: openai-requests or openai-conversations forces one reading)")
     rp.add_argument("--tokenizer", metavar="PATH",
                     help="tokenizer of agent and chat traces: a tokenizer.json, a Hugging Face tokenizer folder, or a "
                     "SentencePiece model (default: the Mistral v3 SentencePiece model shipped in mistral_common)")
@@ -257,10 +267,13 @@ def _data_parser(sub) -> None:
                        ("fetch", "download the sources named (default: all) into the data folder")):
         ap = actions.add_parser(name, help=what, description=what)
         if name == "fetch":
-            ap.add_argument("names", nargs="*", metavar="NAME", help="sources to fetch (default: every source)")
+            ap.add_argument("names", nargs="*", metavar="NAME", help="sources to fetch (default: every source with "
+                            "files to download; a source made by hand says how to make it, and the command fails "
+                            "until its folder is there)")
             ap.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
         ap.add_argument("--data", metavar="PATH", help=f"the data folder (default: ${registry.DATA_ENV}, else "
-                        "../shared/data): where replays read with --data")
+                        f"../shared/data beside this checkout when present, else the per-user data folder, "
+                        f"{registry.user_data()}): where the replays look by default")
         ap.add_argument("--manifest", type=Path, metavar="FILE", help="a sources manifest other than the one shipped "
                         "(workloads/data/sources.json)")
 
@@ -468,40 +481,69 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     kind = TRACE_KINDS.get(trace.kind, f"{trace.kind} trace")
     print(f"{kind} {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
           f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
+    if trace.told and trace.kind in OTHER_READING:
+        flag, other = OTHER_READING[trace.kind]
+        print(f"told from the content: {trace.told}; --format {flag} reads it as {other}")
     service = ServiceModel(args.prefill_rate, args.tpot)
     if args.replicas:
         return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(TEXT_ROUTERS))
+    from workloads.sizing.pool_checks import pool_problem
+    if problem := pool_problem(trace, page_size, args.pool_tokens, host_tokens=args.host_tokens):
+        return _fail(problem)
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     from mmcache.eviction import DEFAULT_POLICY
-    sweeps = []
-    for k, policy in enumerate(args.eviction or [DEFAULT_POLICY]):
-        sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                          in_flight=args.in_flight, service=service, progress=progress, tiers=tiers,
-                          observer=exporter, eviction=policy, optimal=not sweeps)
+    policies = args.eviction or [DEFAULT_POLICY]
+    sweeps, stopped = [], False
+    for policy in policies:
+        try:
+            sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
+                              in_flight=args.in_flight, service=service, progress=progress, tiers=tiers,
+                              observer=exporter, eviction=policy, optimal=not sweeps)
+        except KeyboardInterrupt:  # in a later policy's ceiling: the policies swept before it stand
+            if not sweeps:
+                raise
+            stopped = True
+            break
         if sweeps:  # the optimum of the same calls: replayed once
             sweep.optimal = sweeps[0].optimal[:len(sweep.runs)]
         sweeps.append(sweep)
-        if len(args.eviction or ()) > 1:
+        if len(policies) > 1:
             print(f"eviction {policy}:")
         print(format_table(sweep))
         if sweep.interrupted:
+            stopped = True
             break
-    c = sweep.ceiling
-    print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
-          f"{100 * c.hit_rate:.2f}%; total {time.perf_counter() - started:.1f} s")
-    if sweep.interrupted:
-        print(f"partial: interrupted (Ctrl-C) after {len(sweep.runs)} of {len(args.pool_tokens)} pool sizes; the rows "
-              "above are complete replays")
-    saved = True
-    if args.json:  # one policy: the sweep's document; several: one per policy under "sweeps"
-        doc = sweep_json(sweep) if len(sweeps) == 1 else {"sweeps": [sweep_json(s) for s in sweeps]}
-        saved &= _save("--json", args.json, json.dumps(doc, indent=2) + "\n")
-    if args.plot:
-        from workloads.sizing.plot import plot_sweeps
-        saved &= _save("--plot", args.plot, plot_sweeps(sweeps))
-    if exporter is not None and args.metrics_linger and not sweep.interrupted:
+    with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
+        sweep = sweeps[-1]
+        c = sweep.ceiling
+        print(f"ceiling (unbounded pool): {c.hit_tokens:,} of {c.prompt_tokens:,} prompt tokens = "
+              f"{100 * c.hit_rate:.2f}%; total {time.perf_counter() - started:.1f} s")
+        if sweep.interrupted:
+            print(f"partial: interrupted (Ctrl-C) after {len(sweep.runs)} of {len(args.pool_tokens)} pool sizes; the "
+                  "rows above are complete replays")
+        elif stopped:
+            print(f"partial: interrupted (Ctrl-C) after {len(sweeps)} of {len(policies)} eviction policies; the "
+                  "tables above are complete sweeps")
+        saved = True
+        if args.json:  # one policy: the sweep's document; several: one per policy under "sweeps"
+            doc = (sweep_json(sweep) if len(policies) == 1
+                   else {"sweeps": [sweep_json(s) for s in sweeps], "interrupted": stopped})
+            saved &= _save("--json", args.json, json.dumps(doc, indent=2) + "\n")
+        if args.plot:
+            from workloads.sizing.plot import plot_sweeps
+            saved &= _save("--plot", args.plot, plot_sweeps(sweeps))
+    if held.received:
+        _held_interrupt()
+        stopped = True
+    if exporter is not None and args.metrics_linger and not stopped:
         _linger(exporter, args.metrics_linger, port)
-    return INTERRUPTED if sweep.interrupted else 0 if saved else 1
+    return INTERRUPTED if stopped else 0 if saved else 1
+
+
+def _held_interrupt() -> None:
+    """Say that Ctrl-C came while the results were printed and written (``hold_interrupts``)."""
+    print("mmcache: interrupted (Ctrl-C) while the results were written; they were written in full first",
+          file=sys.stderr)
 
 
 def _replica_pool(args, defaults: dict) -> int:
@@ -537,25 +579,43 @@ def _replica_replay(args, defaults: dict, trace, page_size: int, service: Servic
     total = _replica_pool(args, defaults)
     kw = dict(page_size=page_size, pool_tokens=total, service=service, threshold=args.affinity_threshold,
               key_pages=args.key_pages, seed=args.seed or 0, encoder_bytes=encoder_bytes or DEFAULT_ENCODER_BYTES)
+    from workloads.sizing.pool_checks import pool_problem
+    if problem := pool_problem(trace, page_size, [total], replicas=[1, *args.replicas], ceiling=False):
+        return _fail(problem)
     try:
         one = replay_replicas(trace, replicas=1, router="random", **kw)
-        runs = [replay_replicas(trace, replicas=r, router=p, **kw) for r in args.replicas for p in routers]
+        runs, planned = [], [(r, p) for r in args.replicas for p in routers]
+        for r, p in planned:
+            try:
+                runs.append(replay_replicas(trace, replicas=r, router=p, **kw))
+            except KeyboardInterrupt:  # after the reference run: the runs done stand
+                break
     except ValueError as e:
         return _fail(str(e))
-    media = (f"; encoder store {one.encoder_bytes >> 20:,} MiB in total, split the same way, {service.encoder_s:g} s "
-             f"per encoder run" if one.encoder_items else "")
-    print(f"total pool {total:,} tokens, split evenly over the replicas{media}; TTFT from the service model "
-          f"({service.prefill_tokens_per_s:g} prefill tokens/s per replica, one prefill at a time)")
-    print(format_replica_table(runs, one))
-    print(f"total {time.perf_counter() - started:.1f} s")
-    if args.json:
-        doc = {"trace": trace.source, "kind": trace.kind, "page_size": page_size, "pool_tokens_total": total,
-               "encoder_bytes_total": one.encoder_bytes,
-               "service_model": {"prefill_tokens_per_s": service.prefill_tokens_per_s,
-                                 "s_per_output_token": service.s_per_output_token, "encoder_s": service.encoder_s},
-               "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs]}
-        return 0 if _save("--json", args.json, json.dumps(doc, indent=2) + "\n") else 1
-    return 0
+    stopped = len(runs) < len(planned)
+    with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
+        media = (f"; encoder store {one.encoder_bytes >> 20:,} MiB in total, split the same way, "
+                 f"{service.encoder_s:g} s per encoder run" if one.encoder_items else "")
+        print(f"total pool {total:,} tokens, split evenly over the replicas{media}; TTFT from the service model "
+              f"({service.prefill_tokens_per_s:g} prefill tokens/s per replica, one prefill at a time)")
+        print(format_replica_table(runs, one))
+        print(f"total {time.perf_counter() - started:.1f} s")
+        if stopped:
+            print(f"partial: interrupted (Ctrl-C) after {len(runs)} of {len(planned)} replica runs; the rows above "
+                  "are complete replays")
+        saved = True
+        if args.json:
+            doc = {"trace": trace.source, "kind": trace.kind, "page_size": page_size, "pool_tokens_total": total,
+                   "encoder_bytes_total": one.encoder_bytes,
+                   "service_model": {"prefill_tokens_per_s": service.prefill_tokens_per_s,
+                                     "s_per_output_token": service.s_per_output_token,
+                                     "encoder_s": service.encoder_s},
+                   "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs], "interrupted": stopped}
+            saved = _save("--json", args.json, json.dumps(doc, indent=2) + "\n")
+    if held.received:
+        _held_interrupt()
+        stopped = True
+    return INTERRUPTED if stopped else 0 if saved else 1
 
 
 def model_replica_command(args, defaults: dict) -> int:
@@ -619,6 +679,9 @@ def model_replay_command(args) -> int:
                         ("--slo-ttft", args.slo_ttft), ("--slo-ttfa", args.slo_ttfa)):
         if value is not None and not value > 0:
             return _fail(f"{flag} must be > 0, got {value}")
+    if args.pool_pages is not None and args.pool_pages >= MAX_PAGES:
+        return _fail(f"--pool-pages {args.pool_pages:,}: past what a pool can number (page ids are 32-bit: at most "
+                     f"{MAX_PAGES - 1:,}), and far past any machine's memory")
     if args.in_flight is not None and args.in_flight < 1:
         return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
     if args.in_flight is not None and args.target not in ENGINE_WORKLOADS + MSTAR_WORKLOADS:
@@ -696,8 +759,6 @@ def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
 
 def _replay_and_report(args, schedule, slo, progress: bool, started: float, exporter, port) -> int:
     from mmcache.errors import MmcacheError
-    from workloads.harness.metrics import failure_lines, summary_table
-    from workloads.harness.report import report_html, report_json
     from workloads.harness import engine_serving, mstar_serving
     from workloads.harness.engine_serving import engine_label
     from workloads.harness.serving import compare
@@ -725,13 +786,43 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     print(f"{name} ({source}): model {options.model or 'tiny, built from config'}; page size {options.page_size}, "
           f"{options.max_new_tokens} new {registry.MODEL_WORKLOADS[name].output_unit} per request, {served} (loaded in "
           f"{time.perf_counter() - started:.1f} s); cache off, then on")
-    if args.in_flight:
-        off, on, equal = compare_engine(make, schedule, args.in_flight, observer=exporter, progress=progress)
-    else:
-        off, on = compare(make, schedule, observer=exporter, progress=progress)
+    try:
+        if args.in_flight:
+            off, on, equal = compare_engine(make, schedule, args.in_flight, observer=exporter, progress=progress)
+        else:
+            off, on = compare(make, schedule, observer=exporter, progress=progress)
+    except (MemoryError, OverflowError, RuntimeError) as e:  # a pool or store past memory, refused as it is built
+        if not _allocation_failure(e):
+            raise
+        return _fail(f"the cache's pools do not fit in memory ({str(e).strip().splitlines()[0]}); give a smaller "
+                     f"--pool-pages (now {options.pool_pages:,}) or --encoder-bytes (now {options.encoder_bytes:,})")
+    with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
+        status = _model_report(args, name, options, off, on, slo, started, mstar, equal if args.in_flight else None)
+    if held.received:
+        _held_interrupt()
+        status = INTERRUPTED
+    if exporter is not None and args.metrics_linger and status != INTERRUPTED:
+        _linger(exporter, args.metrics_linger, port)
+    return status
+
+
+def _allocation_failure(e: BaseException) -> bool:
+    """Whether ``e`` is memory refused to a pool or store as it is built (torch says so in a RuntimeError)."""
+    return (isinstance(e, (MemoryError, OverflowError)) or type(e).__name__ == "OutOfMemoryError"
+            or "can't allocate memory" in str(e))
+
+
+def _model_report(args, name: str, options, off, on, slo, started: float, mstar: bool, equal: int | None) -> int:
+    """Print the table of a model replay and write its reports; the exit status: 130 when Ctrl-C stopped a run, 1
+    when a write fell back or every request of a run failed, else 0."""
+    from workloads.harness.metrics import failure_lines, summary_table
+    from workloads.harness.report import report_html, report_json
     if getattr(off, "interrupted", False):
         print(f"interrupted (Ctrl-C) in the cache-off run after {len(off.records)} of {off.planned} requests; the "
               "cache-on run did not start, so there is nothing to compare", file=sys.stderr)
+        if (args.json or args.html) and off.records:  # the cache-off requests served are kept, in the JSON
+            _save("--json", args.json or args.html.with_suffix(".json"),
+                  json.dumps(report_json(off, on, slo), indent=2) + "\n")
         return INTERRUPTED
     if getattr(on, "interrupted", False):  # compare the requests both runs served: the first ones of the same order
         off = off.first(len(on.records))
@@ -760,9 +851,13 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     if args.json or args.html:
         saved &= _save("--json", args.json or args.html.with_suffix(".json"),
                        json.dumps(report_json(off, on, slo), indent=2) + "\n")
-    if exporter is not None and args.metrics_linger and not on.interrupted:
-        _linger(exporter, args.metrics_linger, port)
-    return INTERRUPTED if on.interrupted else 0 if saved else 1
+    if on.interrupted:
+        return INTERRUPTED
+    if failed := [run.label for run in (off, on) if run.records and not run.completed]:
+        print(f"mmcache: error: every request failed with the cache {' and '.join(failed)} (see the failed: lines "
+              "above); nothing was served", file=sys.stderr)
+        return 1
+    return 0 if saved else 1
 
 
 def data_command(args) -> int:
@@ -784,18 +879,41 @@ def data_command(args) -> int:
         return 0
     if unknown := [n for n in args.names if n not in sources]:
         return _fail(f"unknown data source {unknown[0]!r}; known: {', '.join(sources)}")
-    if root.exists() and not root.is_dir() or not os.access(root if root.exists() else root.parent, os.W_OK):
-        return _fail(f"data folder {root} (from {how}) is not a writable folder")
+    if problem := _data_folder_problem(root):
+        return _fail(f"data folder {root} (from {how}): {problem}")
+    by_hand = [n for n, s in sources.items() if not s.files]
+    chosen = args.names or [n for n in sources if n not in by_hand]  # by default, every source there is to download
     progress = not args.no_progress and sys.stderr.isatty()
     try:
-        manual = datasets.fetch([sources[n] for n in args.names or sources], root, progress)
+        missing = datasets.fetch([sources[n] for n in chosen], root, progress)
     except datasets.DataError as e:
         print(f"mmcache: error: {e}", file=sys.stderr)
         return 1
-    for line in manual:
-        print(line)
-    print(f"data folder: {root} (from {how}); replays read it with --data {root}")
+    except KeyboardInterrupt:
+        print("mmcache: interrupted (Ctrl-C) while fetching: the files fetched stay; run the command again to "
+              "resume the one in progress", file=sys.stderr)
+        return INTERRUPTED
+    if not args.names and by_hand:
+        print(f"not fetched by default, made by hand: {', '.join(by_hand)} (mmcache data fetch NAME says how)")
+    where = "replays read it by default" if how != "--data" else f"replays read it with --data {root}"
+    print(f"data folder: {root} (from {how}); {where}")
+    if missing:
+        print(f"mmcache: error: nothing fetched for {', '.join(missing)}: made by hand, and the folder is missing "
+              f"(see above for how to make it in {root})", file=sys.stderr)
+        return 1
     return 0
+
+
+def _data_folder_problem(root: Path) -> str | None:
+    """Why files cannot be put under ``root`` (the folders missing on the way are made), or None."""
+    if root.exists():
+        return None if root.is_dir() and os.access(root, os.W_OK | os.X_OK) else "not a writable folder"
+    parent = root.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be made: {parent} is not a writable folder"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

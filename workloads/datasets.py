@@ -154,13 +154,18 @@ def fetch_file(f: RemoteFile, root: Path, progress: bool = True) -> str:
 
 def fetch(sources: list[Source], root: Path, progress: bool = True) -> list[str]:
     """Fetch every file of ``sources`` into ``root``, printing each source's origin and licence first; returns the
-    manual steps of sources that have no files. ``DataError`` at the first file that fails (what was fetched stays)."""
-    manual = []
+    names of the sources made by hand (no files) whose folder is missing, after printing how to make each. A source
+    made by hand is never reported fetched. ``DataError`` at the first file that fails (what was fetched stays)."""
+    missing = []
     for s in sources:
         print(f"{s.name}: {s.what}\n  source {s.home}; licence {s.licence}")
         if not s.files:
-            manual.append(f"{s.name}: not fetched (no file to download as is): {s.manual}")
+            if (root / s.name).is_dir():
+                print(f"  present {s.name}/ (made by hand; not checked)")
+            else:
+                print(f"  not fetched (no file to download as is): {s.manual}")
+                missing.append(s.name)
             continue
         for f in s.files:
             print(f"  {fetch_file(f, root, progress)}")
-    return manual
+    return missing

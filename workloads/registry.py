@@ -18,10 +18,13 @@ A replay target is resolved in this order:
    a file Mooncake JSONL, OpenAI chat JSONL or ShareGPT JSON).
 Anything else is an error naming the known workloads.
 
-The shared data folder (``find_data``), for trace and model workloads alike: ``--data PATH`` if given, else
-``$MMCACHE_DATA`` if set, else ``../shared/data`` (the first given is the only one used); when it lacks the workload's
-data, the error names the path looked for and every source in order. A model workload runs its embedded default unless
-``--data`` is given.
+The data folder (``data_place``, ``find_data``), for trace and model workloads and ``mmcache data fetch`` alike:
+``--data PATH`` if given, else ``$MMCACHE_DATA`` if set, else ``default_data()``: the project's ``shared/data`` beside
+this checkout when that folder exists (a development layout: this project's tests and benchmarks read it), else the
+per-user data folder of the platform (``user_data``: ``$XDG_DATA_HOME/mmcache``, else ``~/.local/share/mmcache``), so
+``mmcache data fetch`` in a fresh clone and the replays after it agree on one folder. The first place given is the
+only one used; when it lacks the workload's data, the error names the path looked for and every source in order. A
+model workload runs its embedded default unless ``--data`` is given.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -124,21 +128,44 @@ def embedded_slice() -> Path:
     return Path(str(resources.files("workloads") / "data" / "mooncake_slice.jsonl"))
 
 
+def checkout_data() -> Path:
+    """``../shared/data`` beside this checkout: where this project's shared folder is laid (an installed package's
+    files have no such folder beside them)."""
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def user_data() -> Path:
+    """The per-user data folder, by the platform's convention: ``%LOCALAPPDATA%\\mmcache`` on Windows,
+    ``~/Library/Application Support/mmcache`` on macOS, else ``$XDG_DATA_HOME/mmcache`` (an absolute
+    ``$XDG_DATA_HOME``; else ``~/.local/share/mmcache``)."""
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / "mmcache"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "mmcache"
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share") / "mmcache"
+
+
 def default_data() -> Path:
-    """``shared/data`` beside this checkout (where the project's shared folder is laid), else ``../shared/data`` from
-    the working directory (an installed, non-editable package has no checkout)."""
-    beside = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return beside if beside.is_dir() else Path.cwd().parent / "shared" / "data"
+    """The data folder without ``--data`` or ``$MMCACHE_DATA``: ``checkout_data()`` when it exists, else
+    ``user_data()``."""
+    beside = checkout_data()
+    return beside if beside.is_dir() else user_data()
+
+
+def _default_source(path: Path) -> str:
+    return "../shared/data beside this checkout" if path == checkout_data() else "the per-user data folder"
 
 
 def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:
-    """The shared data folder and where it came from: ``--data``, else ``$MMCACHE_DATA``, else ``../shared/data``.
-    The first one given is the only one used: data from a folder the user did not name is never picked up."""
+    """The data folder and where it came from: ``--data``, else ``$MMCACHE_DATA``, else ``default_data()``. The first
+    one given is the only one used: data from a folder the user did not name is never picked up."""
     if explicit:
         return Path(explicit), "--data"
     if os.environ.get(DATA_ENV):
         return Path(os.environ[DATA_ENV]), f"${DATA_ENV}"
-    return default_data(), "../shared/data"
+    path = default_data()
+    return path, _default_source(path)
 
 
 def find_data(name: str, explicit: str | Path | None = None) -> Path:
@@ -148,12 +175,15 @@ def find_data(name: str, explicit: str | Path | None = None) -> Path:
     root, how = data_place(explicit)
     if (root / w.data_path).exists():
         return root
+    fallback = default_data()
     sources = [f"--data {explicit}" if explicit else "no --data PATH",
                f"${DATA_ENV}={os.environ[DATA_ENV]}" if os.environ.get(DATA_ENV) else f"${DATA_ENV} not set",
-               f"../shared/data = {default_data()}"]
+               f"{_default_source(fallback)} = {fallback}" + ("" if fallback == checkout_data() else
+                                                              " (no ../shared/data beside this checkout)")]
     raise UnknownWorkload(f"no data for workload {w.name!r}: looked for {root / w.data_path} (from {how}; "
-                          f"searched in this order: {', '.join(sources)}). Pass --data PATH (the folder holding "
-                          f"{w.data_path or 'the data'}) or set ${DATA_ENV}")
+                          f"searched in this order: {', '.join(sources)}). Fetch it with mmcache data fetch "
+                          f"(into {root}), pass --data PATH (the folder holding {w.data_path or 'the data'}) or set "
+                          f"${DATA_ENV}")
 
 
 def resolve(target: str | None, data: str | Path | None = None, fmt: str = "auto") -> tuple[str, Path]:
@@ -186,7 +216,7 @@ def load(fmt: str, path: str | Path, limit: int | None = None, tokenizer: str | 
 
 def model_data(name: str, data: str | Path | None) -> Path | None:
     """The shared data folder for model workload ``name``: None (its embedded default) when ``data`` is None, else
-    ``find_data(name, data)`` (``""``: ``$MMCACHE_DATA`` or ../shared/data)."""
+    ``find_data(name, data)`` (``""``: ``$MMCACHE_DATA``, else ``default_data()``)."""
     return None if data is None else find_data(name, data)
 
 

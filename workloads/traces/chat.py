@@ -3,11 +3,10 @@
 Formats (``detect_format`` tells them apart from the file's first bytes):
 - ``openai``: JSONL, one ``{"messages": [{"role": ..., "content": ...}, ...]}`` a line (a line may instead hold
   ShareGPT's ``{"conversations": [...]}``), read with the shared JSONL policy (``workloads.traces.jsonl``: the first
-  malformed line raises ``TraceError`` with its line). Such a file is one of two kinds, told apart by how its lines
-  end (``openai-conversations`` / ``openai-requests`` name one, ``openai`` tells them: a request log when more lines
-  end in a turn other than the assistant's):
-  - a conversation log: each line a whole conversation, ending in the assistant's reply;
-  - a request log: each line one request as sent to the API, re-sending the history and ending in the user's turn;
+  malformed line raises ``TraceError`` with its line). Such a file is one of two kinds, told apart by what the lines
+  hold (``workloads.traces.chat_kind``; ``openai-conversations`` / ``openai-requests`` name one instead):
+  - a conversation log: each line a whole conversation, whatever its last turn;
+  - a request log: each line one request as sent to the API, re-sending the history, with or without its reply;
 - ``sharegpt``: one JSON list of ``{"conversations": [{"from": ..., "value": ...}, ...]}``; ``from`` ``human`` is
   ``user``, ``gpt`` (or ``chatgpt``, ``bard``, ``bing``, ``model``, ``assistant``) is ``assistant``, others keep their
   name; conversations. A malformed entry raises ``TraceError`` naming the file and the entry (0-based) in place of a
@@ -21,9 +20,13 @@ at least one message before it is a call whose prompt is every earlier message a
 Call i of every session arrives at i (sessions start together: the logs carry no times).
 
 Request logs: every line is one call, replayed as sent, arriving at its position in the file (``arrival_s`` = its
-index among the requests). A request continues the session of the latest earlier request whose messages are a prefix
-of its own (its history), else it starts a session; its output is the assistant message that follows its prompt in
-the session's next request, when there is one (else none: the log does not hold the reply).
+index among the requests). A line that ends in an assistant turn holds its reply: its prompt is every message before
+that turn and its output that turn. A request continues the session of the latest earlier request whose messages are
+a prefix of its own (its history), else it starts a session; a request without its reply on its line has for output
+the assistant message that follows its prompt in the session's next request, when there is one (else none: the log
+does not hold the reply).
+
+Chat text is Unicode that UTF-8 can encode: a lone surrogate (JSON's ``"\\ud800"`` unpaired) is a malformed line.
 
 Nothing is dropped silently: every line or conversation not replayed is counted in ``TextTrace.skipped`` by reason.
 """
@@ -38,7 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from mmcache.errors import TraceError
-from workloads.traces.jsonl import check_file, load_jsonl
+from workloads.traces.chat_kind import tell_kind
+from workloads.traces.jsonl import check_file, encodable, load_json, load_jsonl
 from workloads.traces.swe_agent import render
 from workloads.traces.text_trace import CallInfo, TextRequest, TextTrace
 from workloads.traces.tokenizer import load_tokenizer
@@ -89,7 +93,8 @@ def conversation(row) -> list[tuple[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or text_key not in m:
             raise ValueError(f"message {k} needs a string '{role_key}' and a '{text_key}'")
         role = m[role_key].lower()
-        out.append(("assistant" if role in ASSISTANT else ROLES.get(role, role), _text(m[text_key] or "")))
+        text = encodable(_text(m[text_key] or ""), f"message {k}")
+        out.append(("assistant" if role in ASSISTANT else ROLES.get(role, role), text))
     return out
 
 
@@ -149,8 +154,9 @@ def _request_calls(convs: list[tuple[str, list[tuple[str, str]]]], skipped: Coun
         if not conv:
             skipped["lines without messages"] += 1
             continue
-        if conv[-1][0] == "assistant":
-            skipped["lines ending in an assistant turn (a conversation, not a request)"] += 1
+        end = len(conv) - 1 if conv[-1][0] == "assistant" else len(conv)  # a last assistant turn is the reply
+        if end == 0:
+            skipped["lines with a reply and no prompt"] += 1
             continue
         prefixes = [hash(tuple(conv[:k])) for k in range(len(conv) + 1)]
         found = next((latest.pop(prefixes[k]) for k in range(len(conv) - 1, 0, -1)  # the hash nominates, == decides
@@ -163,29 +169,32 @@ def _request_calls(convs: list[tuple[str, list[tuple[str, str]]]], skipped: Coun
             if session.ends and len(conv) > session.ends[-1] and conv[session.ends[-1]][0] == "assistant":
                 session.outputs[-1] = session.ends[-1]  # the reply to the previous call, re-sent here
             session.conv = conv
-        session.ends.append(len(conv))
-        session.outputs.append(-1)
+        session.ends.append(end)
+        session.outputs.append(end if end < len(conv) else -1)
         session.arrivals.append(float(arrival))
         arrival += 1
         latest[prefixes[-1]] = found
     return sessions
 
 
-def _is_request_log(convs: list[tuple[str, list[tuple[str, str]]]]) -> bool:
-    ends_with_reply = sum(1 for _, conv in convs if conv and conv[-1][0] == "assistant")
-    return len(convs) - ends_with_reply > ends_with_reply
-
-
 def load_openai_chat(path: str | Path, limit: int | None = None, tokenizer=None, kind: str = "auto") -> TextTrace:
     """OpenAI-style JSONL (see the module docstring): at most ``limit`` lines; ``kind`` is ``conversations``,
-    ``requests`` or ``auto`` (told from how the lines end)."""
+    ``requests`` or ``auto`` (told from what the lines hold, ``chat_kind.tell_kind``; the trace's ``told`` says
+    why)."""
     path = check_file(path)
     convs = load_jsonl(path, lambda row, n: (f"{path.stem}-{n}", conversation(row)), limit)
-    if not (kind == "requests" or (kind == "auto" and _is_request_log(convs))):
-        return conversation_trace(path, "openai-conversations", convs, tokenizer)
-    skipped: Counter = Counter()
-    sessions = _tokenize(_request_calls(convs, skipped), tokenizer or load_tokenizer())
-    return TextTrace(str(path), "openai-requests", sessions, skipped=dict(skipped))
+    told = None
+    if kind == "auto":
+        found, why = tell_kind([conv for _, conv in convs])
+        kind, told = found.removeprefix("openai-"), why
+    if kind == "conversations":
+        trace = conversation_trace(path, "openai-conversations", convs, tokenizer)
+    else:
+        skipped: Counter = Counter()
+        sessions = _tokenize(_request_calls(convs, skipped), tokenizer or load_tokenizer())
+        trace = TextTrace(str(path), "openai-requests", sessions, skipped=dict(skipped))
+    trace.told = told
+    return trace
 
 
 def load_openai_requests(path: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
@@ -201,10 +210,7 @@ def load_openai_conversations(path: str | Path, limit: int | None = None, tokeni
 def load_sharegpt(path: str | Path, limit: int | None = None, tokenizer=None) -> TextTrace:
     """ShareGPT JSON (see the module docstring): at most ``limit`` conversations."""
     path = check_file(path)
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TraceError(path, None, f"not a JSON file: {e}") from None
+    data = load_json(path)
     if not isinstance(data, list):
         raise TraceError(path, None, "expected a JSON list of {\"conversations\": [...]} entries")
     convs = []
@@ -217,12 +223,14 @@ def load_sharegpt(path: str | Path, limit: int | None = None, tokenizer=None) ->
 
 
 def detect_format(path: str | Path) -> str:
-    """``swe-agent`` for a folder; for a file, from its first non-blank bytes: ``sharegpt`` for a JSON list,
-    ``openai`` for JSONL whose first line has ``messages`` or ``conversations``, else ``mooncake`` (whose reader then
-    names what is wrong)."""
+    """``swe-agent`` for a folder; for a regular file, from its first non-blank bytes: ``sharegpt`` for a JSON list,
+    ``openai`` for JSONL whose first line has ``messages`` or ``conversations``; else ``mooncake``, whose reader then
+    names what is wrong (a path that is not a regular file is never opened here)."""
     path = Path(path)
     if path.is_dir():
         return "swe-agent"
+    if not path.is_file():  # a pipe would block and /dev/zero never end: the reader refuses it, unread
+        return "mooncake"
     try:
         with open(path, "rb") as f:
             for raw in f:
@@ -236,6 +244,6 @@ def detect_format(path: str | Path) -> str:
         return "sharegpt"
     try:
         row = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return "mooncake"
     return "openai" if isinstance(row, dict) and ("messages" in row or "conversations" in row) else "mooncake"

@@ -2,17 +2,20 @@
 
 Policy (the same for Mooncake traces, chat logs, MMMU questions, DiffusionDB prompts):
 - blank lines (only whitespace) are skipped; they are not records and not errors;
-- a missing file, or a path that is not a file, raises ``TraceError(path, None, ...)``;
+- a missing file, or a path that is not a regular file (a folder, a named pipe, a device such as ``/dev/zero``),
+  raises ``TraceError(path, None, ...)`` before a byte is read: a pipe would block and a device never end;
 - the first malformed line raises ``TraceError(path, line, reason)`` with its 1-based line number, and nothing is
-  returned: a line that is not UTF-8, not JSON, or that the loader's ``parse`` rejects (``ValueError``,
-  ``KeyError``, ``TypeError``). Malformed lines are never skipped, because a replay of a partly read trace reports
-  numbers for traffic that is not the user's; the message says which line to fix or filter out;
+  returned: a line that is not UTF-8, not JSON, nested too deep to parse, or that the loader's ``parse`` rejects
+  (``ValueError``, ``KeyError``, ``TypeError``). Malformed lines are never skipped, because a replay of a partly read
+  trace reports numbers for traffic that is not the user's; the message says which line to fix or filter out;
 - ``limit``: stop after that many records; lines after them are never read (nor checked).
 """
 
 from __future__ import annotations
 
 import json
+import stat
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -21,12 +24,55 @@ from mmcache.errors import TraceError
 T = TypeVar("T")
 
 
+def kind_of(path: Path) -> str:
+    """What a path that is not a regular file is, in words ("no such file", "a folder", "a named pipe", ...)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as e:
+        return e.strerror or str(e)
+    for test, what in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
 def check_file(path: str | Path) -> Path:
-    """``path`` as a ``Path``; ``TraceError`` when it is not an existing file."""
+    """``path`` as a ``Path``; ``TraceError`` when it is not an existing regular file (checked without opening it)."""
     path = Path(path)
     if not path.is_file():
-        raise TraceError(path, None, "no such file" if not path.exists() else "not a file")
+        what = kind_of(path)
+        raise TraceError(path, None, what if what == "no such file" else f"not a file but {what}")
     return path
+
+
+def encodable(text: str, what: str) -> str:
+    """``text`` when UTF-8 can encode it; ValueError naming ``what`` for a lone surrogate (JSON's unpaired
+    ``\\ud800``), which every tokenizer would choke on."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: text holds a lone surrogate {text[e.start]!r} at character {e.start} (not "
+                         "Unicode text)") from None
+    return text
+
+
+def _too_deep(what: str) -> str:
+    return f"{what} nested too deep to read (deeper than Python's recursion limit, {sys.getrecursionlimit():,})"
+
+
+def load_json(path: str | Path):
+    """The one JSON value of a whole file (``check_file`` first); ``TraceError(path, None, ...)`` when it is not one."""
+    path = check_file(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceError(path, None, f"not a JSON file: {e}") from None
+    except RecursionError:
+        raise TraceError(path, None, _too_deep("JSON")) from None
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -42,6 +88,8 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
                 raise TraceError(path, lineno, "not UTF-8") from None
             except json.JSONDecodeError as e:
                 raise TraceError(path, lineno, f"not JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:
+                raise TraceError(path, lineno, _too_deep("JSON")) from None
 
 
 def load_jsonl(path: str | Path, parse: Callable[[Any, int], T], limit: int | None = None) -> list[T]:

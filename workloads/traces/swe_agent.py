@@ -22,13 +22,13 @@ without trajectories, raises ``TraceError``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from mmcache.errors import TraceError
+from workloads.traces.jsonl import encodable, load_json
 from workloads.traces.text_trace import CallInfo, MediaItem, TextRequest, TextTrace
 from workloads.traces.tokenizer import load_tokenizer
 
@@ -92,6 +92,7 @@ def _check_messages(messages) -> int:
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
             raise ValueError(f"message {k} needs string 'role' and 'content'")
+        encodable(m["content"], f"message {k}")
         want = "system" if k == 0 else "user" if k % 2 else "assistant"
         if m["role"] != want:
             raise ValueError(f"message {k} has role {m['role']!r}, expected {want!r}")
@@ -114,8 +115,10 @@ def load_swe_agent(folder: str | Path, limit: int | None = None, tokenizer=None)
         if limit is not None and len(raw) >= limit:
             break
         try:
-            messages = json.loads(path.read_text(encoding="utf-8")).get("messages")
+            messages = load_json(path).get("messages")
             raw.append((path.name.removesuffix(".traj.json"), messages, _check_messages(messages)))
+        except TraceError as e:
+            errors.append(e)
         except (ValueError, AttributeError, OSError) as e:
             errors.append(TraceError(path, None, str(e) or type(e).__name__))
     starts = [t for _, msgs, _ in raw for m in msgs if (t := _created(m)) is not None]

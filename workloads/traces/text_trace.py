@@ -100,6 +100,7 @@ class TextTrace:
     first_audio_tokens: int | None = None  # audio output: tokens (frames) before the first audio chunk; None: text
     errors: list[TraceError] = dataclasses.field(default_factory=list)
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # readable records not replayed, by reason
+    told: str | None = None    # when ``kind`` was told from the content (an OpenAI log), why, in words
 
     @property
     def malformed(self) -> int:
