@@ -13,13 +13,21 @@
 6. Authenticated entries: get + verify with a keyed BLAKE2b MAC vs the plain checksum (an in-process store).
 7. Admission latency, p50/p99/max, under steady traffic that asks the store on every admission, with the master up,
    killed (for 8 s, past Mooncake's ~4.4 s stalls) and restarted, against the bound (the store's deadline).
+8. Tier availability and fresh-read hit rate at the tier's default settings (deadline, probe, health window): one
+   instance publishes a 64 KiB entry every step and reads back the one it published 8 steps earlier, on a store with
+   room (the baseline), a full 16 MiB store, the full store beside CPU hogs (one per core), the full store turned
+   over faster than the master's read lease (with its default lease and a short one), and a store whose master is
+   killed then restarted; availability is the share of steps with the store up, "max ms" the slowest read (bound:
+   the deadline).
 
-    python benchmarks/bench_tiers.py [--quick]
+    python benchmarks/bench_tiers.py [--quick] [--only availability]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -139,7 +147,8 @@ def store_bandwidth(repeats, pages):
                 cache.abort("w")
                 raw = [dev.data[p].view(torch.uint8).numpy().tobytes() for p in range(pages)]
                 keys = [f"raw/{rep}/{j}/{page_kib}" for j in range(pages)]
-                put_b.append(best(lambda: [client.put(k, v) for k, v in zip(keys, raw)], 1))
+                mc = client._connected()  # Mooncake's own put (the tier's asks is_exist first: published means stored)
+                put_b.append(best(lambda: [mc.put(k, v) for k, v in zip(keys, raw)], 1))
                 lineage = RequestLineage(root_lineage(fp, b""), ids, mids, P)
                 want = Expected(fp, b"", dev.page_shape, dev.dtype, dev.page_bytes)
                 got = []
@@ -348,15 +357,117 @@ def killed_master(deadline_s=0.05, dead_s=8.0, commit_while_dead=True):
         master.stop()
 
 
+class Hogs:
+    """``n`` processes that spin on a core each while the context is open: a loaded machine beside the tier."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        self.procs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(self.n)]
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.join()
+
+
+def _spin():
+    while True:
+        pass
+
+
+def availability_run(segment_bytes, seconds, step_s=0.05, lag=8, entry_bytes=64 << 10, kill_at=None, hogs=0,
+                     master_flags=()):
+    """One instance at the tier's defaults: every ``step_s`` it publishes a fresh entry and reads back the one it
+    published ``lag`` steps before (a fresh read). A store smaller than 64 MiB is filled past its size first. With
+    ``kill_at`` (seconds into the measured run) the master is killed and restarted 5 s later. Returns the steps,
+    the fresh reads, their hits, the steps with the store up, the slowest step's store time and the tier's
+    counters over the run."""
+    master = MooncakeMaster(*master_flags).start()
+    client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, segment_bytes, 32 << 20)
+    store = StoreTier(client)
+    body = np.random.default_rng(0).bytes(entry_bytes)
+
+    def entry(i):
+        key = f"mmcache/bench/{i:08d}"
+        return key, key.encode() + body
+    try:
+        fill = 2 * segment_bytes // entry_bytes if segment_bytes < (64 << 20) else 0
+        for i in range(fill):
+            store.publish([entry(i)])
+        store.flush(60)
+        before = dict(store.counters)
+        steps = reads = hits = up = 0
+        worst = 0.0
+        with Hogs(hogs):
+            start = time.monotonic()
+            killed = restarted = None
+            while (now := time.monotonic() - start) < seconds:
+                if kill_at is not None and killed is None and now > kill_at:
+                    master.stop()
+                    killed = now
+                elif killed is not None and restarted is None and now > killed + 5.0:
+                    master.start()
+                    restarted = now
+                i = fill + steps
+                store.publish([entry(i)])
+                if steps >= lag:
+                    key, want = entry(i - lag)
+                    t = time.perf_counter()
+                    got = store.fetch([key])[0]
+                    worst = max(worst, time.perf_counter() - t)
+                    reads += 1
+                    hits += got == want
+                up += store.up
+                steps += 1
+                time.sleep(step_s)
+        delta = {k: v - before.get(k, 0) for k, v in store.counters.items() if v != before.get(k, 0)}
+        return steps, reads, hits, up, worst, delta
+    finally:
+        store.close()
+        client.close()
+        master.stop()
+
+
+def availability(quick):
+    """Section 8: each scenario against the store with room at the same rate."""
+    seconds = 8.0 if quick else 20.0
+    cores = os.cpu_count() or 1
+    slow, fast = 0.05, 0.004  # a 16 MiB store of 64 KiB entries turns over in ~13 s and ~1 s
+    print(f"\n8. tier availability and fresh-read hits at the tier's defaults (deadline 50 ms, probe 5 s), "
+          f"{seconds:.0f} s each: a 64 KiB entry published every step, the one published 8 steps earlier read back; "
+          f"the master's settings are its defaults (a read's lease 10 s) unless said")
+    print(f"{'store':<58} {'steps':>6} {'up %':>6} {'reads':>6} {'hit %':>6} {'max ms':>7}  counters")
+    runs = (("room (512 MiB), a put every 50 ms", dict(segment_bytes=512 << 20, step_s=slow)),
+            ("full (16 MiB), a put every 50 ms", dict(segment_bytes=16 << 20, step_s=slow)),
+            (f"full (16 MiB), a put every 50 ms, {cores} CPU hog(s)",
+             dict(segment_bytes=16 << 20, step_s=slow, hogs=cores)),
+            ("room (512 MiB), a put every 4 ms", dict(segment_bytes=512 << 20, step_s=fast)),
+            ("full (16 MiB), a put every 4 ms", dict(segment_bytes=16 << 20, step_s=fast)),
+            ("full (16 MiB), a put every 4 ms, master lease 200 ms", dict(
+                segment_bytes=16 << 20, step_s=fast, master_flags=("--default_kv_lease_ttl=200",))),
+            ("room, a put every 4 ms, master killed 1 s in for 5 s", dict(
+                segment_bytes=512 << 20, step_s=fast, kill_at=1.0, seconds=max(seconds, 15.0))))
+    for label, kw in runs:
+        steps, reads, hits, up, worst, delta = availability_run(**{"seconds": seconds, **kw})
+        print(f"{label:<58} {steps:>6} {100 * up / steps:>6.1f} {reads:>6} {100 * hits / max(reads, 1):>6.1f} "
+              f"{worst * 1e3:>7.1f}  {delta}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("batched", "mac", "killed"), help="run one of the store sections alone")
+    ap.add_argument("--only", choices=("batched", "mac", "killed", "availability"),
+                    help="run one of the store sections alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
     if args.only:
-        return only(args.only, repeats)
+        return only(args.only, repeats, args.quick)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, CUDA {torch.cuda.is_available()}; "
           f"median [min-max] over {repeats} repeats of best-of timings")
     host_bandwidth(repeats, 32)
@@ -375,11 +486,14 @@ def main():
     if store:
         killed_master()
         killed_master(commit_while_dead=False)
+        availability(args.quick)
 
 
-def only(section, repeats):
+def only(section, repeats, quick=False):
     if section == "mac":
         return mac_cost(repeats)
+    if section == "availability":
+        return availability(quick)
     if section == "killed":
         killed_master()
         return killed_master(commit_while_dead=False)

@@ -132,6 +132,13 @@ class TierStats(_Snapshot):
     verification); lookups that skipped a store marked down are in ``store_skipped``, not here. A ``StoreTier`` that
     an ``EncoderStore``'s tiers share counts their reads too (``store_published_entries``: encoder entries put; their
     wait is the batched read, verified after it).
+    Publishing: ``store_published_*`` were stored; ``store_publish_exists`` were already held (Mooncake's put never
+    overwrites); ``store_publish_full`` were refused for space even after ``store_room_removed`` of the tier's own
+    oldest entries were removed to make room; ``store_publish_dropped`` never reached the store (queue full, store
+    down, put failed). ``store_refused_removed``: entries a reader refused (MAC or verification), removed so the next
+    publish of the real bytes is stored. ``store_marked_down``: times the store was marked down (a failure rate over
+    its window, or a read stalled past its deadline); ``store_skipped_late_read``: lookups that skipped the store while
+    a late read was still in flight.
     ``to_dict()`` is flat (``host_*`` and ``store_*`` keys), ``store_wait`` as its own dict.
     """
 
@@ -160,7 +167,13 @@ class TierStats(_Snapshot):
     store_late: int = 0
     store_read_errors: int = 0
     store_skipped: int = 0
+    store_skipped_late_read: int = 0
     store_probes: int = 0
+    store_marked_down: int = 0
+    store_publish_full: int = 0
+    store_publish_exists: int = 0
+    store_room_removed: int = 0
+    store_refused_removed: int = 0
     store_wait: HistogramStats = HistogramStats()
 
     def to_dict(self) -> dict:

@@ -24,10 +24,12 @@ def free_ports(n: int) -> list[int]:
 class MooncakeMaster:
     """A ``mooncake_master`` on 127.0.0.1 with its RPC, HTTP metadata and metrics/admin ports all free ones (the
     admin port defaults to 9003, which parallel runs would fight over). ``stop``/``start`` keep the ports, so a
-    restarted master is found by clients at the same address."""
+    restarted master is found by clients at the same address. ``flags``: more ``mooncake_master`` flags (e.g.
+    ``--default_kv_lease_ttl=200``)."""
 
-    def __init__(self):
+    def __init__(self, *flags: str):
         self.rpc_port, self.http_port, self.metrics_port = free_ports(3)
+        self.flags = flags
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -43,7 +45,7 @@ class MooncakeMaster:
             ["mooncake_master", "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics_port}"],
+             f"--metrics_port={self.metrics_port}", *self.flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

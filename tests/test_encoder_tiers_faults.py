@@ -10,7 +10,7 @@ import torch
 from mooncake_master import MooncakeMaster
 
 from mmcache import EncoderKey, EncoderStore
-from mmcache.tiers import EncoderTiers, StoreTier, mooncake
+from mmcache.tiers import EncoderTiers, StoreTier, encoder_entry, mooncake
 
 WHY = mooncake.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"Mooncake Store cannot run here: {WHY}")
@@ -77,3 +77,31 @@ def test_a_master_killed_under_encoder_lookups_never_stalls_one_and_a_restart_hi
         finally:
             tier.close()
             client.close()
+
+
+def test_a_forged_shared_entry_is_removed_and_the_real_one_served_after_its_next_publish():
+    """A forger puts under a key's entry name first (Mooncake's put never overwrites): the first reader refuses it
+    (MAC) and removes it, its own publish then stores the real entry, and another instance is served that."""
+    key_bytes = b"deployment-key-0123456789abcdef"
+    with MooncakeMaster() as master:
+        client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20)
+        tiers = [StoreTier(client, deadline_s=DEADLINE, key=key_bytes) for _ in range(2)]
+        a, b = (EncoderStore(1 << 16, 1024, tiers=EncoderTiers(store=t)) for t in tiers)
+        try:
+            assert client.put(encoder_entry.entry_key(KEYS[0]), b"forged" * 100) in ("stored", True)
+            got = a.get_or_compute_many([KEYS[0]], lambda idx: [encode(0)])[0]
+            assert got.source == "computed" and a.stats().totals.store_mac_failures == 1
+            assert tiers[0].flush(30)
+            got = b.get_or_compute_many([KEYS[0]], never)[0]
+            assert got.source == "shared" and torch.equal(got.value, encode(0))
+            assert b.stats().totals.store_mac_failures == 0
+            c = tiers[0].counters
+            assert c["refused_removed"] == 1 and c["published_entries"] == 1, c  # stored after the forgery went
+        finally:
+            for t in tiers:
+                t.close()
+            client.close()
+
+
+def never(indices):
+    raise AssertionError("computed what the store holds")

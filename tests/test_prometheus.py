@@ -59,10 +59,11 @@ class BreakableStore(MemoryStore):
 @pytest.fixture(scope="module")
 def tiered():
     """(instance, its final TierStats, samples): an exporter sampled after every request of tier traffic (every tier
-    hits), one entry under another key, one of another page layout, then a failed read that marks the store down."""
+    hits), one entry under another key, one of another page layout, then a failed read that marks the store down
+    (``down_failures=1``, ``down_rate=0.01``: one failure in the window is enough here)."""
     exporter = Exporter()
     shared = BreakableStore(256)
-    inst = TieredCache(shared, publish_async=False, deadline_s=None)
+    inst = TieredCache(shared, publish_async=False, deadline_s=None, down_failures=1, down_rate=0.01)
     try:
         sample = lambda: exporter.sample(inst.cache_stats())  # noqa: E731
         sample()

@@ -122,22 +122,24 @@ def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama_folder,
 
 
 def test_a_store_page_is_verified_before_use():
-    pool = PagePool(8, (P,), torch.float32)
     fp = Fingerprint(model="v", page_size=P)
     shared = MemoryStore(64)
 
     def cache(fingerprint=fp):
         store = StoreTier(shared, publish_async=False)
-        return PrefixCache(pool if fingerprint is fp else PagePool(8, (P,), torch.float32), fingerprint,
-                           evict_batch_pages=1, tiers=TierStack(fingerprint, store=store))
+        return PrefixCache(PagePool(8, (P,), torch.float32), fingerprint, evict_batch_pages=1,
+                           tiers=TierStack(fingerprint, store=store))
 
-    a = cache()
-    a.admit("a", list(range(1, 10)), salt=b"t")
-    s = a.grow("a", 9)
-    for j, p in enumerate(s.page_indices):
-        pool.data[p] = float(j + 1)
-    a.mark_computed("a", 9)
-    a.finish("a")
+    def publish():
+        a = cache()
+        a.admit("a", list(range(1, 10)), salt=b"t")
+        s = a.grow("a", 9)
+        for j, p in enumerate(s.page_indices):
+            a.pool.data[p] = float(j + 1)
+        a.mark_computed("a", 9)
+        a.finish("a")
+
+    publish()
     b = cache()
     assert b.admit("same", list(range(1, 10)), salt=b"t").matched_tokens == 8
     assert b.admit("other salt", list(range(1, 10))).matched_tokens == 0
@@ -145,6 +147,8 @@ def test_a_store_page_is_verified_before_use():
     names = [n for n in list(shared._data)]
     assert other.admit("x", list(range(1, 10)), names=[int(k.split("/")[1], 16) for k in names[:2]],
                        salt=b"t").matched_tokens == 0  # the same names under another fingerprint: rejected
+    assert other.tiers.store.counters["rejected"] == 1 and names[0] not in shared._data  # and removed
+    publish()
     key = names[0]
     shared._data[key] = shared._data[key][:-4] + b"\0\0\0\0"  # corrupt the bytes: the checksum refuses them
     c = cache()

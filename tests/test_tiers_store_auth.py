@@ -1,6 +1,7 @@
 """Authenticated store entries: with a deployment key, a writer that changes a page's bytes and recomputes the plain
-checksum is refused (a miss, counted as a MAC failure); without a key the same forgery is served, which is the trust
-model the README states (a keyless store trusts every writer)."""
+checksum is refused (a miss, counted as a MAC failure) and its entry removed, so the next publish stores the real
+page; without a key the same forgery is served, which is the trust model the README states (a keyless store trusts
+every writer)."""
 
 import numpy as np
 import torch
@@ -57,15 +58,20 @@ def test_a_forged_entry_is_a_counted_miss_with_a_key():
     shared._data[first] = forge(shared._data[first], keyed=True)
     state, b = read(shared, KEY)
     assert state.matched_tokens == 0 and b.tiers.store.counters["mac_failures"] == 1
-    state, b = read(shared, b"another-key-0123456789abcdef")  # the wrong key: every entry fails
-    assert state.matched_tokens == 0 and b.tiers.store.counters["mac_failures"] == 1
+    assert first not in shared._data and b.tiers.store.counters["refused_removed"] == 1
+    publish(shared, KEY)  # the real page again: stored, served
+    state, b = read(shared, KEY)
+    assert state.matched_tokens == 8
+    state, b = read(shared, b"another-key-0123456789abcdef")  # the wrong key: every entry fails (and is removed:
+    assert state.matched_tokens == 0 and b.tiers.store.counters["mac_failures"] == 1  # one store, one key)
 
 
 def test_keyless_and_keyed_entries_never_mix_and_keyless_trusts_every_writer():
     shared = MemoryStore(64)
     publish(shared, None)
     state, b = read(shared, KEY)  # a keyed reader refuses keyless entries
-    assert state.matched_tokens == 0 and b.tiers.store.counters["mac_failures"] == 1
+    assert state.matched_tokens == 0 and b.tiers.store.counters["mac_failures"] == 1  # (and removes what it read)
+    publish(shared, None)
     first = next(iter(shared._data))
     shared._data[first] = forge(shared._data[first], keyed=False)
     state, b = read(shared, None)  # without a key the forgery passes the checksum: the documented trust model

@@ -80,6 +80,7 @@ def test_a_master_killed_under_traffic_never_stalls_an_admission_and_a_restart_h
             worst = {k: max(v) for k, v in phases.items()}
             assert all(v < DEADLINE + SLACK for v in worst.values()), (worst, store.counters)
             assert len(phases["dead"]) > 50 and store.counters["late"] >= 1, store.counters
+            assert store.counters["marked_down"] >= 1 and store.counters["skipped_late_read"] > 0, store.counters
             assert store.counters["skipped"] > 0 and store.counters["probes"] > 0
             assert hits_after_restart >= 3, store.counters
         finally:
@@ -102,6 +103,8 @@ class SlowStore(MemoryStore):
 
 
 def test_a_blocking_store_costs_one_deadline_then_nothing_and_reads_come_in_batches():
+    """A read that blocks costs its lookup the deadline; later lookups skip the store at once while it is still in
+    flight, and once it has been stuck ``stall_s`` the store is marked down, then up again by the prober."""
     shared = SlowStore()
     fp = Fingerprint(model="slow", page_size=P)
 
@@ -113,7 +116,7 @@ def test_a_blocking_store_costs_one_deadline_then_nothing_and_reads_come_in_batc
     a = cache(writer)
     tokens = prompts(1, pages=10)[0]
     serve_once(a, "a", tokens)
-    reader = StoreTier(shared, deadline_s=0.2, batch_pages=4, probe_s=0.2)
+    reader = StoreTier(shared, deadline_s=0.2, batch_pages=4, probe_s=0.2, stall_s=0.5)
     b = cache(reader)
     shared.calls.clear()  # a's own lookup read once
     try:
@@ -122,10 +125,20 @@ def test_a_blocking_store_costs_one_deadline_then_nothing_and_reads_come_in_batc
         shared.stall.set()
         b.clear()
         took, matched = serve_once(b, "late", tokens)
-        assert matched == 0 and 0.2 <= took < 0.2 + SLACK and reader.counters["late"] == 1 and not reader.up
+        assert matched == 0 and 0.2 <= took < 0.2 + SLACK and reader.counters["late"] == 1
+        assert reader.up  # one late read is not an outage
+        b.clear()
+        took, matched = serve_once(b, "behind", tokens)
+        assert matched == 0 and took < 0.1 and reader.counters["skipped_late_read"] == 1  # not queued behind it
+        deadline = time.monotonic() + 10
+        while reader.up and time.monotonic() < deadline:  # still in flight past stall_s: marked down
+            b.clear()
+            serve_once(b, "stalled", tokens)
+            time.sleep(0.05)
+        assert not reader.up and reader.counters["marked_down"] == 1 and reader.counters["late"] == 1
         b.clear()
         took, matched = serve_once(b, "down", tokens)
-        assert matched == 0 and took < 0.1 and reader.counters["skipped"] == 1  # marked down: not asked
+        assert matched == 0 and took < 0.1 and reader.counters["skipped"] >= 1  # marked down: not asked
         shared.stall.clear()
         deadline = time.monotonic() + 10
         while not reader.up and time.monotonic() < deadline:  # the background prober marks it up
@@ -245,7 +258,7 @@ def test_a_store_marked_down_drops_and_counts_what_either_kind_would_publish_rea
     before anything of them is read (here they are None), and so is a put reaching the publisher."""
     store = StoreTier(MemoryStore(8), publish_async=False, deadline_s=None, probe_s=3600)
     try:
-        store._failed()  # marked down; the prober would try it in an hour
+        store._mark_down()  # the prober would try it in an hour
         TierStack(Fingerprint(model="down", page_size=P), store=store).publish(None, [1, 2, 3], [0, 1, 2], None,
                                                                                 None, None, b"")
         EncoderTiers(store=store).publish(None)

@@ -9,7 +9,9 @@ declares (``EncoderStore(..., tiers=EncoderTiers(host=..., store=...))``).
   state for both kinds of entries.
 - ``fetch`` (a device miss, no device lock held): the host tier under its own pool's lock, then the shared store for
   what is still missing, in batches within one deadline for the whole call (``StoreTier.fetch``); every payload is
-  verified in full (``encoder_entry.decode``) and by the store's ``accept`` before it is returned.
+  verified in full (``encoder_entry.decode``) and by the store's ``accept`` before it is returned. A shared entry
+  that fails ``decode`` (forged, corrupt, under another key) is removed from the store (``StoreTier.discard``), so the
+  next publish of the real entry is stored and served.
 
 Nothing here raises into a lookup: a tier that is down, late or holds a bad entry gives a miss, counted.
 """
@@ -72,21 +74,25 @@ class EncoderTiers:
         todo = [i for i in range(len(keys)) if found[i] is None]
         if self.store is not None and todo:
             for i, payload in zip(todo, self.store.fetch([names[i] for i in todo])):
-                found[i] = self._verified(payload or None, keys[i], self.store.key, accept, counts[i], "store")
+                found[i] = self._verified(payload or None, keys[i], self.store.key, accept, counts[i], "store",
+                                          lambda name=names[i]: self.store.discard(name))
                 source[i] = "shared" if found[i] is not None else None
         return [TierRead(e, s, c) for e, s, c in zip(found, source, counts)]
 
     @staticmethod
-    def _verified(payload, key: EncoderKey, mac_key: bytes | None, accept, counts: dict,
-                  tier: str) -> StoredBytes | None:
+    def _verified(payload, key: EncoderKey, mac_key: bytes | None, accept, counts: dict, tier: str,
+                  refused: Callable[[], None] | None = None) -> StoredBytes | None:
         """The entry of ``payload`` if it verifies as ``key``'s and ``accept`` takes it; counts ``<tier>_hits``,
-        ``_misses`` (absent), ``_rejected`` or ``_mac_failures``."""
+        ``_misses`` (absent), ``_rejected`` or ``_mac_failures``. ``refused()`` is called for an entry that fails
+        ``decode`` (not one ``accept`` declines: its layout is only not what this store expects)."""
         if payload is None:
             counts[f"{tier}_misses"] = 1
             return None
         entry = encoder_entry.decode(payload, key, mac_key)
         if isinstance(entry, str):
             counts[f"{tier}_mac_failures" if entry == "mac" else f"{tier}_rejected"] = 1
+            if refused is not None:
+                refused()
             return None
         if not accept(key, entry.layout):
             counts[f"{tier}_rejected"] = 1

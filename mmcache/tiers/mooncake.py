@@ -11,6 +11,12 @@ from __future__ import annotations
 import shutil
 import threading
 
+from mmcache.tiers.store import EXISTS, FAILED, FULL, STORED
+
+NO_AVAILABLE_HANDLE = -200  # Mooncake's ErrorCode for a put refused for lack of space (the store is full)
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+
 
 def available() -> str | None:
     """None when the Mooncake Store client and master can run here, else why not."""
@@ -28,9 +34,10 @@ class MooncakeClient:
     """One process's Mooncake Store client (``KVStore``): it mounts ``segment_bytes`` of its memory into the store
     (objects this process puts live there, so they vanish when it exits) and reads through ``buffer_bytes``.
 
-    The connection is made at construction and again on use after a failed setup; ``put`` returns False on any error
-    status, ``get``/``get_many`` return b"" for an absent key (and for an unreachable master, at once for the first few
-    calls, then after ~4.4 s each: the tier's deadline bounds that)."""
+    The connection is made at construction and again on use after a failed setup; ``put`` says what it did
+    (``mmcache.tiers.store.STORED``, ``EXISTS``, ``FULL`` or ``FAILED``), ``get``/``get_many`` return b"" for an absent
+    key (and for an unreachable master, at once for the first few calls, then after ~4.4 s each: the tier's deadline
+    bounds that), ``remove`` removes a key even while a reader's lease holds it."""
 
     def __init__(self, rpc_address: str, metadata_url: str, segment_bytes: int = 256 << 20,
                  buffer_bytes: int = 128 << 20):
@@ -53,9 +60,27 @@ class MooncakeClient:
             self._store = store
         return self._store
 
-    def put(self, key: str, value: bytes) -> bool:
+    def put(self, key: str, value: bytes) -> str:
+        """Store ``value`` under ``key`` unless the key holds an entry already. Mooncake's put answers 0 for a key it
+        already holds (and leaves that entry), so an ``is_exist`` first tells ``EXISTS`` from ``STORED``; a put
+        refused for lack of space is ``FULL`` (the master evicts in the background, a later put may fit)."""
         with self._lock:
-            return self._connected().put(key, value) == 0
+            store = self._connected()
+            held = store.is_exist(key)
+            if held != 0:  # 1: held; an error status (a dead master's, after seconds): no put to wait on too
+                return EXISTS if held == 1 else FAILED
+            status = store.put(key, value)
+        if status == 0:
+            return STORED
+        return {NO_AVAILABLE_HANDLE: FULL, OBJECT_ALREADY_EXISTS: EXISTS}.get(status, FAILED)
+
+    def remove(self, key: str) -> bool | None:
+        """Remove ``key``'s entry (forced: a reader that just read it holds a lease on it, and a refused entry must
+        go now; a reader that reads it meanwhile verifies what it gets): True when removed, None when the key held
+        nothing, False on an error status."""
+        with self._lock:
+            status = self._connected().remove(key, True)
+        return True if status == 0 else None if status == OBJECT_NOT_FOUND else False
 
     def get(self, key: str) -> bytes:
         with self._lock:

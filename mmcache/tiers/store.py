@@ -7,10 +7,25 @@ what the requesting instance expects before one byte is used, so a cross-instanc
 
 Never a stall: a lookup reads the nominated chain in batches (``get_many``, Mooncake's ``get_batch``) on the tier's
 reader thread and waits for them at most ``deadline_s`` in all (one deadline for the whole lookup, not a timeout per
-call). A call that fails or misses the deadline marks the store down: every lookup is then a miss at once, and a
-background prober (``probe_s``; never a request) marks it up again. An answer that arrives after its deadline is
-dropped, never used; every answer used is verified first. On Mooncake a dead master makes ``get`` take ~4.4 s after
-a few fast empty answers and ``put`` fail after ~4.5 s, so puts run on the publisher thread (``publish_async``).
+call). An answer that arrives after its deadline is dropped, never used; every answer used is verified first.
+
+Up or down (``up``), decided on a failure rate, not on one call: every store call's outcome (a read on time, late or
+failed; a put or a removal answered or failed) goes into a window of the last ``window_s`` seconds, and the store is
+marked down when at least ``down_failures`` of those calls failed and they are at least ``down_rate`` of them. A
+store that stops answering is caught sooner: while a read that missed its deadline is still in flight, lookups skip
+the store at once (``skipped_late_read``), and once it has been in flight ``stall_s`` the store is marked down. While
+down every lookup is a miss at once and a background prober (``probe_s``; never a request) marks it up again. On
+Mooncake a dead master makes ``get`` take ~4.4 s after a few fast empty answers and ``put`` fail after ~4.5 s, so
+puts run on the publisher thread (``publish_async``).
+
+A put is published (``published_pages``/``published_entries``) only when it was stored. A full store is not an
+outage: the tier removes the oldest entries it stored itself (``room_removed``; at least twice the new entry's size)
+and puts once more, and a put still refused (``FULL``: ``publish_full``) is skipped, the store staying up. (Mooncake's
+master evicts only entries no reader holds a lease on, 10 s after each read by default, so under steady reads it can
+evict only the newest, unread entries: left to it, a full store drops what was just published.) A put whose key
+holds an entry already (``EXISTS``: Mooncake's put never overwrites; ``publish_exists``) is skipped too. An entry
+refused by verification (a MAC that fails, any field that differs) is removed from the store (``discard``, on the
+publisher thread), so the next publish of the real bytes stores them and is served.
 
 Authenticated entries: with a deployment ``key`` every payload ends in a keyed BLAKE2b MAC over all of it (header,
 fingerprint, salt, layout, token ids, page bytes); a reader with the key refuses, and counts (``mac_failures``), an
@@ -45,12 +60,17 @@ _HEAD = struct.Struct("<6sQIIIII16s16sQ")  # magic, name, depth, page_size, fp, 
 WAIT_BOUNDS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-class KVStore(Protocol):
-    """What the tier needs of a store: ``put`` returns True on success; ``get`` returns b"" for an absent key. Optional:
-    ``get_many(keys)`` (one batched read, b"" per absent key) and ``probe()`` (True when the store answers; the
-    background prober calls it, else a ``get``)."""
+STORED, EXISTS, FULL, FAILED = "stored", "exists", "full", "failed"  # what a put did (``KVStore.put``)
 
-    def put(self, key: str, value: bytes) -> bool: ...
+
+class KVStore(Protocol):
+    """What the tier needs of a store: ``put`` returns what it did: ``STORED`` (or True), ``EXISTS`` (the key holds
+    an entry already, left as it is), ``FULL`` (refused for lack of space) or ``FAILED`` (or False); ``get`` returns
+    b"" for an absent key. Optional: ``get_many(keys)`` (one batched read, b"" per absent key), ``remove(key)``
+    (True when it removed an entry, None when the key held none, False on failure) and ``probe()`` (True when the
+    store answers; the background prober calls it, else a ``get``)."""
+
+    def put(self, key: str, value: bytes) -> bool | str: ...
 
     def get(self, key: str) -> bytes: ...
 
@@ -78,6 +98,9 @@ class MemoryStore:
 
     def get_many(self, keys) -> list[bytes]:
         return [self.get(k) for k in keys]
+
+    def remove(self, key: str) -> bool | None:
+        return True if self._data.pop(key, None) is not None else None
 
 
 def page_key(name: int) -> str:
@@ -157,33 +180,80 @@ def verify_page(payload, want: Expected, name: int, depth: int, tokens: np.ndarr
 
 
 
+class FailureWindow:
+    """The outcomes of the store calls of the last ``window_s`` seconds (at most ``max_calls`` of them, the oldest
+    forgotten first). ``record`` says whether the window now holds at least ``min_failures`` failures that are at
+    least ``rate`` of its calls. Not thread-safe: the tier records under its health lock."""
+
+    def __init__(self, window_s: float, min_failures: int, rate: float, clock, max_calls: int = 1024):
+        self.window_s, self.min_failures, self.rate, self._clock = window_s, min_failures, rate, clock
+        self._calls: collections.deque[tuple[float, bool]] = collections.deque(maxlen=max_calls)
+        self._failures = 0
+
+    def record(self, failed: bool) -> bool:
+        now = self._clock()
+        if len(self._calls) == self._calls.maxlen:
+            self._failures -= self._calls[0][1]
+        self._calls.append((now, failed))
+        self._failures += failed
+        while self._calls[0][0] < now - self.window_s:
+            self._failures -= self._calls.popleft()[1]
+        return self._failures >= self.min_failures and self._failures >= self.rate * len(self._calls)
+
+    def clear(self) -> None:
+        self._calls.clear()
+        self._failures = 0
+
+
+def put_outcome(answer) -> str:
+    """A ``KVStore.put`` answer as one of ``STORED``, ``EXISTS``, ``FULL``, ``FAILED`` (True and False are a simple
+    store's)."""
+    if answer is True or answer == STORED:
+        return STORED
+    return answer if answer in (EXISTS, FULL) else FAILED
+
+
 class StoreTier:
     """Publish pages to a ``KVStore`` and read verified pages back within a deadline; degrades to misses while the
     store is down (see the module docstring).
 
     ``deadline_s``: the longest one lookup waits for the store, all its batches together (None: read inline with no
     bound, for an in-process ``MemoryStore``). ``batch_pages``: pages per batched read. ``probe_s``: how often the
-    background prober tries a store marked down. ``key``: the deployment key (16-64 bytes) that authenticates entries.
+    background prober tries a store marked down. ``window_s``, ``down_failures``, ``down_rate``: the store is marked
+    down when, over the last ``window_s`` seconds, at least ``down_failures`` calls failed and they are at least
+    ``down_rate`` of its calls. ``stall_s``: how long a read past its deadline may stay in flight before the store is
+    marked down. ``own_entries``: how many of the entries it stored the tier remembers (oldest forgotten first), to
+    make room in a full store. ``key``: the deployment key (16-64 bytes) that authenticates entries.
 
-    Invariants: no request thread waits on the store past its deadline or calls it while it is marked down; no
-    byte of an answer is used before it is verified (MAC, then every field); an answer after its deadline is dropped.
+    Invariants: no request thread waits on the store past its deadline or calls it while it is marked down or while
+    an earlier read is in flight past its deadline; no byte of an answer is used before it is verified (MAC, then
+    every field); an answer after its deadline is dropped; a put is counted published only when the store stored it.
     """
 
     def __init__(self, client: KVStore, *, probe_s: float = 5.0, deadline_s: float | None = 0.05,
                  batch_pages: int = 16, publish_async: bool = True, queue_pages: int = 4096,
-                 key: bytes | None = None, clock=time.monotonic):
+                 key: bytes | None = None, window_s: float = 10.0, down_failures: int = 3, down_rate: float = 0.5,
+                 stall_s: float = 1.0, own_entries: int = 1 << 16, clock=time.monotonic):
         if deadline_s is not None and not deadline_s > 0:
             raise InvalidRequest(f"deadline_s must be positive or None, got {deadline_s!r}")
-        if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
-            raise InvalidRequest(f"batch_pages must be a positive integer, got {batch_pages!r}")
+        for name, value in (("batch_pages", batch_pages), ("down_failures", down_failures)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequest(f"{name} must be a positive integer, got {value!r}")
+        if not (window_s > 0 and stall_s > 0 and 0 < down_rate <= 1):
+            raise InvalidRequest(f"window_s and stall_s must be positive and down_rate in (0, 1], got "
+                                 f"{window_s!r}, {stall_s!r}, {down_rate!r}")
         self.key = check_key(key)
         self.client, self.probe_s, self._clock = client, float(probe_s), clock
-        self.deadline_s, self.batch_pages = deadline_s, batch_pages
+        self.deadline_s, self.batch_pages, self.stall_s = deadline_s, batch_pages, float(stall_s)
         self._down = False
         self._health = threading.Condition()
-        self.counters = dict.fromkeys(("published_pages", "published_entries", "publish_dropped", "hit_pages", "gets",
-                                       "batches", "misses", "rejected", "mac_failures", "failures", "late",
-                                       "read_errors", "skipped", "probes"), 0)
+        self._window = FailureWindow(float(window_s), down_failures, float(down_rate), clock)
+        self._late_read: tuple[concurrent.futures.Future, float] | None = None  # in flight past its deadline
+        self._own: collections.deque[tuple[str, int]] = collections.deque(maxlen=own_entries)  # (key, bytes) stored
+        self.counters = dict.fromkeys(("published_pages", "published_entries", "publish_dropped", "publish_full",
+                                       "publish_exists", "room_removed", "hit_pages", "gets", "batches", "misses",
+                                       "rejected", "mac_failures", "refused_removed", "failures", "late",
+                                       "read_errors", "skipped", "skipped_late_read", "marked_down", "probes"), 0)
         self.wait = WaitHistogram(WAIT_BOUNDS)  # seconds each lookup that asked the store spent reading it
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -202,9 +272,21 @@ class StoreTier:
         """False while the store is marked down (until the background prober finds it answering again)."""
         return not self._down
 
-    def _failed(self) -> None:
+    def _called(self, failed: bool, took: float = 0.0) -> None:
+        """Record one store call's outcome; mark the store down when the window's failure rate says so, or at once
+        for a call that failed after ``took`` >= ``stall_s`` (a store that stopped answering, as a read stuck past
+        its deadline)."""
         with self._health:
-            self.counters["failures"] += 1
+            self.counters["failures"] += failed
+            if (self._window.record(failed) or failed and took >= self.stall_s) and not self._down:
+                self._mark_down()
+
+    def _mark_down(self) -> None:
+        """Mark the store down (counted once per fall: ``marked_down``) and start the background prober if none
+        runs."""
+        with self._health:
+            if not self._down:
+                self.counters["marked_down"] += 1
             self._down = True
             if self._prober is None and not self._closed:
                 self._prober = threading.Thread(target=self._probe_loop, name="mmcache-store-probe", daemon=True)
@@ -212,8 +294,8 @@ class StoreTier:
             self._health.notify_all()
 
     def _probe_loop(self) -> None:
-        """While the store is marked down, try it every ``probe_s`` (off every request's path); mark it up when it
-        answers. Exits at ``close``."""
+        """While the store is marked down, try it every ``probe_s`` (off every request's path); mark it up, with an
+        empty failure window, when it answers. Exits at ``close``."""
         while True:
             with self._health:
                 while not self._closed and not self._down:
@@ -228,6 +310,7 @@ class StoreTier:
                 ok = False
             if ok:
                 with self._health:
+                    self._window.clear()
                     self._down = False
 
     # ----------------------------------------------------------------- publish
@@ -235,7 +318,7 @@ class StoreTier:
         """Whether ``items`` entries may be published now. The one rule for a store marked down: what would be
         published is dropped and counted (``publish_dropped``), whether a publisher asks before encoding its
         entries (``TierStack.publish``, ``EncoderTiers.publish``: their bytes are then never read) or the put is
-        about to be made (``_put``, for entries queued before the store went down)."""
+        about to be made (``_put``, for entries queued before the store went down). A full store is not down."""
         if not self.up:
             self.counters["publish_dropped"] += items
             return False
@@ -246,16 +329,29 @@ class StoreTier:
         its queue is full or the store is down), else now. Each put counts in ``counter`` (``published_pages`` for KV
         pages, ``published_entries`` for encoder entries)."""
         for key, payload in items:
-            if self._closed:
+            if not self._submit(self._put, key, payload, counter):
                 self.counters["publish_dropped"] += 1
-                continue
-            if self._queue is None:
-                self._put(key, payload, counter)
-                continue
-            try:
-                self._queue.put_nowait((key, payload, counter))
-            except queue.Full:
-                self.counters["publish_dropped"] += 1
+
+    def discard(self, key: str) -> None:
+        """Remove the entry under ``key``, which a reader refused (its MAC or a field failed): Mooncake's put never
+        overwrites, so until it is gone the real entry cannot be stored there. On the publisher thread (now without
+        ``publish_async``); skipped while the store is down, when the queue is full or the store cannot remove."""
+        if self.up and getattr(self.client, "remove", None) is not None:
+            self._submit(self._remove, key)
+
+    def _submit(self, call, *args) -> bool:
+        """Run ``call(*args)`` on the publisher thread (now without one); False when it was not taken (closed, or
+        the queue full)."""
+        if self._closed:
+            return False
+        if self._queue is None:
+            call(*args)
+            return True
+        try:
+            self._queue.put_nowait((call, args))
+        except queue.Full:
+            return False
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued page was put (or dropped); False if ``timeout`` passed first."""
@@ -290,22 +386,68 @@ class StoreTier:
             try:
                 if item is None:
                     return
-                self._put(*item)
+                call, args = item
+                call(*args)
             finally:
                 self._queue.task_done()
 
     def _put(self, key: str, payload: bytes, counter: str) -> None:
+        """One put, counted by what the store did with it: stored (``counter``), already held (``publish_exists``),
+        refused for lack of space even after ``_make_room`` (``publish_full``), or failed (``publish_dropped``, and
+        a failed call)."""
         if not self.publishing(1):  # down since it was queued
             return
+        outcome = self._put_once(key, payload)
+        if outcome == FULL and self._make_room(len(payload)):
+            outcome = self._put_once(key, payload)
+        if outcome == STORED:
+            self._own.append((key, len(payload)))
+        self.counters[{STORED: counter, EXISTS: "publish_exists", FULL: "publish_full",
+                       FAILED: "publish_dropped"}[outcome]] += 1
+
+    def _put_once(self, key: str, payload: bytes) -> str:
+        started = self._clock()
         try:
-            ok = self.client.put(key, payload)
+            outcome = put_outcome(self.client.put(key, payload))
         except Exception:  # noqa: BLE001 - any store failure is a miss, never a request's error
-            ok = False
-        if ok:
-            self.counters[counter] += 1
-        else:
-            self._failed()
-            self.counters["publish_dropped"] += 1
+            outcome = FAILED
+        self._called(outcome == FAILED, self._clock() - started)
+        return outcome
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Remove the oldest entries this tier stored until twice ``nbytes`` went (``room_removed``); whether any
+        did. Entries the store already evicted free nothing and are passed over."""
+        if getattr(self.client, "remove", None) is None:
+            return False
+        freed = 0
+        while freed < 2 * nbytes and self.up:
+            try:
+                key, size = self._own.popleft()
+            except IndexError:  # nothing of its own left (publishers without a publisher thread may race here)
+                break
+            started = self._clock()
+            try:
+                removed = self.client.remove(key)
+            except Exception:  # noqa: BLE001 - a failed removal frees nothing
+                removed = False
+            self._called(removed is False, self._clock() - started)
+            if removed is True:
+                freed += size
+                self.counters["room_removed"] += 1
+        return freed > 0
+
+    def _remove(self, key: str) -> None:
+        """One removal of a refused entry (``refused_removed`` once the key holds nothing: removed, or gone
+        already)."""
+        if not self.up:
+            return
+        started = self._clock()
+        try:
+            removed = self.client.remove(key)
+        except Exception:  # noqa: BLE001 - left for a later reader to refuse and remove again
+            removed = False
+        self.counters["refused_removed"] += removed is not False
+        self._called(removed is False, self._clock() - started)
 
     # ----------------------------------------------------------------- read
     def _get_many(self, keys: list[str]) -> list[bytes]:
@@ -313,32 +455,54 @@ class StoreTier:
         return get_many(keys) if get_many is not None else [self.client.get(k) for k in keys]
 
     def _read(self, keys: list[str], deadline: float | None) -> list[bytes] | None:
-        """One batched read, waited for until ``deadline``; None (and the store marked down) when it failed or
-        came late (a late answer is dropped when it comes)."""
+        """One batched read, waited for until ``deadline``; None when it failed or came late (a late answer is
+        dropped when it comes; a late read is remembered until it ends). Each read is one outcome for the window."""
         self.counters["batches"] += 1
         self.counters["gets"] += len(keys)
+        future = None
         try:
             if self._reader is None:
-                return self._get_many(keys)
-            future = self._reader.submit(self._get_many, keys)
-            return future.result(timeout=max(0.0, deadline - self._clock()))
+                out = self._get_many(keys)
+            else:
+                future = self._reader.submit(self._get_many, keys)
+                out = future.result(timeout=max(0.0, deadline - self._clock()))
         except concurrent.futures.TimeoutError:
             self.counters["late"] += 1
+            self._late_read = (future, deadline)
         except Exception:  # noqa: BLE001 - a failed read is a miss (RuntimeError once the reader is shut down)
             self.counters["read_errors"] += 1
-        self._failed()
+        else:
+            self._called(False)
+            return out
+        self._called(True)
         return None
+
+    def _may_read(self) -> bool:
+        """Whether a lookup may ask the store now: not while it is marked down or closed (``skipped``), nor while a
+        read past its deadline is still in flight (``skipped_late_read``; once that read has been in flight
+        ``stall_s`` past its deadline the store is marked down)."""
+        if not self.up or self._closed:
+            self.counters["skipped"] += 1
+            return False
+        late = self._late_read
+        if late is None:
+            return True
+        future, since = late
+        if future.done():
+            self._late_read = None
+            return True
+        self.counters["skipped_late_read"] += 1
+        if self._clock() - since >= self.stall_s:
+            self._mark_down()
+        return False
 
     def fetch(self, keys: list[str]) -> list[bytes]:
         """The stored payloads of ``keys`` (b"" for each absent one, and for those not read: the store down, a failed
         read, the deadline passed), read in batches of ``batch_pages`` within one deadline for the whole call. Takes
         no lock; verifies nothing: the caller verifies every payload before it uses a byte (encoder entries:
-        ``mmcache.tiers.encoder_entry``)."""
+        ``mmcache.tiers.encoder_entry``) and ``discard``s one it refuses."""
         out = [b""] * len(keys)
-        if not keys:
-            return out
-        if not self.up or self._closed:
-            self.counters["skipped"] += 1
+        if not keys or not self._may_read():
             return out
         started = self._clock()
         deadline = None if self.deadline_s is None else started + self.deadline_s
@@ -355,8 +519,7 @@ class StoreTier:
         """Verified page bytes for pages ``start, start+1, ...`` of a request, to the first miss, failed
         verification, ``limit`` pages or the deadline; an empty list while the store is down. Takes no lock."""
         out, P = [], want.page_size
-        if not self.up or self._closed:
-            self.counters["skipped"] += 1
+        if not self._may_read():
             return out
         started = self._clock()
         deadline = None if self.deadline_s is None else started + self.deadline_s
@@ -367,8 +530,10 @@ class StoreTier:
             payloads = self._read(keys, deadline)
             if payloads is None:
                 break
-            for payload in payloads:
+            for key, payload in zip(keys, payloads):
                 data = self._verified(payload, want, names[j], j, tokens[j * P:(j + 1) * P], mids[j], lineage)
+                if data is None and payload:  # refused: removed, so the real entry can be stored again
+                    self.discard(key)
                 if data is None:
                     break
                 out.append(data)

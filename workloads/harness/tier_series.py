@@ -11,7 +11,8 @@
   lookup that asked the store spent in it (its batched reads, bounded by the store's deadline, and verification),
   measured in ``StoreTier.match``.
 - ``mmcache_tier_store_*_total{kind}`` (``STORE_COUNTERS``): entries refused (MAC failures, failed verification),
-  reads late or failed, pages published or not, lookups that skipped a store marked down.
+  reads late or failed, puts stored, already held, refused for space or dropped, entries removed to make room or
+  because a reader refused them, lookups that skipped the store, times it was marked down.
 
 ``kind`` is what the entries are: ``kv`` (prefix pages) here; encoder outputs in the tiers are meant to join as
 ``kind="encoder"`` under the same names, and the dashboard sums over it. The series appear with the first sample
@@ -37,13 +38,22 @@ STORE_COUNTERS = {  # TierStats field -> (name suffix, help)
                                            "key): counted misses."),
     "store_rejected": ("rejected", "Store entries that failed verification (fingerprint, salt, layout, depth, tokens, "
                                    "media, parent lineage or checksum): counted misses."),
-    "store_late": ("late_reads", "Store reads that missed their lookup's deadline: dropped, and the store marked "
-                                 "down."),
-    "store_read_errors": ("read_errors", "Store reads that failed: misses, and the store marked down."),
+    "store_late": ("late_reads", "Store reads that missed their lookup's deadline: dropped (misses)."),
+    "store_read_errors": ("read_errors", "Store reads that failed: misses, and failures in the store's window."),
     "store_publish_dropped": ("publish_dropped", "Pages not published to the store: its queue was full, it was "
                                                  "marked down, or the put failed."),
-    "store_published_pages": ("published_pages", "Pages put to the store."),
+    "store_published_pages": ("published_pages", "Pages stored in the store."),
+    "store_publish_exists": ("publish_exists", "Puts of keys the store already held (left as they were)."),
+    "store_publish_full": ("publish_full", "Puts the store refused for space after the tier made room: skipped, "
+                                           "the store stays up."),
+    "store_room_removed": ("room_removed", "The tier's own oldest entries removed to make room for a put."),
+    "store_refused_removed": ("refused_removed", "Entries a reader refused, removed so the real bytes can be "
+                                                 "published again."),
     "store_skipped": ("skipped_lookups", "Lookups that skipped the store while it was marked down (misses at once)."),
+    "store_skipped_late_read": ("skipped_late_read", "Lookups that skipped the store while a late read was in "
+                                                     "flight."),
+    "store_marked_down": ("marked_down", "Times the store was marked down (failure rate over its window, or a "
+                                         "stalled read)."),
 }
 
 Growth = Callable[[tuple, float], float]  # (statistic key, value now) -> growth since the previous sample
