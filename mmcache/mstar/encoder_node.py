@@ -38,6 +38,7 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import check_policy
+from mmcache.module_fingerprint import module_fingerprint
 from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.salts import request_salt
 
@@ -155,7 +156,6 @@ class CachedEncoderNode(NodeSubmodule):
             if self._fingerprint is None:
                 given = self._given_fingerprint
                 if given is None:
-                    from mmcache.module_fingerprint import module_fingerprint
                     given = module_fingerprint(self.node)
                 self._fingerprint = (given, type(self.spec).__name__)
             return self._fingerprint

@@ -1,0 +1,295 @@
+"""Prototypes of the default eviction policy's alternatives, against ``lru`` and the offline optimum on the same calls:
+the figures behind the choice of ``lfu`` (``mmcache.eviction``), kept so they can be reproduced and extended.
+
+Every variant keys an entry ``base + K x generation x weight(count)`` (a generation is ``Lifetimes.mean``, the count
+the recent lookups of the entry's name, as ``lfu``):
+
+- ``weight``: ``lfu`` (count - 1: the shipped rule, K=2), ``log`` (log2 count), ``sqrt`` (sqrt(count - 1)), ``odds``
+  (P/(1-P) of the learned probability P that a name looked up ``count`` times is looked up again: the ratio of names
+  that reached count+1 to those that reached count, decayed with the count table), ``p`` (P), ``pc`` (P x count);
+- ``base``: ``tick`` (the last use), or ``cold`` for entries looked up once (inserted at the eviction frontier, the
+  key of the last entry evicted, so an unproven entry leaves first: LRU insertion, as in adaptive insertion
+  policies), the last use for the others.
+
+    python benchmarks/bench_eviction_variants.py --traces mooncake --variants lfu:2,lfu:4,log:4,odds:2
+    python benchmarks/bench_eviction_variants.py --traces mt-bench --variants odds:2:cold
+    python benchmarks/bench_eviction_variants.py --traces mooncake --why 2000
+
+``--why PAGES`` explains instead where the optimum's gain comes from, on the lookups the ceiling records, in a
+simulation of a cache of PAGES pages with no request in flight (each lookup hits its longest cached prefix, then
+holds all its pages): the hits of ``lru``, ``lfu`` and Belady by how often the name was looked up before, and, for
+names seen once, how often they come back by what an online policy could see.
+
+Needs ../shared/data (as ``bench_eviction.py``). The replays are deterministic: one run each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_eviction import TRACES, load  # noqa: E402
+from mmcache import eviction  # noqa: E402
+from workloads.sizes import format_size, parse_sizes  # noqa: E402
+from workloads.sizing.replay import replay_trace  # noqa: E402
+
+COUNT_CLASSES = 8  # counts past this share one learned probability
+
+
+class Variant:
+    """``lfu``'s key with another weight per count and, optionally, cold insertion (see the module docstring)."""
+
+    name = "variant"
+    monotone = True
+
+    def __init__(self, num_pages: int, clock, weight: str, k: float, cold: bool):
+        self.uses = eviction.UseCounts(eviction.COUNT_TABLE_PAGES * max(1, num_pages))
+        self.lifetimes = eviction.Lifetimes(clock)
+        self.reached = np.zeros(COUNT_CLASSES + 2)  # names that reached each count (decayed with the table)
+        self.frontier, self.weight_name, self.k, self.cold = 0, weight, k, cold
+
+    def reuse_probability(self, count: int) -> float:
+        c = min(count, COUNT_CLASSES)
+        return min(0.99, (self.reached[c + 1] + 0.5) / (self.reached[c] + 1.0))  # the top class: count > COUNT_CLASSES
+
+    def weight(self, count: int) -> float:
+        count = max(1, count)
+        if self.weight_name == "lfu":
+            return count - 1
+        if self.weight_name == "log":
+            return float(np.log2(count))
+        if self.weight_name == "sqrt":
+            return float(np.sqrt(count - 1))
+        p = self.reuse_probability(count)
+        return {"odds": p / (1 - p), "p": p, "pc": p * count}[self.weight_name]
+
+    def key(self, name: int, tick: int, floor: int = 0) -> int:
+        count = self.uses.counts.get(name, 0)
+        base = max(self.frontier, tick - self.lifetimes.mean) if self.cold and count <= 1 else tick
+        k = int(base + self.k * self.lifetimes.mean * self.weight(count))
+        return k if k > floor else floor
+
+    def keys(self, names, ticks, floors):
+        ticks = np.broadcast_to(np.asarray(ticks), names.shape)
+        return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
+                                                                         floors.tolist())], dtype=np.int64)
+
+    def looked_up(self, names) -> None:
+        before = len(self.uses.counts)
+        self.uses.add(names)
+        if len(self.uses.counts) < before:  # the table was halved: so are the counts reached
+            self.reached /= 2
+        counts = self.uses.counts
+        for n in names:
+            self.reached[min(counts[n], COUNT_CLASSES + 1)] += 1
+
+    def evicted(self, keys, ticks) -> None:
+        keys = list(keys)
+        if keys:
+            self.frontier = max(self.frontier, max(keys))
+        self.lifetimes.evicted(ticks)
+
+
+class GreedyDual:
+    """GreedyDual's key: the eviction frontier (the key of the last entry evicted) plus ``K`` generations times the
+    odds that an entry of the name's class is looked up again, learned online. Classes: a name looked up for the
+    first time is classed by the count of the deepest earlier-seen page before it in its chain (``inherit``: what
+    the chain it extends has shown), a name seen before by its count."""
+
+    name = "greedydual"
+    monotone = True
+
+    def __init__(self, num_pages: int, clock, k: float, inherit: bool, blend: bool = False, relative: bool = False):
+        self.blend, self.relative = blend or relative, relative
+        self.uses = eviction.UseCounts(eviction.COUNT_TABLE_PAGES * max(1, num_pages))
+        self.lifetimes = eviction.Lifetimes(clock)
+        self.k, self.inherit, self.frontier = k, inherit, 0
+        self.reached: dict = {}  # class -> names that entered it (decayed with the table)
+        self.again: dict = {}    # class -> of those, names looked up again
+        self.birth: dict = {}    # name -> its first-use class (bounded with the count table)
+        self.cls: dict = {}
+
+    def looked_up(self, names) -> None:
+        before = len(self.uses.counts)
+        counts = self.uses.counts
+        parent = 0
+        for n in names:
+            c = counts.get(n, 0)
+            if c == 0:
+                break
+            parent = c
+        self.uses.add(names)
+        if len(self.uses.counts) < before:
+            for table in (self.reached, self.again):
+                for key in table:
+                    table[key] /= 2
+            self.birth = {n: b for n, b in self.birth.items() if n in self.uses.counts}
+            self.cls = {n: b for n, b in self.cls.items() if n in self.uses.counts}
+        counts = self.uses.counts
+        for n in names:
+            c = counts[n]
+            if c == 1:
+                cls = ("new", min(parent, 3) if self.inherit else 0)
+                self.birth[n] = cls
+            else:
+                prev = self.birth.pop(n, None) if c == 2 else ("seen", min(c - 1, COUNT_CLASSES))
+                if prev is not None:
+                    self.again[prev] = self.again.get(prev, 0) + 1
+                cls = ("seen", min(c, COUNT_CLASSES))
+            self.reached[cls] = self.reached.get(cls, 0) + 1
+            self.cls[n] = cls
+
+    def key(self, name: int, tick: int, floor: int = 0) -> int:
+        cls = self.cls.get(name, ("new", 0))
+        p = min(0.99, (self.again.get(cls, 0) + 0.5) / (self.reached.get(cls, 0) + 1.0))
+        if self.blend:  # lfu's key, pulled down to the frontier as the class's odds of coming back fall
+            count = self.uses.counts.get(name, 0)
+            lfu = tick + self.k * self.lifetimes.mean * max(0, count - 1)
+            if self.relative:  # against the mean odds of any name looked up coming back
+                mean = (sum(self.again.values()) + 0.5) / (sum(self.reached.values()) + 1.0)
+                p = min(1.0, p / mean)
+            k = int(self.frontier + p * max(0, lfu - self.frontier))
+            return k if k > floor else floor
+        k = int(self.frontier + self.k * self.lifetimes.mean * p / (1 - p))
+        return k if k > floor else floor
+
+    def keys(self, names, ticks, floors):
+        ticks = np.broadcast_to(np.asarray(ticks), names.shape)
+        return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
+                                                                         floors.tolist())], dtype=np.int64)
+
+    def evicted(self, keys, ticks) -> None:
+        keys = list(keys)
+        if keys:
+            self.frontier = max(self.frontier, max(keys))
+        self.lifetimes.evicted(ticks)
+
+
+def variant_factory(spec: str):
+    """``weight:K[:cold]`` or ``gd:K[:noinherit]`` -> a pool's policy factory (``PagePool`` calls it with its pages
+    and clock)."""
+    weight, k, *rest = spec.split(":")
+    if weight == "gd":
+        return lambda num_pages, clock: GreedyDual(num_pages, clock, float(k), "noinherit" not in rest, "blend" in rest,
+                                                        "relative" in rest)
+    return lambda num_pages, clock: Variant(num_pages, clock, weight, float(k), rest == ["cold"])
+
+
+def simulate(lookups, pages: int, key) -> Counter:
+    """Hits by the name's earlier lookups (capped at 5) of a ``pages``-page cache keyed by ``key(name, t, count,
+    held_key)`` (lowest evicted first; the lookup's own names are never evicted while it runs)."""
+    held, heap, seen, hits = {}, [], Counter(), Counter()
+    for t, names in enumerate(lookups):
+        matched = 0
+        while matched < len(names) and names[matched] in held:
+            matched += 1
+        for depth, n in enumerate(names):
+            hits[min(seen[n], 5)] += depth < matched
+            seen[n] += 1
+        for depth, n in enumerate(names):
+            held[n] = key(n, t, seen[n], held.get(n))
+            heapq.heappush(heap, (held[n], -depth, n))
+        current, kept = set(names), []
+        while len(held) > pages and heap:
+            item = heapq.heappop(heap)
+            if held.get(item[2]) != item[0]:
+                continue
+            if item[2] in current:
+                kept.append(item)
+                continue
+            del held[item[2]]
+        for item in kept:
+            heapq.heappush(heap, item)
+    return hits
+
+
+def why(lookups, pages: int) -> None:
+    """Print ``--why`` (module docstring)."""
+    uses: dict = {}
+    for t, names in enumerate(lookups):
+        for n in names:
+            uses.setdefault(n, []).append(t)
+    def belady(n, t, count, old):
+        later = uses[n][count] if count < len(uses[n]) else 1 << 40
+        return -later
+
+    keys = {"lru": lambda n, t, count, old: t,
+            "lfu": lambda n, t, count, old: max(old or 0, t + 2 * 87 * (count - 1)),  # a turnover of ~87 lookups
+            "optimal": belady}
+    seen, totals = Counter(), Counter()
+    for names in lookups:
+        for n in names:
+            totals[min(seen[n], 5)] += 1
+            seen[n] += 1
+    print(f"\nhits of a {pages}-page cache by the name's earlier lookups (of all lookups of names with that many):")
+    for label, key in keys.items():
+        hits = simulate(lookups, pages, key)
+        print(f"  {label:>8}: " + ", ".join(f"{c}{'+' if c == 5 else ''}: {hits[c]}/{totals[c]}" for c in
+                                             sorted(totals)))
+    # names seen once: how often they come back, by what an online policy sees when it first meets them
+    count, classes = Counter(), {}
+    for names in lookups:
+        extends = 0
+        for n in names:
+            if not count[n]:
+                break
+            extends = count[n]
+        new = [n for n in names if not count[n]]
+        matched = len(names) - len(new)
+        for j, n in enumerate(new):
+            classes[n] = {"count of the chain it extends": min(extends, 6),
+                          "log2 of the request's new pages": min(int(np.log2(len(new))), 7),
+                          "quarter of its place among them": 4 * j // len(new),
+                          "quarter of the request's hit share": min(3, 4 * matched // len(names))}
+        count.update(names)
+    print("names seen once that come back, by what an online policy sees when it first meets them:")
+    for feature in next(iter(classes.values())):
+        tot, back = Counter(), Counter()
+        for n, c in classes.items():
+            tot[c[feature]] += 1
+            back[c[feature]] += count[n] > 1
+        print(f"  {feature}: " + ", ".join(f"{v}: {back[v] / tot[v]:.2f} of {tot[v]}" for v in sorted(tot)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--variants", default="lfu:2,lfu:4,log:4,odds:2,odds:2:cold")
+    ap.add_argument("--pools", help="pool sizes (default: each trace's own)")
+    ap.add_argument("--why", type=int, metavar="PAGES", help="explain the optimum's gain at PAGES pages instead")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    for spec in variants:
+        eviction.POLICIES[spec] = variant_factory(spec)  # this process only: a name the replay's pool can make
+    for trace_name in args.traces.split(","):
+        _, page, order, in_flight, pools = TRACES[trace_name]
+        trace = load(trace_name)
+        recorder = eviction.LookupRecorder()
+        replay_trace(trace, page_size=page, pool_tokens=None, order=order, in_flight=in_flight, eviction=recorder)
+        if args.why:
+            print(f"\n{trace_name}: {len(recorder.lookups)} lookups")
+            why(recorder.lookups, args.why)
+            continue
+        print(f"\n{trace_name}: page {page}, order {order} (in parentheses: share of the lru -> optimal gap closed)")
+        print(f"{'pool':>6} | {'lru':>7} | " + " | ".join(f"{v:>17}" for v in variants) + f" | {'optimal':>7}")
+        for size in parse_sizes(args.pools or pools):
+            rate = {p: 100 * replay_trace(trace, page_size=page, pool_tokens=size, order=order, in_flight=in_flight,
+                                          eviction=p, lookups=recorder.lookups).hit_rate
+                    for p in ["lru", *variants, "optimal"]}
+            gap = rate["optimal"] - rate["lru"]
+            cells = [f"{rate[v]:6.2f}" + (f" ({100 * (rate[v] - rate['lru']) / gap:+4.0f}%)" if gap > 1e-9 else "")
+                     for v in variants]
+            print(f"{format_size(size):>6} | {rate['lru']:7.2f} | " + " | ".join(f"{c:>17}" for c in cells)
+                  + f" | {rate['optimal']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
