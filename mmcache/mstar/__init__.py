@@ -1,11 +1,11 @@
 """mmcache inside M* (``mstar-ai`` 0.2.1 from the package index; ``mmcache.mstar.requirement`` says how to install it):
 ``enable_reuse`` (``switch``) turns it on for a model; prefix KV reuse in M*'s KV resource (``kv_resource``:
-``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``), cached encoder nodes (``encoder_node``, keyed
-by ``encoder_items``, with digests taken in the data worker by ``media_digests``, tenant salts routed by ``salts`` and
-counters exported by ``encoder_metrics``), what names the walks of Higgs Audio (``higgs``), Qwen3-TTS
-(``qwen3_tts``), Pi0.5 (``pi05``), Qwen3-Omni's thinker (``qwen3_omni``) and BAGEL's LLM (``bagel``), and replica
-affinity in M*'s conductor (``conductor``). The names below import M* on first access, after checking its version; the
-core (``mmcache``) never imports this package.
+``ReuseKVManager`` from a ``ReuseKVSpec``, configured by ``PrefixReuse``, over the state machine of ``reuse_state``),
+cached encoder nodes (``encoder_node``, keyed by ``encoder_items``, with digests taken in the data worker by
+``media_digests``, tenant salts routed by ``salts`` and counters exported by ``encoder_metrics``), what names the
+walks of Higgs Audio (``higgs``), Qwen3-TTS (``qwen3_tts``), Pi0.5 (``pi05``), Qwen3-Omni's thinker (``qwen3_omni``)
+and BAGEL's LLM (``bagel``), and replica affinity in M*'s conductor (``conductor``). The names below import M* on
+first access, after checking its version; the core (``mmcache``) never imports this package.
 """
 
 import importlib
