@@ -129,13 +129,17 @@ def test_ctrl_c_while_a_model_replay_writes_its_files_writes_them_whole(tmp_path
     _model_workload(monkeypatch)
     monkeypatch.setattr(report, "report_html", _send_ctrl_c_then(report.report_html))
     html = tmp_path / "r.html"
-    assert main(["replay", "image-gen", "--html", str(html), "--no-progress"]) == INTERRUPTED
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (not SIG_IGN, as nohup)
+    try:
+        assert main(["replay", "image-gen", "--html", str(html), "--no-progress"]) == INTERRUPTED
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, before)
     errors = _errors(capsys.readouterr().err)
     assert errors == ["mmcache: interrupted (Ctrl-C) while the results were written; they were written in full "
                       "first"]
     assert html.read_text().rstrip().endswith("</html>")
     assert json.loads(html.with_suffix(".json").read_text())["summary"]["on"]["completed"] == 4
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 def test_ctrl_c_while_a_sweep_draws_its_plot_writes_it_whole(tmp_path, monkeypatch, capsys):

@@ -2,7 +2,8 @@
 
 Invariant: inside ``hold_interrupts()`` a SIGINT raises nothing; it is recorded in ``Held.received``, and the code
 in the block runs to its end (every output written whole), after which the caller reports the interrupt (exit 130).
-Outside the main thread, where Python cannot set a signal handler, the block runs as it would without it.
+Outside the main thread, where Python cannot set a signal handler, and in a process started with SIGINT ignored
+(``nohup``), the block runs as it would without it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def hold_interrupts() -> Iterator[Held]:
         yield held
         return
     previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:  # started to ignore Ctrl-C: it stays ignored
+        yield held
+        return
 
     def record(signum, frame):
         held.received = True
