@@ -7,6 +7,10 @@ optimum's, and the share of the gap between ``lru`` and the optimum that each po
 
     python benchmarks/bench_eviction.py                                  # every trace, its knee sizes
     python benchmarks/bench_eviction.py --traces mooncake --pools 1M,4M
+
+Traces: the Mooncake conversation trace with its timestamps; the 100 mini-swe-agent sessions round-robin, 8 in
+flight; MT-Bench's two-turn chats; vlm-chat's image chats and voice-clone's voice sessions (the replica replay's media
+traces; prefix pages only here, their encoder outputs are in ``bench_mixed_pool.py``).
 """
 
 from __future__ import annotations
@@ -24,18 +28,25 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TRACES = {
     "mooncake": ("mooncake/conversation_trace.jsonl", 512, "timestamp", 8, "512k,1M,2M,4M,8M"),
     "agent": ("mini-swe-agent/trajs", 128, "round-robin", 8, "32k,64k,96k,128k,192k,256k"),
-    "mt-bench": ("mt-bench", 16, "timestamp", 8, "2k,4k,6k,8k,12k"),
+    "mt-bench": ("mt-bench", 16, "timestamp", 8, "4k,8k,10k,12k,14k,20k,24k"),
+    "image-chats": ("mmmu", 128, "timestamp", 8, "32k,48k,64k,96k,128k"),  # vlm-chat's sessions, 8 users an image
+    "voice-sessions": ("seedtts", 128, "timestamp", 8, "4k,6k,8k,12k"),     # voice-clone's sessions
 }
 
 
 def load(name: str):
     from workloads import registry
     path, *_ = TRACES[name]
-    fmt = {"mooncake": "mooncake", "agent": "swe-agent", "mt-bench": "mt-bench"}[name]
-    if fmt == "mt-bench":
+    if name == "mt-bench":
         from workloads.traces.mt_bench import load_mt_bench
         return load_mt_bench(DATA / path)
-    return registry.load(fmt, DATA / path)
+    if name == "image-chats":
+        from workloads.traces.image_chats import load_image_chats
+        return load_image_chats(DATA)
+    if name == "voice-sessions":
+        from workloads.traces.voice_sessions import load_voice_sessions
+        return load_voice_sessions(DATA)
+    return registry.load({"mooncake": "mooncake", "agent": "swe-agent"}[name], DATA / path)
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ the recent lookups of the entry's name, as ``lfu``):
 
 - ``weight``: ``lfu`` (count - 1: the shipped rule, K=2), ``log`` (log2 count), ``sqrt`` (sqrt(count - 1)), ``odds``
   (P/(1-P) of the learned probability P that a name looked up ``count`` times is looked up again: the ratio of names
-  that reached count+1 to those that reached count, decayed with the count table), ``p`` (P), ``pc`` (P x count);
+  that reached count+1 to those that reached count, decayed with the count table), ``oddsc`` (the odds, at most the
+  count), ``p`` (P), ``pc`` (P x count);
 - ``base``: ``tick`` (the last use), or ``cold`` for entries looked up once (inserted at the eviction frontier, the
   key of the last entry evicted, so an unproven entry leaves first: LRU insertion, as in adaptive insertion
   policies), the last use for the others.
@@ -69,15 +70,15 @@ class Variant:
         if self.weight_name == "sqrt":
             return float(np.sqrt(count - 1))
         p = self.reuse_probability(count)
-        return {"odds": p / (1 - p), "p": p, "pc": p * count}[self.weight_name]
+        return {"odds": p / (1 - p), "oddsc": min(p / (1 - p), count), "p": p, "pc": p * count}[self.weight_name]
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         count = self.uses.counts.get(name, 0)
         base = max(self.frontier, tick - self.lifetimes.mean) if self.cold and count <= 1 else tick
         k = int(base + self.k * self.lifetimes.mean * self.weight(count))
         return k if k > floor else floor
 
-    def keys(self, names, ticks, floors):
+    def keys(self, names, ticks, floors, cost=None):
         ticks = np.broadcast_to(np.asarray(ticks), names.shape)
         return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
                                                                          floors.tolist())], dtype=np.int64)
@@ -147,7 +148,7 @@ class GreedyDual:
             self.reached[cls] = self.reached.get(cls, 0) + 1
             self.cls[n] = cls
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         cls = self.cls.get(name, ("new", 0))
         p = min(0.99, (self.again.get(cls, 0) + 0.5) / (self.reached.get(cls, 0) + 1.0))
         if self.blend:  # lfu's key, pulled down to the frontier as the class's odds of coming back fall
@@ -161,7 +162,7 @@ class GreedyDual:
         k = int(self.frontier + self.k * self.lifetimes.mean * p / (1 - p))
         return k if k > floor else floor
 
-    def keys(self, names, ticks, floors):
+    def keys(self, names, ticks, floors, cost=None):
         ticks = np.broadcast_to(np.asarray(ticks), names.shape)
         return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
                                                                          floors.tolist())], dtype=np.int64)

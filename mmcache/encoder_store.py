@@ -741,7 +741,8 @@ class EncoderStore:
         whose keys may fall gets a fresh heap item."""
         policy = self.pool.policy
         entry.tick = self.pool.clock.tick()
-        entry.rank = policy.key(entry_name(entry.key.name), entry.tick, entry.rank)
+        cost = entry.compute_s / len(entry.pages) if entry.pages and entry.compute_s > 0 else None  # saved per page
+        entry.rank = policy.key(entry_name(entry.key.name), entry.tick, entry.rank, cost)
         if not policy.monotone and entry.pages and self._entries.get(entry.key.name) is entry:
             heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
 

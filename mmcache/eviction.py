@@ -14,11 +14,13 @@ Policies (``POLICIES``; ``make_policy(name)``):
 
 - ``lru``: the tick of the last use. Deeper pages first among equal ticks (the caches subtract the depth), so cold
   tails leave from their ends.
-- ``lfu`` (the default): the tick of the last use plus ``GENERATIONS_PER_USE`` **generations** per recent lookup of the entry's
-  name beyond the first: a generation is how long an unused entry has lately stayed in the pool (measured from the
-  evictions, ``Lifetimes``), so an entry looked up ``k`` times outlives one looked up once by ``2 (k - 1)`` pool
-  turnovers (GreedyDual's aging by inflation, in ticks). Lookups are counted per name, also after the entry left
-  (``UseCounts``: a ghost history bounded by the pool), so a prefix that comes back is known.
+- ``lfu`` (the default): the tick of the last use plus ``GENERATIONS_PER_USE`` **generations** per recent lookup of
+  the entry's name beyond the first: a generation is how long an unused entry has lately stayed in the pool (measured
+  from the evictions, ``Lifetimes``), so an entry looked up ``k`` times outlives one looked up once by ``2 (k - 1)``
+  pool turnovers (GreedyDual's aging by inflation, in ticks). Lookups are counted per name, also after the entry left
+  (``UseCounts``: a ghost history bounded by the pool), so a prefix that comes back is known. Where the caches give
+  costs (an encoder output's forward time per page it holds, a KV page's prefill time), the lookups are weighed by the
+  entry's cost over the pool's mean (GreedyDual-Size-Frequency): one pool holding both kinds keeps what saves most.
 - ``adaptive``: ``lru``'s or ``lfu``'s key, whichever of the two is realizing more reuse on this traffic lately.
   Both run as **shadow caches** on a sample of the names looked up (``SAMPLE`` of them, by name, in a pool of the
   same share of the pages: set dueling), scored by their hits with a decay; the real pool takes the winner's keys
@@ -26,11 +28,12 @@ Policies (``POLICIES``; ``make_policy(name)``):
   than ``lfu`` (its shadows see neither chains nor live requests, so they misjudge which wins) and was nowhere
   ahead of it, so it is not the default (``benchmarks/bench_eviction.py``).
 - ``optimal`` (``OfflineOptimal``): the offline optimum for a replay, whose future is known (Belady: the entry whose
-  next use is farthest goes first). Not an online policy; it bounds what any policy can keep.
+  next use is farthest goes first). Not an online policy; it bounds what any policy can keep, counting hits (it takes
+  no cost: the optimum of time saved weighs entries, a harder problem).
 
-Costs: ``lru`` is one tick per use. ``lfu`` adds a dict update per name looked up and a dict read per key.
-``adaptive`` adds, per lookup, one modulo per name and the shadow work of the sampled names (1 in ``SAMPLE``), a heap
-operation each.
+What the policies cost: ``lru`` is one tick per use. ``lfu`` adds a dict update per name looked up and a dict read per
+key. ``adaptive`` adds, per lookup, one modulo per name and the shadow work of the sampled names (1 in ``SAMPLE``), a
+heap operation each.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from mmcache.errors import InvalidConfig
 
 SAMPLE = 16            # adaptive: one name in SAMPLE runs through the shadow caches
 SCORE_DECAY = 0.99     # adaptive: a lookup's hit difference weighs this much less at every later lookup
-COUNT_TABLE_PAGES = 4  # lfu: the use-count table holds at most this many names per page of the pool
-GENERATIONS_PER_USE = 2  # lfu: how many pool turnovers each lookup beyond the first buys an entry
+COUNT_TABLE_PAGES = 4  # lfu, odds: the use-count table holds at most this many names per page of the pool
+GENERATIONS_PER_USE = 2  # lfu, odds: how many pool turnovers each (expected) further lookup buys an entry
+COUNT_CLASSES = 8      # odds: lookup counts past this share one learned return rate
 
 
 class EvictionPolicy(Protocol):
@@ -59,12 +63,14 @@ class EvictionPolicy(Protocol):
     def looked_up(self, names: Sequence[int]) -> None:
         """A request looked up ``names`` (a chain, before matching; an encoder key): one use of each."""
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         """The eviction key of the entry named ``name`` used (or stored) at ``tick``: at least ``floor`` (the key it
-        holds). Lower keys are evicted first."""
+        holds). ``cost``: the seconds of recompute the entry saves per page it holds at each hit (None: unknown, as
+        an average entry's). Lower keys are evicted first."""
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
-        """``key`` of many entries at once (uint64 names, int64 floors; ``ticks`` one for all or one each)."""
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+        """``key`` of many entries at once (uint64 names, int64 floors; ``ticks`` one for all or one each; one
+        ``cost`` for all)."""
 
     def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
         """Entries with these keys and last-use ticks left the pool at the pool's current tick."""
@@ -79,10 +85,10 @@ class LRU:
     def __init__(self, num_pages: int, clock: Callable[[], int]):
         pass
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         return tick if tick > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
         return np.maximum(floors, ticks)
 
     def looked_up(self, names: Sequence[int]) -> None:
@@ -125,9 +131,29 @@ class Lifetimes:
             self.mean += (max(1, now - t) - self.mean) * 0.01
 
 
+class CostScale:
+    """The running mean of the per-page costs entries were keyed with (seconds saved per page and hit), so a cost
+    reads relative to the pool's average entry: 1.0 for an unknown cost, and until a cost is known."""
+
+    __slots__ = ("mean",)
+
+    def __init__(self):
+        self.mean = 0.0
+
+    def relative(self, cost: float | None, pages: int = 1) -> float:
+        """``cost`` over the mean, after counting it for ``pages`` pages (the mean weighs each page keyed alike)."""
+        if cost is None or not cost > 0:
+            return 1.0
+        self.mean = cost if self.mean == 0.0 else self.mean + (cost - self.mean) * min(1.0, 0.01 * pages)
+        return cost / self.mean
+
+
 class LFU:
     """The tick of the last use plus ``GENERATIONS_PER_USE`` generations (``Lifetimes.mean``) per recent lookup
-    beyond the first (``UseCounts``): frequency with aging, in the pool's ticks."""
+    beyond the first (``UseCounts``): frequency with aging, in the pool's ticks. With costs, GreedyDual-Size-Frequency
+    in those units: ``GENERATIONS_PER_USE x (uses x relative cost - 1)`` generations, so an entry that saves twice
+    the average per page counts as looked up twice as often, and one that saves less leaves sooner (``CostScale``);
+    at the average cost it is the count rule above."""
 
     name = "lfu"
     monotone = True
@@ -135,15 +161,18 @@ class LFU:
     def __init__(self, num_pages: int, clock: Callable[[], int]):
         self.uses = UseCounts(COUNT_TABLE_PAGES * max(1, num_pages))
         self.lifetimes = Lifetimes(clock)
+        self.costs = CostScale()
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
-        k = tick + int(max(0, self.uses.counts.get(name, 0) - 1) * GENERATIONS_PER_USE * self.lifetimes.mean)
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        uses = max(1, self.uses.counts.get(name, 0))
+        k = tick + int((uses * self.costs.relative(cost) - 1) * GENERATIONS_PER_USE * self.lifetimes.mean)
         return k if k > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
         # a Counter answers 0 for a name it lacks
-        counts = np.fromiter(map(self.uses.counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
-        bonus = (np.maximum(counts - 1, 0) * (GENERATIONS_PER_USE * self.lifetimes.mean)).astype(np.int64)
+        uses = np.fromiter(map(self.uses.counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
+        scale = GENERATIONS_PER_USE * self.lifetimes.mean
+        bonus = ((np.maximum(uses, 1) * self.costs.relative(cost, len(names)) - 1) * scale).astype(np.int64)
         return np.maximum(floors, ticks + bonus)
 
     def looked_up(self, names: Sequence[int]) -> None:
@@ -152,6 +181,106 @@ class LFU:
     def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
         self.lifetimes.evicted(ticks)
 
+
+
+class ReturnOdds:
+    """How likely a name looked up ``c`` times is looked up again, learned online per count ``c`` (capped at
+    ``COUNT_CLASSES``): of the names that reached ``c`` lookups, the share that reached ``c + 1``, decayed with the
+    use-count table. ``odds[c]`` is ``p / (1 - p)``: the expected further lookups if each comes with the same chance.
+    A new name reads as class 1. The table is recomputed every ``REFRESH`` lookups (the rates move slowly)."""
+
+    __slots__ = ("reached", "odds", "table", "_since")
+    REFRESH = 16
+
+    def __init__(self):
+        self.reached = [0.0] * (COUNT_CLASSES + 2)  # [c]: names that reached c lookups (the top class: c or more)
+        self.odds = np.zeros(COUNT_CLASSES + 2)      # for many names at once
+        self.table = [0.0] * (COUNT_CLASSES + 2)     # the same, for one
+        self._since = 0
+        self._refresh()
+
+    def add(self, counts: Iterable[int]) -> None:
+        """Names looked up once more, with ``counts`` their counts now."""
+        r, top = self.reached, COUNT_CLASSES + 1
+        for c in counts:
+            r[c if c < top else top] += 1
+        self._counted()
+
+    def add_chain(self, names: Sequence[int], count: Callable[[int], int]) -> None:
+        """The names of one chain looked up once more, ``count(name)`` their counts now. A page is looked up whenever
+        a page below it is, so counts never rise along a chain: where each class begins is a binary search, not a
+        read of every name (a long chain's lookup costs a few dozen reads)."""
+        r, top = self.reached, COUNT_CLASSES + 1
+        down = lambda name: -count(name)  # noqa: E731  (ascending along the chain)
+        above = len(names)  # names counted at least c, for c = 0
+        for c in range(1, top + 1):
+            at_least = bisect.bisect_right(names, -c, key=down)
+            r[c - 1] += above - at_least
+            above = at_least
+        r[top] += above
+        self._counted()
+
+    def _counted(self) -> None:
+        self._since += 1
+        if self._since >= self.REFRESH:
+            self._refresh()
+
+    def halve(self) -> None:
+        self.reached = [x * 0.5 for x in self.reached]
+        self._refresh()
+
+    def _refresh(self) -> None:
+        r, odds = self.reached, self.table
+        for c in range(1, COUNT_CLASSES + 1):  # class c: reached c + 1 of reached c
+            p = min(0.99, (r[c + 1] + 0.5) / (r[c] + 1.0))
+            odds[c] = p / (1 - p)
+        odds[0], odds[-1] = odds[1], odds[-2]  # never looked up: as new; past the top: the top
+        self.odds[:] = odds
+        self._since = 0
+
+    def of(self, count: int) -> float:
+        return self.table[count if count <= COUNT_CLASSES else COUNT_CLASSES]
+
+
+class Odds:
+    """The tick of the last use plus ``GENERATIONS_PER_USE`` generations (``Lifetimes.mean``) per further lookup the
+    entry's name is expected to get (``ReturnOdds`` of its count, ``UseCounts``), times its relative cost
+    (``CostScale``): frequency where it predicts reuse, and none where it does not (a finished session's pages,
+    looked up as often as a live one's, never come back, and its count class says so)."""
+
+    name = "odds"
+    monotone = True
+
+    def __init__(self, num_pages: int, clock: Callable[[], int]):
+        self.uses = UseCounts(COUNT_TABLE_PAGES * max(1, num_pages))
+        self.lifetimes = Lifetimes(clock)
+        self.costs = CostScale()
+        self.returns = ReturnOdds()
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        expected = self.returns.of(self.uses.counts.get(name, 0))
+        k = tick + int(expected * self.costs.relative(cost) * GENERATIONS_PER_USE * self.lifetimes.mean)
+        return k if k > floor else floor
+
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+        counts = np.fromiter(map(self.uses.counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
+        scale = self.costs.relative(cost, len(names)) * GENERATIONS_PER_USE * self.lifetimes.mean
+        expected = self.returns.odds[np.minimum(counts, COUNT_CLASSES)]
+        return np.maximum(floors, ticks + (expected * scale).astype(np.int64))
+
+    def looked_up(self, names: Sequence[int]) -> None:
+        before = len(self.uses.counts)
+        self.uses.add(names)
+        if len(self.uses.counts) < before:  # the table was halved: its history weighs half
+            self.returns.halve()
+        counts = self.uses.counts
+        if len(names) <= 64:  # few: one by one
+            self.returns.add(map(counts.__getitem__, names))
+        else:
+            self.returns.add_chain(names, counts.__getitem__)
+
+    def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
+        self.lifetimes.evicted(ticks)
 
 class ShadowCache:
     """A names-only cache of ``capacity`` entries ordered by a policy of its own (``kind``, on its own clock: one tick
@@ -206,13 +335,13 @@ class Adaptive:
         self.score = 0.0  # > 0: the frequency shadow realized more lately
         self.frequency = False
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         if self.frequency:
-            return self.lfu.key(name, tick, floor)
+            return self.lfu.key(name, tick, floor, cost)
         return tick if tick > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
-        return self.lfu.keys(names, ticks, floors) if self.frequency else np.maximum(floors, ticks)
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+        return self.lfu.keys(names, ticks, floors, cost) if self.frequency else np.maximum(floors, ticks)
 
     def looked_up(self, names: Sequence[int]) -> None:
         self.lfu.looked_up(names)  # counted either way, so a switch finds them
@@ -246,12 +375,12 @@ class OfflineOptimal:
         self._uses = uses
         self._now = -1  # the lookup being served
 
-    def key(self, name: int, tick: int, floor: int = 0) -> int:
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         times = self._uses.get(name, ())
         at = bisect.bisect_right(times, self._now)
         return self.NEVER - (times[at] if at < len(times) else self.NEVER)
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
         return np.fromiter((self.key(n, 0) for n in names.tolist()), dtype=np.int64, count=len(names))
 
     def looked_up(self, names: Sequence[int]) -> None:
@@ -278,8 +407,8 @@ def entry_name(key) -> int:
     return hash(key) & 0xFFFFFFFFFFFFFFFF
 
 
-POLICIES: dict[str, type] = {"lru": LRU, "lfu": LFU, "adaptive": Adaptive}
-DEFAULT_POLICY = "lfu"
+POLICIES: dict[str, type] = {"lru": LRU, "lfu": LFU, "odds": Odds, "adaptive": Adaptive}
+DEFAULT_POLICY = "odds"
 
 
 def check_policy(name: str | None) -> str:

@@ -151,7 +151,8 @@ class PrefixLifecycle:
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
                  vocab_size: int | None = None, tiers: LowerTier | None = None,
-                 agreement: GroupAgreement | None = None, observer: IndexObserver | None = None):
+                 agreement: GroupAgreement | None = None, observer: IndexObserver | None = None,
+                 page_seconds: float | None = None):
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
@@ -160,7 +161,8 @@ class PrefixLifecycle:
         self.agreement = agreement
         self.lock = pool.cache_lock
         self.index = PrefixIndex(pool, self.page_size, max(1, evict_batch_pages or pool.num_pages // 64),
-                                 spill=tiers.spill if tiers is not None else None, observer=observer)
+                                 spill=tiers.spill if tiers is not None else None, observer=observer,
+                                 page_seconds=page_seconds)
 
     # ----------------------------------------------------------------- admission
     def name(self, token_ids, media: Sequence = (), salt: bytes = b"", names: Sequence[int] | None = None,

@@ -92,17 +92,21 @@ class PrefixCache:
     below it. ``tiers``: a ``LowerTier`` (``mmcache.tiers.TierStack``) under the pool: evicted pages move down to it
     and lookups continue there. ``agreement``: a ``GroupAgreement`` (``mmcache.tp.TPAgreement``) that every admission
     agrees with. ``observer``: an ``IndexObserver`` (``mmcache.kv_events.KVEventPublisher``) told of every page
-    indexed and dropped. ``index``: the ``PrefixIndex``; read it, never drive it (its lock is the pool's).
+    indexed and dropped. ``page_seconds``: what a hit on one page saves (its prefill time), the cost the pool's
+    policy weighs against the other caches' entries (an encoder output's forward time per page); None: unknown, as
+    the pool's average entry. ``index``: the ``PrefixIndex``; read it, never drive it (its lock is the pool's).
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,
                  vocab_size: int | None = None, tiers: LowerTier | None = None,
-                 agreement: GroupAgreement | None = None, observer: IndexObserver | None = None):
+                 agreement: GroupAgreement | None = None, observer: IndexObserver | None = None,
+                 page_seconds: float | None = None):
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size
         self.lifecycle = PrefixLifecycle(pool, fingerprint, evict_batch_pages=evict_batch_pages,
-                                         vocab_size=vocab_size, tiers=tiers, agreement=agreement, observer=observer)
+                                         vocab_size=vocab_size, tiers=tiers, agreement=agreement, observer=observer,
+                                         page_seconds=page_seconds)
         self.index = self.lifecycle.index
         self._live: dict[Hashable, _Request] = {}
         self._ended: OrderedDict[Hashable, None] = OrderedDict()

@@ -91,8 +91,9 @@ class PrefixIndex:
 
     def __init__(self, pool: PagePool, page_size: int, evict_batch_pages: int,
                  spill: Callable[[PrefixIndex, np.ndarray], None] | None = None,
-                 observer: IndexObserver | None = None):
+                 observer: IndexObserver | None = None, page_seconds: float | None = None):
         self.pool = pool
+        self.page_seconds = page_seconds  # what a hit on one page saves: its prefill (the policy's cost), or unknown
         pool.register(self)
         self.page_size = P = page_size
         self.evict_batch_pages = evict_batch_pages
@@ -226,23 +227,40 @@ class PrefixIndex:
         """A request looked up ``names`` (its matchable chain): told to the pool's policy."""
         self.pool.policy.looked_up(names)
 
-    def _stamp(self, pages, tick) -> None:
+    def _stamp(self, pages, tick, chain: bool = True) -> None:
         """Indexed ``pages`` used at ``tick`` (one for all; an array of one per page for many pages): their ticks and
-        their policy keys (never lowered by a monotone policy; a fresh heap entry at every change for one that is
-        not). A few one by one on the arrays, more through the views."""
+        their policy keys. Two rules, kept here: a page's key is never above its parent's (a page is matched only
+        with its prefix, so it is worth no more; eviction then takes chains from their tails), and a monotone
+        policy's key is never lowered (a fresh heap entry at every change for one that is not). ``chain``: the pages
+        are one chain in order (each page's parent is the one before it, or indexed before the call); else each
+        page's parent is outside the call. A few one by one on the arrays, more through the views."""
         policy, keys = self.pool.policy, self._keys
+        monotone = policy.monotone
         if len(pages) <= SCALAR_PAGES:
             pages = pages if type(pages) is list else pages.tolist()
-            ticks, names, key = self._ticks, self._names, policy.key
+            ticks, names, parents, key, cost = self._ticks, self._names, self._parents, policy.key, self.page_seconds
             for page in pages:
                 ticks[page] = tick
-                keys[page] = key(names[page], tick, keys[page])
+                old = keys[page]
+                k = key(names[page], tick, old, cost)
+                up = parents[page]
+                if up >= 0 and k > keys[up]:
+                    k = keys[up] if not monotone or keys[up] > old else old
+                keys[page] = k
         else:
             idx = np.asarray(pages, dtype=np.int64)
             self._tick[idx] = tick
-            self._key[idx] = policy.keys(self._name[idx], tick, self._key[idx])
+            old = self._key[idx]
+            k = policy.keys(self._name[idx], tick, old, self.page_seconds)
+            up = self._parent[idx]
+            limit = np.where(up >= 0, self._key[np.maximum(up, 0)], np.iinfo(np.int64).max)
+            if chain:  # the first page's parent, then each page's: the keys so far
+                k = np.minimum.accumulate(np.minimum(k, limit[0]))
+            else:
+                k = np.minimum(k, limit)
+            self._key[idx] = np.maximum(k, old) if monotone else k
             pages = idx.tolist()
-        if not policy.monotone:
+        if not monotone:
             W, depths, serials = self.pool.num_pages + 1, self._depths, self._serials
             for page in pages:
                 heapq.heappush(self._cold, (keys[page] * W - depths[page], page, serials[page]))
@@ -351,7 +369,7 @@ class PrefixIndex:
         self._next_serial += idx.size
         self._write(idx, np.asarray(names, dtype=np.uint64)[at], rows[at], 0, 0, up,
                     np.asarray(salt_ids, dtype=np.int32)[at], np.asarray(depths, dtype=np.int32)[at], serial)
-        self._stamp(idx, self._tick[up])  # the parent's tick: ticks never increase along a chain
+        self._stamp(idx, self._tick[up], chain=False)  # the parent's tick: ticks never increase along a chain
         self._enqueue(idx.tolist())
         self.pool.retain(idx, distinct=True)
         return handled

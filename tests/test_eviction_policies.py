@@ -96,14 +96,39 @@ def test_unknown_policy_is_a_clear_error_before_anything_changes():
 
 def test_sessions_that_outgrow_the_pool_keep_more_under_frequency_and_adaptive_follows():
     """Twelve sessions in turn, each re-sending its history three pages longer: on a pool that holds a third of
-    them LRU evicts each just before it returns; frequency (the default) keeps the oldest histories, and the
-    adaptive policy, dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy
-    loses anything."""
+    them LRU evicts each just before it returns; frequency keeps the oldest histories, and the adaptive policy,
+    dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy loses
+    anything."""
     chains = [tuple([s] * (3 * r + 3)) for r in range(8) for s in range(1, 13)]
     lru, lfu, adaptive = (replay(chains, 150, name) for name in ("lru", "lfu", "adaptive"))
     assert lru < adaptive <= optimal(chains, 150) and lru < lfu
     assert adaptive > (lru + lfu) / 2
     assert {replay(chains, 350, name) for name in POLICIES} == {optimal(chains, 350)}
+
+
+def finished_sessions(waves: int, per_wave: int, pages: int = 3) -> list[tuple[int, ...]]:
+    """Waves of two-turn sessions (MT-Bench's shape): each session's first turn, then its second, re-sending the
+    first and adding as much again; a session never returns after its second turn."""
+    chains, first = [], 1
+    for _ in range(waves):
+        sessions = range(first, first + per_wave)
+        first += per_wave
+        chains += [tuple([s] * pages) for s in sessions]
+        chains += [tuple([s] * pages + [s + 1000] * pages) for s in sessions]
+    return chains
+
+
+def test_the_default_learns_that_finished_sessions_do_not_return():
+    """Pages looked up twice are a finished session's here and never come back: frequency keeps them over the first
+    turns still waiting for their second (below LRU); the default learns, per lookup count, how often a name comes
+    back, gives those pages nothing and keeps the waiting first turns (above LRU)."""
+    chains = finished_sessions(6, 6)
+    lru, lfu, default = (replay(chains, 24, name) for name in ("lru", "lfu", DEFAULT_POLICY))
+    assert lfu < lru < default <= optimal(chains, 24)
+    policy = make_policy(DEFAULT_POLICY, 24, lambda: 0)
+    for chain in chains:
+        policy.looked_up([hash((page, depth)) for depth, page in enumerate(chain)])  # a name per position
+    assert policy.returns.of(2) < 0.05 < policy.returns.of(1)  # twice: gone; once: comes back
 
 
 def test_replay_eviction_option(capsys):

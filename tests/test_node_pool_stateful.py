@@ -186,6 +186,11 @@ class LruNodeMachine(NodeMachine):
     eviction = "lru"
 
 
+class LfuNodeMachine(NodeMachine):
+    eviction = "lfu"
+
+
 TestNodePool = NodeMachine.TestCase
 TestNodePoolLru = LruNodeMachine.TestCase
+TestNodePoolLfu = LfuNodeMachine.TestCase
 TestNodePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -248,6 +248,16 @@ class CacheMachine(RuleBasedStateMachine):
         assert (index._tick[parents[child]] >= index._tick[pages[child]]).all()
 
     @invariant()
+    def keys_never_increase_along_a_chain(self):
+        """What makes eviction take chains from their tails under every policy: no indexed page's eviction key is
+        above its parent's (a page is matched only with its prefix)."""
+        index = self.cache.index
+        pages = np.flatnonzero(index.indexed)
+        parents = index._parent[pages]
+        child = parents >= 0
+        assert (index._key[pages[child]] <= index._key[parents[child]]).all()
+
+    @invariant()
     def the_heap_names_the_coldest_candidates_a_pass_over_the_pool_finds(self):
         """What lets an eviction skip the pass over the pool: ``coldest(n)`` off the heap is the ``n`` lowest keys of
         ``eviction_candidates``, lowest page first among equal keys. Run on a copy of the heap, so the refreshes it
@@ -292,9 +302,14 @@ class LruMachine(CacheMachine):
     eviction = "lru"
 
 
+class LfuMachine(CacheMachine):
+    eviction = "lfu"
+
+
 TestPrefixCacheStateful = CacheMachine.TestCase
 TestPrefixCacheStatefulAdaptive = AdaptiveMachine.TestCase
 TestPrefixCacheForcedCollisionsLru = LruCollidingNamesMachine.TestCase
 TestPrefixCacheStatefulLru = LruMachine.TestCase
+TestPrefixCacheStatefulLfu = LfuMachine.TestCase
 TestPrefixCacheForcedCollisions = CollidingNamesMachine.TestCase
 TestPrefixCachePageLocalNames = PageLocalNamesMachine.TestCase

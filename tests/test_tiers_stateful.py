@@ -72,5 +72,10 @@ class LruDeviceAndHost(DeviceAndHost):
     eviction = "lru"
 
 
+class LfuDeviceAndHost(DeviceAndHost):
+    eviction = "lfu"
+
+
 TestDeviceAndHost = DeviceAndHost.TestCase
 TestDeviceAndHostLru = LruDeviceAndHost.TestCase
+TestDeviceAndHostLfu = LfuDeviceAndHost.TestCase

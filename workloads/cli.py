@@ -209,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"comma-separated pool sizes in tokens: 64k, 1M (binary), plain ints, inf "
                     f"(default: {DEFAULT_POOLS})")
     rp.add_argument("--eviction", type=_policies, metavar="NAMES",
-                    help="trace replays: eviction policies to sweep, comma-separated: lru, lfu, adaptive (the "
-                    "default), optimal (the offline optimum of the same calls); every sweep also replays the optimum "
+                    help="trace replays: eviction policies to sweep, comma-separated: lru, odds (the default), lfu, "
+                    "adaptive, optimal (the offline optimum of the same calls); every sweep also replays the optimum "
                     "at each pool size for its 'of optimal' column")
     rp.add_argument("--order", choices=ORDERS, default="timestamp",
                     help="timestamp: the trace's own arrival times; round-robin: K sessions interleaved")

@@ -126,7 +126,8 @@ class _Replayer:
         self.pool = PagePool(run.pool_pages, page_shape=(), eviction=policy or run.eviction)
         fp = Fingerprint(model="replay", page_size=run.page_size)
         self.stack = tiers.build(fp, self.pool, run.page_size)
-        self.cache = PrefixCache(self.pool, fp, tiers=self.stack, observer=observer)  # observer: its KV events
+        self.cache = PrefixCache(self.pool, fp, tiers=self.stack, observer=observer,  # observer: its KV events
+                                 page_seconds=run.page_size / service.prefill_tokens_per_s)  # a page hit saves that
         self.live: dict[str, TextRequest] = {}
         self.ends: list[tuple[float, int, str]] = []  # heap of (end, admission seq, rid); stale entries skipped
         self.by_session: dict[str, str] = {}

@@ -29,6 +29,12 @@ decodes for ``output_len * s_per_output_token`` and ends. Decodes overlap freely
 (``TextTrace.first_audio_tokens``: frames per first audio chunk): ``TTFA = TTFT + (first_audio_tokens - 1) *
 s_per_output_token`` (the prefill yields the first frame).
 
+One pool (``shared_pool``): each replica's encoder store takes its pages from the replica's KV pool, an output of
+``nbytes`` taking ``nbytes / (page_size x kv_bytes_per_token)`` pages (at least one), so KV pages and encoder
+outputs compete for one pool under its eviction policy, which weighs what each saves: a KV page its prefill
+(``page_size / prefill_tokens_per_s``), an encoder output ``encoder_s`` over its pages. ``encoder_bytes`` is then
+unused. The time each kind saved is reported (``kv_saved_s``, ``encoder_saved_s``).
+
 Reported: realized hit rate, pages duplicated across replicas (of the distinct prompt pages each replica was ever
 sent, the share that another replica was also sent: copies beyond the first; evictions are not subtracted), replica
 spread (``mmcache.shadow.ReplicaSpread``), per-replica load (requests routed; peak live), TTFT p50/p99; with media,
@@ -45,11 +51,13 @@ import torch
 
 from mmcache import EncoderKey, EncoderStore, Fingerprint, page_names
 from mmcache.events import CacheView, EventLog
+from mmcache.eviction import DEFAULT_POLICY
 from mmcache.shadow import ReplicaSpread
 from workloads.sizing.ordering import schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
 from workloads.sizing.routers import make_router
 from workloads.sizing.service import ServiceModel
+from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import MediaItem, TextRequest, TextTrace
 
 ENCODER_UNIT = 1 << 16  # bytes of encoder output one stand-in byte of a replica's store counts for
@@ -83,6 +91,10 @@ class ReplicaRun:
     encoder_items: int = 0        # media items an encoder makes, over every admitted request
     encoder_in_prefix: int = 0    # of those, inside the matched prefix (no lookup, no encoder)
     encoder_store_hits: int = 0   # found in the replica's encoder store
+    eviction: str = DEFAULT_POLICY
+    shared_pool: bool = False     # encoder outputs on the KV pool (module docstring)
+    kv_saved_s: float = 0.0       # prefill time the prefix hits saved, and the encoder runs inside them
+    encoder_saved_s: float = 0.0  # encoder time the encoder store's hits saved
     elapsed_s: float = 0.0
 
     @property
@@ -110,19 +122,25 @@ class ReplicaRun:
                 "load_imbalance": self.load_imbalance, "encoder_hit_rate": self.encoder_hit_rate}
 
 
-def _stand_in(item: MediaItem) -> torch.Tensor:
-    """What a replica's store keeps for an encoder output of ``item.nbytes`` bytes: one byte per ``ENCODER_UNIT``."""
-    return torch.zeros(max(1, -(-item.nbytes // ENCODER_UNIT)), dtype=torch.uint8)
+def _stand_in(item: MediaItem, unit: int) -> torch.Tensor:
+    """What a replica's store keeps for an encoder output of ``item.nbytes`` bytes: one byte per ``unit`` bytes."""
+    return torch.zeros(max(1, -(-item.nbytes // unit)), dtype=torch.uint8)
 
 
 class _Replica(_Replayer):
     """One replica's cache, encoder store and live set, with a FIFO prefill queue for TTFT."""
 
     def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_units: int,
-                 events: bool = False):
+                 events: bool = False, kv_page_bytes: int | None = None):
         self.log = EventLog(run.page_size, medium="CPU") if events else None  # what this replica would publish
         super().__init__(trace, run, service, observer=self.log)
-        self.store = EncoderStore(capacity_bytes=encoder_units, page_bytes=1, observer=self.log)
+        if kv_page_bytes is None:  # a store of its own
+            self.store = EncoderStore(capacity_bytes=encoder_units, page_bytes=1, observer=self.log)
+            self.unit = ENCODER_UNIT
+        else:  # on the KV pool: a stand-in byte per KV page
+            stand_ins = torch.zeros((self.pool.num_pages, 1), dtype=torch.uint8)
+            self.store = EncoderStore(pool=self.pool, page_data=stand_ins, observer=self.log)
+            self.unit = kv_page_bytes
         self.view = CacheView()  # a router's picture of this replica, from the decoded messages alone
         self.prefill_free = 0.0
         self.ttfts: list[float] = []
@@ -149,10 +167,12 @@ class _Replica(_Replayer):
             if item.offset + item.tokens <= matched:
                 self.encoder_in_prefix += 1
                 continue
-            found = self.store.get_or_compute(EncoderKey(item.digest, _ENCODER, item.modality),
-                                              lambda: _stand_in(item))
-            self.encoder_store_hits += found.hit
-            runs += not found.hit
+            key = EncoderKey(item.digest, _ENCODER, item.modality)
+            if self.store.get(key) is not None:
+                self.encoder_store_hits += 1
+            else:  # the encoder runs: stored with the time it took, what a later hit saves
+                self.store.put(key, _stand_in(item, self.unit), compute_s=self.service.encoder_s)
+                runs += 1
         return runs
 
     def end_of(self, req: TextRequest, matched: int) -> float:
@@ -165,10 +185,13 @@ class _Replica(_Replayer):
 
 def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: int, pool_tokens: int,
                     service: ServiceModel = ServiceModel(), threshold: int | None = None, key_pages: int | None = None,
-                    seed: int = 0, encoder_bytes: int = DEFAULT_ENCODER_BYTES, view_of=None) -> ReplicaRun:
+                    seed: int = 0, encoder_bytes: int = DEFAULT_ENCODER_BYTES, view_of=None,
+                    eviction: str = DEFAULT_POLICY, shared_pool: bool = False,
+                    kv_bytes_per_token: int = TierModel.kv_bytes_per_token) -> ReplicaRun:
     """Replay ``trace`` over ``replicas`` pools of ``pool_tokens // replicas`` tokens and encoder stores of
-    ``encoder_bytes // replicas`` bytes each, routed by ``router``. A router that reads the replicas' caches gets
-    ``view_of(replica)`` for each (default: the replica's ``CacheView`` of its decoded events)."""
+    ``encoder_bytes // replicas`` bytes each (``shared_pool``: on those pools, ``kv_bytes_per_token`` sizing a page),
+    routed by ``router``, evicting by ``eviction``. A router that reads the replicas' caches gets ``view_of(replica)``
+    for each (default: the replica's ``CacheView`` of its decoded events)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if trace.page_size is not None and page_size != trace.page_size:
@@ -177,17 +200,19 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
     if pool_tokens // replicas < page_size:
         raise ValueError(f"a pool of {pool_tokens} tokens over {replicas} replicas holds no {page_size}-token page")
     units = encoder_bytes // replicas // ENCODER_UNIT
-    if units < 1:
+    if units < 1 and not shared_pool:
         raise ValueError(f"an encoder store of {encoder_bytes} bytes over {replicas} replicas holds less than "
                          f"{ENCODER_UNIT} bytes each")
     kw = {k: v for k, v in (("threshold", threshold), ("key_pages", key_pages)) if v is not None}
     policy = make_router(router, replicas, page_size, seed=seed, **kw)
     reads_caches = hasattr(policy, "attach")
-    reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None), service, units,
-                     events=reads_caches) for _ in range(replicas)]
+    kv_page_bytes = page_size * kv_bytes_per_token if shared_pool else None
+    reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None, eviction=eviction),
+                     service, units, events=reads_caches, kv_page_bytes=kv_page_bytes) for _ in range(replicas)]
     if reads_caches:
         policy.attach([view_of(rep) if view_of is not None else rep.view for rep in reps])
-    run = ReplicaRun(replicas, router, pages * page_size * replicas, page_size, units * ENCODER_UNIT * replicas)
+    run = ReplicaRun(replicas, router, pages * page_size * replicas, page_size,
+                     0 if shared_pool else units * ENCODER_UNIT * replicas, eviction=eviction, shared_pool=shared_pool)
     fp = Fingerprint(model="replay", page_size=page_size)  # the root the replay's caches use
     spread, where = ReplicaSpread(), {}  # where: session -> replica of its live call
     started = time.perf_counter()
@@ -223,6 +248,8 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
         run.encoder_items += rep.encoder_items
         run.encoder_in_prefix += rep.encoder_in_prefix
         run.encoder_store_hits += rep.encoder_store_hits
+    run.kv_saved_s = run.hit_tokens / service.prefill_tokens_per_s + run.encoder_in_prefix * service.encoder_s
+    run.encoder_saved_s = run.encoder_store_hits * service.encoder_s
     run.sent_pages = sum(len(r.sent) for r in reps)
     run.distinct_pages = len(set().union(*(r.sent for r in reps)))
     run.repeated_prefixes, run.spread_mean, run.spread_max = spread.summary()
