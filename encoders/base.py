@@ -1,5 +1,5 @@
-"""The base of every cached encoder wrapper: one media reader (``digests.media.media_bytes``), the fingerprint that names
-what a module computes (``mmcache.module_fingerprint``), and the lookup through an ``EncoderStore``.
+"""The base of every cached encoder wrapper: one media reader (``digests.media.media_bytes``), the fingerprint that
+names what a module computes (``mmcache.module_fingerprint``), and the lookup through an ``EncoderStore``.
 
 A wrapper turns media into an encoder output. The base holds the store, the fingerprint, the modality, the device
 and dtype outputs come back in, and the lookup: ``read`` the media once (a path is read exactly once, so the same

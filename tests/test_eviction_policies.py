@@ -100,8 +100,8 @@ def test_sessions_that_outgrow_the_pool_keep_more_under_frequency_and_adaptive_f
     dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy loses
     anything."""
     chains = [tuple([s] * (3 * r + 3)) for r in range(8) for s in range(1, 13)]
-    lru, lfu, adaptive = (replay(chains, 150, name) for name in ("lru", "lfu", "adaptive"))
-    assert lru < adaptive <= optimal(chains, 150) and lru < lfu
+    lru, lfu, adaptive, default = (replay(chains, 150, name) for name in ("lru", "lfu", "adaptive", DEFAULT_POLICY))
+    assert lru < adaptive <= optimal(chains, 150) and lru < lfu and lru < default
     assert adaptive > (lru + lfu) / 2
     assert {replay(chains, 350, name) for name in POLICIES} == {optimal(chains, 350)}
 

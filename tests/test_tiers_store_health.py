@@ -1,7 +1,8 @@
 """A shared tier that stays up (real Mooncake master on 127.0.0.1, default master settings): a put the full store
-refuses makes room by removing the tier's own oldest entries, or is skipped and counted, never an outage; a forged or corrupt entry is removed once a reader refuses it, so
-the next publish of the real page stores it and it is served, and a put counts as published only when it was
-stored; one slow read is a miss, not an outage; store calls that keep failing do mark the store down."""
+refuses makes room by removing the tier's own oldest entries, or is skipped and counted, never an outage; a forged
+or corrupt entry is removed once a reader refuses it, so the next publish of the real page stores it and it is
+served, and a put counts as published only when it was stored; one slow read is a miss, not an outage; store calls
+that keep failing do mark the store down."""
 
 import threading
 import time
