@@ -14,26 +14,34 @@ Policies (``POLICIES``; ``make_policy(name)``):
 
 - ``lru``: the tick of the last use. Deeper pages first among equal ticks (the caches subtract the depth), so cold
   tails leave from their ends.
-- ``lfu`` (the default): the tick of the last use plus ``GENERATIONS_PER_USE`` **generations** per recent lookup of
-  the entry's name beyond the first: a generation is how long an unused entry has lately stayed in the pool (measured
-  from the evictions, ``Lifetimes``), so an entry looked up ``k`` times outlives one looked up once by ``2 (k - 1)``
-  pool turnovers (GreedyDual's aging by inflation, in ticks). Lookups are counted per name, also after the entry left
-  (``UseCounts``: a ghost history bounded by the pool), so a prefix that comes back is known. Where the caches give
-  costs (an encoder output's forward time per page it holds, a KV page's prefill time), the lookups are weighed by the
-  entry's cost over the pool's mean (GreedyDual-Size-Frequency): one pool holding both kinds keeps what saves most.
+- ``odds`` (the default): the tick of the last use plus ``GENERATIONS_PER_USE`` **generations** per further lookup
+  the entry's name is expected to get. A generation is how long an unused entry has lately stayed in the pool
+  (measured from the evictions, ``Lifetimes``). The expectation is learned online per lookup count (``ReturnOdds``):
+  of the names that reached ``c`` lookups, the share that reached ``c + 1`` gives the odds of one more; lookups are
+  counted per name, also after the entry left (``UseCounts``: a ghost history bounded by the pool). Frequency counts
+  where it predicts reuse (an agent's history, re-sent by every call) and nothing where it does not (a finished chat
+  session's pages, looked up as often as a live one's, never return: their count class says so).
+- ``lfu``: the tick of the last use plus ``GENERATIONS_PER_USE`` generations per recent lookup of the entry's name
+  beyond the first (GreedyDual's aging by inflation, in ticks): frequency alone.
+
+Costs, for ``odds`` and ``lfu``: where the caches give them (an encoder output's forward time per page it holds, a KV
+page's prefill time), an entry's expected lookups are weighed by its cost over the pool's running mean
+(GreedyDual-Size-Frequency), so one pool holding both kinds keeps what saves most; with none, every entry is average.
+
 - ``adaptive``: ``lru``'s or ``lfu``'s key, whichever of the two is realizing more reuse on this traffic lately.
   Both run as **shadow caches** on a sample of the names looked up (``SAMPLE`` of them, by name, in a pool of the
   same share of the pages: set dueling), scored by their hits with a decay; the real pool takes the winner's keys
   from then on. A hedge for traffic where frequency would keep dead history too long. Measured, it realizes less
-  than ``lfu`` (its shadows see neither chains nor live requests, so they misjudge which wins) and was nowhere
-  ahead of it, so it is not the default (``benchmarks/bench_eviction.py``).
+  than either most of the time (its shadows see neither chains nor live requests, so they misjudge which wins;
+  ``benchmarks/bench_eviction.py``).
 - ``optimal`` (``OfflineOptimal``): the offline optimum for a replay, whose future is known (Belady: the entry whose
   next use is farthest goes first). Not an online policy; it bounds what any policy can keep, counting hits (it takes
   no cost: the optimum of time saved weighs entries, a harder problem).
 
 What the policies cost: ``lru`` is one tick per use. ``lfu`` adds a dict update per name looked up and a dict read per
-key. ``adaptive`` adds, per lookup, one modulo per name and the shadow work of the sampled names (1 in ``SAMPLE``), a
-heap operation each.
+key; ``odds`` the same, and per lookup where each count class of the chain begins (a binary search: counts never rise
+along a chain) and, every ``ReturnOdds.REFRESH`` lookups, its table. ``adaptive`` adds, per lookup, one modulo per
+name and the shadow work of the sampled names (1 in ``SAMPLE``), a heap operation each.
 """
 
 from __future__ import annotations
