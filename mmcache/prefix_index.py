@@ -34,7 +34,7 @@ from mmcache.names import token_bytes
 from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key
 
-COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "eviction_batches",
+COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "freed_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions")
 
 
@@ -502,7 +502,8 @@ class PrefixIndex:
 
     def evict(self, pages) -> None:
         """Drop ``pages`` (held only by the index; a list of a few, as ``coldest`` gives them, or an array) and every
-        indexed descendant of theirs, after the lower tier took their bytes; counted as evicted."""
+        indexed descendant of theirs, after the lower tier took their bytes: counted as evicted (unindexed), and as
+        freed those the index alone held (a descendant a live request holds stays with it)."""
         pages = self._with_descendants(pages if type(pages) is list else np.asarray(pages, dtype=np.int64))
         if not len(pages):
             return
@@ -510,8 +511,11 @@ class PrefixIndex:
             self._spill(self, np.asarray(pages, dtype=np.int64))
         listed = pages if type(pages) is list else pages.tolist()
         self.pool.policy.evicted([self._keys[p] for p in listed], [self._ticks[p] for p in listed])
+        counts = self.pool.counts
+        freed = sum(counts[p] == 1 for p in listed) if len(listed) <= SCALAR_PAGES else int((counts[pages] == 1).sum())
         self._drop(pages)
         self.counters["evicted_pages"] += len(pages)
+        self.counters["freed_pages"] += int(freed)
 
     def remove(self, pages) -> int:
         """Unindex ``pages`` that are indexed, with their indexed descendants (not spilled, not counted as evicted:

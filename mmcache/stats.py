@@ -21,7 +21,8 @@ class PrefixCacheStats(_Snapshot):
     """``PrefixCache.stats()``: index counters since creation, then the pool and the live table now.
 
     ``pages_live`` counts pages some live request holds (indexed or not); ``pages_cached`` the indexed pages.
-    ``evicted_pages`` counts the pages that left this index; ``eviction_batches``, ``shortfall_pages`` and ``stalls``
+    ``evicted_pages`` counts the pages evictions took out of this index, ``freed_pages`` those of them that went free (the
+    others, descendants a live request holds, stay with it); ``eviction_batches``, ``shortfall_pages`` and ``stalls``
     the shortfalls of the owner that asked for pages: the cache's requests (in M*, the node's arena, which takes every
     stream's pages: ``ReuseKVManager.stats``).
     """
@@ -31,6 +32,7 @@ class PrefixCacheStats(_Snapshot):
     queried_tokens: int = 0
     hit_tokens: int = 0
     evicted_pages: int = 0
+    freed_pages: int = 0
     eviction_batches: int = 0
     shortfall_pages: int = 0
     stalls: int = 0

@@ -23,7 +23,7 @@ def test_prefix_cache_stats_are_a_frozen_snapshot_with_the_documented_keys():
     cache.admit("a", np.arange(9))
     s = cache.stats()
     assert isinstance(s, PrefixCacheStats) and s.queries == 1 and s.requests_live == 1
-    assert list(s.to_dict()) == ["queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages",
+    assert list(s.to_dict()) == ["queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "freed_pages",
                                  "eviction_batches", "shortfall_pages", "stalls", "collisions", "pages_free",
                                  "pages_live", "pages_cached", "requests_live"]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -84,3 +84,21 @@ def test_tier_stats_are_a_flat_snapshot_with_the_store_wait():
     assert all(k in ("page_size", "host", "store") or k.startswith(("host_", "store_")) for k in d)
     assert d["store_wait"] == {"bounds": WAIT_BOUNDS, "counts": s.store_wait.counts, "sum": s.store_wait.sum}
     assert TierStack(fp).stats() == TierStats(page_size=4)  # no tier: nothing counted
+
+
+def test_an_eviction_counts_the_pages_it_unindexed_and_the_pages_it_freed():
+    """Evicting a cold page takes its indexed descendants out of the index too; one another owner holds stays with
+    that owner: unindexed, not freed. (The single count said 2 evicted where 1 page went free.)"""
+    P = 4
+    cache = PrefixCache(PagePool(4), Fingerprint("m", page_size=P), evict_batch_pages=1)
+    prompt = np.arange(2 * P + 1, dtype=np.int32)
+    cache.admit("a", prompt)
+    cache.grow("a", prompt.size)
+    cache.mark_computed("a", prompt.size)
+    first, second = cache.state("a").page_indices[:2]
+    cache.finish("a")
+    cache.pool.retain([second])  # another owner (a suspended request, an engine's copy) holds the child
+    cache.index.evict([first])
+    stats = cache.stats()
+    assert (stats.evicted_pages, stats.freed_pages) == (2, 1)
+    assert cache.pool.counts[second] == 1 and cache.pool.counts[first] == 0

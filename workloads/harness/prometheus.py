@@ -47,7 +47,8 @@ PREFIX_COUNTERS = {  # PrefixCache.stats().to_dict() key -> help
     "hits": "Prefix cache lookups that matched at least one page.",
     "queried_tokens": "Prompt tokens looked up in the prefix cache.",
     "hit_tokens": "Prompt tokens served from the prefix cache.",
-    "evicted_pages": "Cached KV pages evicted to make room for live requests.",
+    "evicted_pages": "Cached KV pages evictions took out of the index (with descendants a live request may hold).",
+    "freed_pages": "Of the evicted KV pages, those that went free (only the index held them).",
     "stalls": "Admissions that waited for live requests to finish because live demand filled the pool.",
 }
 ENCODER_COUNTERS = {  # EncoderStore.stats().to_dict()["by_modality"][m] key -> (name suffix, help)
