@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workloads import cli
+from workloads.commands import common
 from workloads.cli import main
 from workloads.harness.metrics import RequestRecord, RunResult, failure_lines
 
@@ -64,8 +64,8 @@ def test_usage_errors_say_what_is_valid(argv, message, capsys):
 
 
 def test_encoder_bytes_units():
-    assert cli._bytes("256M") == cli._bytes("256MB") == 256 << 20 and cli._bytes("2gb") == 2 << 30
-    assert cli._bytes("4096") == 4096
+    assert common._bytes("256M") == common._bytes("256MB") == 256 << 20 and common._bytes("2gb") == 2 << 30
+    assert common._bytes("4096") == 4096
 
 
 def test_linger_needs_a_metrics_port(capsys):
@@ -118,7 +118,7 @@ def test_model_replay_prints_failures_service_time_and_the_pool_note(tmp_path, c
 
 def test_metrics_linger_serves_the_final_state(tmp_path, capsys, monkeypatch):
     scraped = {}
-    linger = cli._linger
+    linger = common._linger
 
     def scrape_then_linger(exporter, seconds, port):
         t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
@@ -127,7 +127,7 @@ def test_metrics_linger_serves_the_final_state(tmp_path, capsys, monkeypatch):
         linger(exporter, seconds, port)
         t.join()
 
-    monkeypatch.setattr(cli, "_linger", scrape_then_linger)
+    monkeypatch.setattr(common, "_linger", scrape_then_linger)
     assert main(["replay", "vlm-chat", "--limit", "2", "--max-new-tokens", "2", "--metrics-port", "0",
                  "--metrics-linger", "0.5", "--no-progress"]) == 0
     assert "serving the final metrics on http://127.0.0.1:" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workloads import cli
+from workloads.commands import common
 from workloads.cli import main
 from workloads.registry import embedded_slice
 from workloads.sizing.replay import replay_trace
@@ -52,7 +52,7 @@ def test_the_cli_reports_reuse_per_tier(capsys):
 
 
 def test_a_trace_replay_with_tiers_serves_the_tier_series(tmp_path, capsys, monkeypatch):
-    scraped, linger = {}, cli._linger
+    scraped, linger = {}, common._linger
 
     def scrape_then_linger(exporter, seconds, port):
         t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
@@ -61,7 +61,7 @@ def test_a_trace_replay_with_tiers_serves_the_tier_series(tmp_path, capsys, monk
         linger(exporter, seconds, port)
         t.join()
 
-    monkeypatch.setattr(cli, "_linger", scrape_then_linger)
+    monkeypatch.setattr(common, "_linger", scrape_then_linger)
     out = tmp_path / "sweep.json"
     assert main(["replay", "--limit", "300", "--pool-tokens", "64k", "--host-tokens", "1M", "--store-tokens", "4M",
                  "--metrics-port", "0", "--metrics-linger", "0.2", "--json", str(out), "--no-progress"]) == 0
