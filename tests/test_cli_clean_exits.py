@@ -116,6 +116,15 @@ def _model_workload(monkeypatch, **kw):
     monkeypatch.setattr(registry, "model_factory", lambda name, options: lambda: _Tiny(**kw))
 
 
+@pytest.fixture(autouse=True)
+def terminal_sigint():
+    """Python's own SIGINT handler, as at a terminal: a run under ``nohup`` (or a CI runner that starts the suite in
+    the background) ignores SIGINT, and the commands leave an ignored Ctrl-C ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _send_ctrl_c_then(real):
     """``real`` after a real SIGINT to this process, as a Ctrl-C at the terminal would send it."""
     def wrapped(*a, **k):
@@ -129,12 +138,8 @@ def test_ctrl_c_while_a_model_replay_writes_its_files_writes_them_whole(tmp_path
     _model_workload(monkeypatch)
     monkeypatch.setattr(report, "report_html", _send_ctrl_c_then(report.report_html))
     html = tmp_path / "r.html"
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (not SIG_IGN, as nohup)
-    try:
-        assert main(["replay", "image-gen", "--html", str(html), "--no-progress"]) == INTERRUPTED
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
-    finally:
-        signal.signal(signal.SIGINT, before)
+    assert main(["replay", "image-gen", "--html", str(html), "--no-progress"]) == INTERRUPTED
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
     errors = _errors(capsys.readouterr().err)
     assert errors == ["mmcache: interrupted (Ctrl-C) while the results were written; they were written in full "
                       "first"]
