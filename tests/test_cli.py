@@ -109,6 +109,7 @@ def test_named_workload_resolves_through_data_env(tmp_path, monkeypatch, capsys)
     assert "from $MMCACHE_DATA" in err and "no --data PATH" in err and "../shared/data" in err
 
 
+@pytest.mark.slow
 def test_subprocess_module_entry_point(tmp_path):
     trace = mooncake_file(tmp_path)
     out, png = tmp_path / "sub.json", tmp_path / "sub.png"

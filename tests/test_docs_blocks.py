@@ -62,7 +62,7 @@ def cases():
             if lang in RUN:
                 out.append(pytest.param(path, line, RUN[lang], marker, code,
                                         id=f"{path.relative_to(ROOT)}:{line}",
-                                        marks=[pytest.mark.slow] if marker.startswith("slow") else []))
+                                        marks=[pytest.mark.slow]))  # each a fresh interpreter: seconds
     return out
 
 

@@ -25,6 +25,7 @@ def encode(i: int) -> torch.Tensor:
     return torch.arange(256, dtype=torch.float32) * (i + 1)
 
 
+@pytest.mark.slow
 def test_a_master_killed_under_encoder_lookups_never_stalls_one_and_a_restart_hits_again():
     with MooncakeMaster() as master:
         client = mooncake.MooncakeClient(master.rpc_address, master.metadata_url, 64 << 20, 32 << 20)
@@ -79,6 +80,7 @@ def test_a_master_killed_under_encoder_lookups_never_stalls_one_and_a_restart_hi
             client.close()
 
 
+@pytest.mark.slow
 def test_a_forged_shared_entry_is_removed_and_the_real_one_served_after_its_next_publish():
     """A forger puts under a key's entry name first (Mooncake's put never overwrites): the first reader refuses it
     (MAC) and removes it, its own publish then stores the real entry, and another instance is served that."""

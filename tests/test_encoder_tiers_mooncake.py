@@ -54,6 +54,7 @@ def count_forwards(module) -> list:
     return calls
 
 
+@pytest.mark.slow
 def test_instance_b_serves_a_s_image_features_and_negative_embedding_without_running_an_encoder(folders, tmp_path):
     vision_folder, text_folder = folders
     images = []

@@ -10,6 +10,7 @@ import contextlib
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -156,6 +157,7 @@ def media_feed(item: int, rows: int) -> dict:
     return {"embeds": embeds, "digest": bytes([item + 1]) * 16}
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_a_tight_pool_with_retries_chunks_and_media_walks_gives_the_logits_of_reuse_off(data):

@@ -39,6 +39,7 @@ def sampled():
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@pytest.mark.slow
 @given(st.data())
 def test_any_schedule_hands_the_talker_what_reuse_off_does(weights, sampled, data):
     on, off = q.thinker_engine(weights, reuse=q.thinker_reuse(), pages=10), q.thinker_engine(weights, pages=10)

@@ -3,6 +3,7 @@ built with M*'s ``JointGroups`` (the TP group's process group is what the resour
 keeps the group's minimum on every rank, so both ranks run the same prefill; a rank that lost its cached pages makes
 the other keep none, and outputs stay equal to reuse off."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -45,5 +46,6 @@ def _rank(rank: int, world: int, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_tp_ranks_keep_the_group_minimum():
     mp.spawn(_rank, args=(2, free_ports(1)[0]), nprocs=2, join=True)

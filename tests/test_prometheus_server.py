@@ -52,6 +52,7 @@ def _finite_points(series: list[dict]) -> int:
     return sum(math.isfinite(float(v)) for s in series for _, v in s["values"])
 
 
+@pytest.mark.slow
 def test_prometheus_scraped_the_final_state(scraped):
     prom, report, start, end = scraped
     final = lambda selector: prom.query(f"last_over_time({selector}[{math.ceil(end - start)}s])")  # noqa: E731

@@ -96,6 +96,7 @@ def now(prom, expr: str) -> float:
     return float(sample["value"][1])
 
 
+@pytest.mark.slow
 def test_prometheus_scraped_the_tier_counts(served):
     prom, inst, stats, *_ = served
     for tier, tokens in inst.hits.items():  # what the admissions got from each tier

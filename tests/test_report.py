@@ -104,6 +104,7 @@ def _inked(img: Image.Image) -> float:
 
 @pytest.mark.skipif(shutil.which(CHROMIUM) is None,
                     reason="no headless browser: apt-get install chromium (.ci/run does)")
+@pytest.mark.slow
 def test_report_renders_in_headless_chromium(report, tmp_path):
     *_, html_path, _ = report
     first = tmp_path / "first.png"  # the first screen a reader sees: title, summary table

@@ -67,6 +67,7 @@ def uncached(model, prompt, prefix_schedule, got):
     assert all(torch.equal(x, y) for x, y in zip(want.logits[len(prefix):], got.logits))
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_instance_b_hits_what_instance_a_published(llama_folder, master, instance):
     first = random_tokens(13, 1)
@@ -93,6 +94,7 @@ def test_instance_b_hits_what_instance_a_published(llama_folder, master, instanc
         a.wait(30)
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_a_dead_master_is_a_miss_and_a_restarted_one_is_used_again(llama_folder, master, instance):
     model = LlamaForCausalLM.from_pretrained(llama_folder, attn_implementation="eager", dtype=torch.float32).eval()

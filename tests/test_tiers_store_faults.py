@@ -40,6 +40,7 @@ def serve_once(cache, rid, tokens, commit=True):
     return took, state.matched_tokens
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_a_master_killed_under_traffic_never_stalls_an_admission_and_a_restart_hits_again():
     with MooncakeMaster() as master:

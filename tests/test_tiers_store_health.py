@@ -39,6 +39,7 @@ def entry(i: int, size: int = 512 << 10) -> tuple[str, bytes]:
     return key, key.encode().ljust(size, b"\x01")
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_a_put_the_full_store_refuses_makes_room_or_is_a_counted_skip_never_an_outage(client):
     store, other = StoreTier(client), StoreTier(client)
@@ -79,6 +80,7 @@ def caches(client, model: str):
     return fp, cache
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_a_refused_entry_is_removed_and_the_next_publish_of_the_real_page_is_stored_and_served(client):
     tokens = list(range(1, 2 * P + 2))  # two full pages
@@ -124,6 +126,7 @@ class SlowOnce:
         return getattr(self.client, name)
 
 
+@pytest.mark.slow
 @needs_mooncake
 def test_one_slow_read_is_a_miss_not_an_outage(client):
     tokens = list(range(1, 3 * P + 2))

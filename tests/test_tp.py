@@ -107,6 +107,7 @@ def _scenarios(rank, world, port):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_agree_on_the_matched_length_and_hold_the_same_bytes(world):
     mp.spawn(_scenarios, args=(world, free_ports(1)[0]), nprocs=world, join=True)
