@@ -48,9 +48,9 @@ def test_an_output_that_saves_more_outlives_newer_kv_pages(policy, kept):
     assert (store.get(image) is not None) == kept
 
 
-def test_without_costs_the_keys_are_the_count_rule():
-    """No cost given (an engine that does not say what a page saves): every entry reads as the pool's average, and
-    the default's keys are those of its count rule alone."""
+def test_a_cost_every_entry_shares_changes_no_key():
+    """Costs weigh entries against each other only: a pool whose entries all save the same per page keys them as one
+    given no cost (an engine that does not say what a page saves), by the count rule alone."""
     from mmcache.eviction import make_policy
     with_cost, without = (make_policy("odds", 64, lambda: 0) for _ in range(2))
     names = np.arange(1, 41, dtype=np.uint64)
