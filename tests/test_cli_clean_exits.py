@@ -11,14 +11,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import tiny_workload
 
 from workloads import registry
 from workloads.cli import main
-from workloads.harness import report, serving
-from workloads.harness.metrics import RequestResult
+from workloads.harness import report
 from workloads.sizing import memory, plot, replicas, sweep
-
-from mmcache.errors import OutOfPages
 
 INTERRUPTED = 130
 
@@ -84,38 +82,6 @@ def test_ctrl_c_between_replica_runs_keeps_the_runs_done(tmp_path, monkeypatch, 
     assert doc["interrupted"] and len(doc["runs"]) == 1 and doc["one_pool"]["requests"] == 60
 
 
-class _Tiny:
-    """A model workload without a model: 4 requests; Ctrl-C in the cache-off run at ``interrupt_off``; every
-    cache-on request failing with ``fail_on``."""
-
-    name = "tiny"
-
-    def __init__(self, interrupt_off=None, fail_on=False):
-        self.interrupt_off, self.fail_on, self.served = interrupt_off, fail_on, 0
-
-    def requests(self):
-        return [serving.Request(f"r{k}", "s", float(k)) for k in range(4)]
-
-    def serve(self, req, cached, clock):
-        self.served += 1
-        if not cached and self.served == self.interrupt_off:
-            raise KeyboardInterrupt
-        if cached and self.fail_on:
-            raise OutOfPages(3)
-        clock.token()
-        return RequestResult(prompt_tokens=10, output_tokens=1)
-
-    def cache_stats(self):
-        return {}
-
-    def ceilings(self):
-        return {}
-
-
-def _model_workload(monkeypatch, **kw):
-    monkeypatch.setattr(registry, "model_factory", lambda name, options: lambda: _Tiny(**kw))
-
-
 @pytest.fixture(autouse=True)
 def terminal_sigint():
     """Python's own SIGINT handler, as at a terminal: a run under ``nohup`` (or a CI runner that starts the suite in
@@ -135,7 +101,7 @@ def _send_ctrl_c_then(real):
 
 def test_ctrl_c_while_a_model_replay_writes_its_files_writes_them_whole(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
-    _model_workload(monkeypatch)
+    tiny_workload.use(monkeypatch)
     monkeypatch.setattr(report, "report_html", _send_ctrl_c_then(report.report_html))
     html = tmp_path / "r.html"
     assert main(["replay", "image-gen", "--html", str(html), "--no-progress"]) == INTERRUPTED
@@ -159,7 +125,7 @@ def test_ctrl_c_while_a_sweep_draws_its_plot_writes_it_whole(tmp_path, monkeypat
 
 
 def test_ctrl_c_in_the_cache_off_run_keeps_its_requests_in_the_json(tmp_path, monkeypatch, capsys):
-    _model_workload(monkeypatch, interrupt_off=3)
+    tiny_workload.use(monkeypatch, interrupt_off=3)
     out = tmp_path / "r.json"
     assert main(["replay", "image-gen", "--json", str(out), "--no-progress"]) == INTERRUPTED
     assert "interrupted (Ctrl-C) in the cache-off run after 2 of 4 requests" in capsys.readouterr().err
@@ -280,7 +246,7 @@ def test_model_pools_past_memory_are_one_line(monkeypatch, capsys):
 
 
 def test_a_model_replay_where_every_request_failed_is_not_a_success(tmp_path, monkeypatch, capsys):
-    _model_workload(monkeypatch, fail_on=True)
+    tiny_workload.use(monkeypatch, fail_on=True)
     out = tmp_path / "r.json"
     assert main(["replay", "image-gen", "--json", str(out), "--no-progress"]) == 1
     errors = _errors(capsys.readouterr().err)

@@ -5,11 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_workload
 
 from workloads import registry
 from workloads.cli import main
-from workloads.harness import serving
-from workloads.harness.metrics import RequestResult
 from workloads.output_files import write_atomic
 from workloads.sizing import sweep
 
@@ -60,37 +59,8 @@ def test_ctrl_c_in_a_sweep_keeps_the_finished_pool_sizes(tmp_path, monkeypatch, 
     assert doc["interrupted"] and [r["pool_tokens"] for r in doc["runs"]] == [65536]
 
 
-class _Tiny:
-    """A model workload without a model: 4 requests, the second cached one interrupted by Ctrl-C."""
-
-    name = "tiny"
-
-    def __init__(self, interrupt_at=None):
-        self.interrupt_at, self.served = interrupt_at, 0
-
-    def requests(self):
-        return [serving.Request(f"r{k}", "s", float(k)) for k in range(4)]
-
-    def serve(self, req, cached, clock):
-        self.served += 1
-        if cached and self.served == self.interrupt_at:
-            raise KeyboardInterrupt
-        clock.token()
-        return RequestResult(prompt_tokens=10, output_tokens=1)
-
-    def cache_stats(self):
-        return {}
-
-    def ceilings(self):
-        return {}
-
-
-def _model_workload(monkeypatch, interrupt_at):
-    monkeypatch.setattr(registry, "model_factory", lambda name, options: lambda: _Tiny(interrupt_at))
-
-
 def test_ctrl_c_in_a_model_replay_compares_what_both_runs_served(tmp_path, monkeypatch, capsys):
-    _model_workload(monkeypatch, interrupt_at=3)
+    tiny_workload.use(monkeypatch, interrupt_on=3)
     out = tmp_path / "r.json"
     assert main(["replay", "image-gen", "--json", str(out), "--no-progress"]) == 130
     printed = capsys.readouterr().out
@@ -103,7 +73,7 @@ def test_ctrl_c_in_a_model_replay_compares_what_both_runs_served(tmp_path, monke
 def test_a_failed_write_keeps_the_results(flag, path, monkeypatch, capsys):
     if not Path(path).parent.exists() or (flag == "--json" and not Path(path).exists()):
         pytest.skip(f"{path} is not on this system")
-    _model_workload(monkeypatch, interrupt_at=None)
+    tiny_workload.use(monkeypatch)
     args = ["--json", "/dev/full"] if flag == "--json" else ["--html", path, "--json", "/dev/full"]
     assert main(["replay", "image-gen", *args, "--no-progress"]) == 1
     err = capsys.readouterr().err
