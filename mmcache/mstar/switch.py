@@ -17,14 +17,18 @@ From outside M*, on the model object the engine loads (no M* file changes):
   suffix. A step whose outputs carry every fed row (``RowOutputs.needed``, ``PrefixReuse.row_outputs``) is cut only
   at pages whose row outputs are held; the seam reads the cut rows' outputs then, keeps what ``RowOutputs.keep``
   takes from the uncut inputs, and ``postprocess`` puts both back in front of what the forward emitted
-  (``RowOutputs.restore``), so the node's consumer gets every row as without reuse; a step that
+  (``RowOutputs.restore``), so the node's consumer gets every row as without reuse (the seam is on ``postprocess`` only while such rows wait); a step that
   ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
   them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
   are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives (once per walk: a walk
   retried after ``AllocationFailed`` keeps the marks it was given), else by nothing, which stops the stream's
   indexing there. A one-row feed (a decode step's) is never cut, so
   ``prepare_inputs`` only keeps it, and ``declare_step`` hands the step's one-row feeds to the KV resource at once
-  (``ReuseKVManager.feed_rows``) before M* admits the step. ``declare_step`` also keeps the sampler's repetition
+  (``ReuseKVManager.feed_rows``) before M* admits the step. A walk whose batch was all such feeds of named streams
+  (a decode walk) is plain from then on: its batches run the node's own ``prepare_inputs`` (the seam steps aside at
+  the batch's first request; ``declare_step`` puts it back) and ``declare_step`` reads the ids from the inputs it is
+  handed, so a decode step costs no Python per request in the seam; a batch that breaks the pattern is fed as far as
+  it is plain, nothing of it is cut, and the walk goes through the seam again. ``declare_step`` also keeps the sampler's repetition
   penalty over the whole prompt, hit or not, so sampling is what it was, and adds the held rows' advance to the step's
   declared position advance where ``position_advance`` says so. ``cleanup_request`` (M*'s engine calls it on every
   submodule when it removes a request) drops what the seam kept for the request.
@@ -93,6 +97,10 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
     one_row: dict = {}  # KV resource -> {rid: ids}: the step's one-row feeds, fed when it is declared
     one_row_infos: dict = {}  # rid -> its forward pass info (a stream fed alone takes its salt from it)
     announced: dict[str, tuple] = {}  # rid -> (KV resource, walk, rows, marks): its last media walk, for a retry
+    # walks whose last batch fed every request one id and nothing else (decode walks): their batches go to the node's
+    # own ``prepare_inputs`` (the seam steps aside for the rest of the batch at its first request and ``declare_step``
+    # puts it back) and ``declare_step`` feeds the ids from the inputs it is handed
+    plain_walks: set = set()
 
     def kv_resources(resources: dict) -> tuple:
         """The (key, KV resource) pairs of ``resources`` that name ``label``; found once per resources dict (the
@@ -104,6 +112,9 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
 
     @functools.wraps(prepare)
     def prepare_inputs(*args, **kwargs):
+        if plain_walks and kwargs.get("graph_walk") in plain_walks:
+            submodule.prepare_inputs = prepare  # the batch's other requests skip the seam: nothing to do per request
+            return prepare(*args, **kwargs)
         out = prepare(*args, **kwargs)
         resources, fwd_info = kwargs.get("resources"), kwargs.get("fwd_info")
         if out is None or not resources or fwd_info is None or not hasattr(out, "input_ids"):
@@ -153,6 +164,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 if needed:
                     stored = kv.stored(rid, label)
                     restores[rid] = rows, kv.held_rows(rid, label, stored - held, stored), kept
+                    if post is not None:
+                        submodule.postprocess = postprocess  # on while held rows wait to be put back
                 positions = {k for k, res in resources.items()
                              if isinstance(res, PositionManager) and key in res.depends_on()}
                 advance = None if r.position_advance is None else r.position_advance(graph_walk, out, held)
@@ -194,8 +207,14 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
 
     @functools.wraps(declare)
     def declare_step(graph_walk, request_ids, inputs, *args, **kwargs):
-        if one_row:
-            feed_one_row_steps(set(request_ids))
+        if submodule.prepare_inputs is not prepare_inputs:
+            submodule.prepare_inputs = prepare_inputs  # stepped aside for a plain walk's batch (or another's)
+        if graph_walk in plain_walks:
+            feed_plain_step(graph_walk, request_ids, inputs)
+        elif one_row:
+            if feed_one_row_steps(set(request_ids)) and len(inputs) == len(request_ids) and all(
+                    plain_row(inp) for inp in inputs):
+                plain_walks.add(graph_walk)
         step = declare(graph_walk, request_ids, inputs, *args, **kwargs)
         if step is not None and full_prompts:
             for sub in step.steps.values():
@@ -207,30 +226,61 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             add_held_advance(step, advances)
         return step
 
-    def feed_one_row_steps(request_ids) -> None:
+    def feed_one_row_steps(request_ids) -> bool:
         """Feed the step's one-row feeds (of the requests still in it) through ``ReuseKVManager.feed_rows``; a stream
-        it leaves (not named yet, or measured in shadow) is fed alone."""
+        it leaves (not named yet, or measured in shadow) is fed alone. Returns whether every request of the step was
+        such a feed of a named stream."""
+        every = True
         for kv, rows in one_row.items():
             for rid in rows.keys() - request_ids:  # prepared, then left the step (failed or declined)
                 del rows[rid]
-            for rid in kv.feed_rows(label, rows):
+            left = kv.feed_rows(label, rows)
+            every = every and not left and len(rows) == len(request_ids)
+            for rid in left:
                 kv.feed(rid, label, rows[rid], (), step_salt(one_row_infos[rid]), 1)  # one row: nothing is cut
         one_row.clear()
         one_row_infos.clear()
+        return every
+
+    def feed_plain_step(graph_walk: str, request_ids, inputs) -> None:
+        """A plain walk's step: each request's one id, from the inputs the node made, to ``feed_rows`` at once. A
+        stream ``feed_rows`` leaves (not named yet, or in shadow) is not fed: it would be named without the salt its
+        forward pass carries, unseen here, so it stays unnamed (computed and written as without reuse, never indexed).
+        An input that is not one id (the seam did not see it prepared either) leaves its stream unfed, which stops its
+        naming (``ReuseState``: a write no feed named). Either way the walk is plain no more: its next batch goes
+        through the seam request by request. Nothing is ever cut here, so what runs is what runs without reuse."""
+        if full_prompts or walk_starts or advances or restores or announced:  # all empty in a decode step
+            for rid in request_ids:
+                for kept in (full_prompts, walk_starts, advances, restores, announced):
+                    kept.pop(rid, None)
+        if one_row:  # left by a batch that was never declared
+            one_row.clear()
+            one_row_infos.clear()
+        ids = [getattr(inp, "input_ids", None) for inp in inputs]
+        if len(inputs) == len(request_ids) and plain_rows(inputs, ids):
+            rows = dict(zip(request_ids, ids))
+        else:
+            plain_walks.discard(graph_walk)
+            rows = {rid: inp.input_ids for rid, inp in zip(request_ids, inputs) if plain_row(inp)}
+        for _, kv in reusing[2]:
+            if kv.feed_rows(label, rows):
+                plain_walks.discard(graph_walk)
 
     submodule.prepare_inputs, submodule.declare_step = prepare_inputs, declare_step
     post, cleanup = getattr(submodule, "postprocess", None), getattr(submodule, "cleanup_request", None)
     if post is not None:
         @functools.wraps(post)
         def postprocess(*args, **kwargs):
+            """Put a cut step's held rows back in front of what its forward emitted; the seam is on the node's
+            ``postprocess`` only while some are held (a decode batch's requests go straight to the node's own)."""
             rid = kwargs["request_id"] if "request_id" in kwargs else args[0]
             restore = restores.pop(rid, None)
             if restore is not None:
                 rows, held_rows, kept = restore
                 rows.restore(kwargs["outputs"] if "outputs" in kwargs else args[2], held_rows, kept)
+            if not restores:
+                submodule.postprocess = post
             return post(*args, **kwargs)
-
-        submodule.postprocess = postprocess
     if cleanup is not None:
         @functools.wraps(cleanup)
         def cleanup_request(request_id, *args, **kwargs):
@@ -241,6 +291,23 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             return cleanup(request_id, *args, **kwargs)
 
         submodule.cleanup_request = cleanup_request
+
+
+def plain_row(node_inputs) -> bool:
+    """Whether a step's node inputs are one id and nothing else (a decode step's)."""
+    return (getattr(node_inputs, "input_embeds", None) is None and getattr(node_inputs, "input_ids", None) is not None
+            and int(node_inputs.input_seq_len) == 1)
+
+
+def plain_rows(inputs: list, ids: list) -> bool:
+    """``plain_row`` of every one of a step's ``inputs`` (``ids``: their ``input_ids``), in a few passes each made by
+    one call (a decode batch's)."""
+    try:
+        return ([inp.input_embeds for inp in inputs].count(None) == len(inputs)  # Nones compare by identity
+                and all(i is not None for i in ids)  # (``in`` or ``count`` would compare each tensor with None)
+                and {inp.input_seq_len for inp in inputs} == {1})
+    except AttributeError:  # inputs of another kind: one by one
+        return all(plain_row(inp) for inp in inputs)
 
 
 def add_held_advance(step, advances: dict[str, tuple[str, set, int]]) -> None:
