@@ -118,7 +118,9 @@ def test_decode_ids_copied_from_the_device_index_their_pages_when_the_copy_lands
             for rid in fed:
                 fed[rid].append(int(got[rid].argmax()))
             _, got = step(on, "decode", {rid: ids_feed(fed[rid][-1:]) for rid in fed})
-        assert len(copies) == 1 and kv.stats(LABEL).pages_cached == 2   # its copy has not landed
+        # reading the index indexes what decode steps filled (they wait a few steps' worth otherwise): the copy of
+        # their ids starts then, and has not landed
+        assert kv.stats(LABEL).pages_cached == 2 and len(copies) == 1
         on.runner.remove_request("b")                           # b leaves first: nothing of its copy is indexed
         copies[0].done = True
         step(on, "decode", {"a": ids_feed([int(got["a"].argmax())])})   # the next commit indexes a's page

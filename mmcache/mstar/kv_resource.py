@@ -238,7 +238,8 @@ class ReuseKVManager(KVManager):
         self._mm = ReuseState(self.pool, self.config.page_size, self._streams, root=root, new_stream=CacheStream,
                               release=self._arena.release, tiers=reuse.tiers if reuse is not None else None,
                               observer=reuse.observer if reuse is not None else None, side=side, evict_batch=batch,
-                              reused=reused, shadowed=labels - reused, agreement=agreement)
+                              reused=reused, shadowed=labels - reused, agreement=agreement,
+                              to_host=lambda chunks: ids_to_host(chunks))  # looked up here when called
 
     @property
     def side(self) -> SideRows | None:
@@ -343,8 +344,8 @@ class ReuseKVManager(KVManager):
             super().commit(step, ctx)
             if rows is not None:
                 self._write_rows(rows)
-            if step.commit and (self._mm.due or self._mm.landing):
-                self._mm.commit(ids_to_host)
+            if step.commit and (self._mm.due or self._mm.due_rows or self._mm.landing):
+                self._mm.commit()
 
     def reset_request(self, rid: str, free: bool = False):
         self._mm.forget(rid, finished=False)  # first: the chain is touched while the stream still holds it

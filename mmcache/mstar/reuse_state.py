@@ -33,7 +33,9 @@ A (request, label) stream is in one of these states:
   so a page is never indexed under ids other than those its KV was computed from.
 - **Indexed** (``commit``): of the streams in ``due``, those whose announced feed is written and whose names and
   writes both reach ``due`` have their fed ids joined into ``generated`` (``_flush``, one join for all) and their
-  full pages indexed in one ``PrefixLifecycle.commit_many`` per label; ``due`` moves to the next page end. Ids on a
+  full pages indexed in one ``PrefixLifecycle.commit_many`` per label; ``due`` moves to the next page end. Pages that
+  decode steps filled (``feed_rows``) wait in ``due_rows`` for a few steps' worth (``_ROWS_BATCH``, ``_ROWS_WAIT``),
+  and no longer than the next lookup, read of the index or request leaving. Ids on a
   CUDA device (a decode step's sampled tokens) are never read with a blocking copy: they are parked (``_Landing``,
   copied to pinned host memory behind an event, ``ids_to_host``) and their pages indexed at the first commit after
   the copy landed.
@@ -50,8 +52,8 @@ stream's standing in the index until ``forget``. Streams, ``due``, ``landing`` a
 (``life.match``, ``extend_match``) run outside it.
 
 How ids reach the host is the host's to say: ``feed_rows(join=)`` turns a step's one-id feeds into ints
-(``_step_ids``), ``commit(to_host=)`` starts the copy of device ids (``ids_to_host``); ``ReuseKVManager`` passes the
-names of its own module, where M*'s tests stand them in.
+(``_step_ids``), ``ReuseState(to_host=)`` starts the copy of device ids (``ids_to_host``); ``ReuseKVManager`` passes
+the names of its own module, where M*'s tests stand them in.
 """
 
 from __future__ import annotations
@@ -79,6 +81,12 @@ from mmcache.tp import TPAgreement
 # for ``select_last_hidden`` (Orpheus, Higgs Audio, Qwen3-Omni and Whisper call it on every prefill walk): a feed of
 # several ids is never cut to fewer than two.
 _ROWS_LEFT = 2
+
+# Pages that decode steps fill are indexed together, a few steps' worth at once: indexing costs about as much for two
+# pages as for sixty (M*'s default page of 128 fills two pages a step over 256 streams), so a commit leaves them until
+# this many streams wait, or for this many steps, or until anything reads the index (a feed's lookup, ``lifecycle``)
+# or a request leaves. A page waits only while the stream that wrote it holds it (nothing else may match it yet).
+_ROWS_BATCH, _ROWS_WAIT = 64, 8
 
 
 def _joined_tokens(chunks: list) -> np.ndarray:
@@ -221,14 +229,15 @@ class ReuseState:
 
     __slots__ = ("pool", "page_size", "lock", "streams", "new_stream", "release", "root", "tiers", "observer", "side",
                  "evict_batch", "reused", "shadowed", "agreement", "fresh_rows", "watched", "lifecycles", "named",
-                 "due", "landing", "shadows", "shadow_fed")
+                 "due", "due_rows", "rows_waited", "to_host", "landing", "shadows", "shadow_fed")
 
     def __init__(self, pool: PagePool, page_size: int, streams: dict, *, root: Fingerprint | None,
                  new_stream: Callable[[], object] = Stream, release: Callable[[list], None] | None = None,
                  tiers: Callable[[Fingerprint, PagePool], LowerTier | None] | None = None,
                  observer: Callable[[Fingerprint, PagePool], IndexObserver | None] | None = None,
                  side: SideRows | None = None, evict_batch: int = 1, reused: frozenset = frozenset(),
-                 shadowed: frozenset = frozenset(), agreement: TPAgreement | None = None):
+                 shadowed: frozenset = frozenset(), agreement: TPAgreement | None = None,
+                 to_host: Callable[[list], tuple | None] = ids_to_host):
         self.pool, self.page_size, self.lock = pool, int(page_size), pool.cache_lock
         self.streams, self.new_stream = streams, new_stream
         self.release = release if release is not None else pool.release
@@ -240,6 +249,9 @@ class ReuseState:
         self.lifecycles: dict = {}  # label -> PrefixLifecycle
         self.named: dict = {}  # label -> rid -> its stream's names (_Named)
         self.due: dict = {}  # streams whose announced feed reaches a page end, in order
+        self.due_rows: dict = {}  # the same, announced by ``feed_rows``: indexed a few steps' worth at once
+        self.rows_waited = 0  # commits ``due_rows`` has waited through
+        self.to_host = to_host
         self.landing: collections.deque = collections.deque()  # _Landing, oldest first
         self.shadows: dict = {}  # label -> ShadowIndex
         # (rid, label) -> (prompt length, position -> ids fed there; None after a walk no ids describe)
@@ -254,7 +266,10 @@ class ReuseState:
         return dataclasses.replace(self.root, extra=f"{self.root.extra}/{label}")
 
     def lifecycle(self, label: str) -> PrefixLifecycle:
-        """The prefix lifecycle of ``label`` (made on first use)."""
+        """The prefix lifecycle of ``label`` (made on first use), every page that filled indexed."""
+        if self.due_rows:
+            with self.lock:
+                self._commit_due()
         life = self.lifecycles.get(label)
         if life is None:
             fp = self.fingerprint(label)
@@ -291,6 +306,9 @@ class ReuseState:
         ``whole``: the step is computed in full (``PrefixReuse.needs_every_row``): named and indexed, never cut."""
         if label not in self.reused:
             return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self.shadowed else 0
+        if self.due_rows:  # what decode steps filled is indexed before anything is looked up
+            with self.lock:
+                self._commit_due()
         if token_ids is None and media and length:
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self.named.get(label, {}).get(rid)
@@ -374,7 +392,7 @@ class ReuseState:
         if due:
             with self.lock:
                 for named in due:
-                    self.due[named] = None  # a page fills in this step: commit indexes it
+                    self.due_rows[named] = None  # a page fills in this step: a commit indexes it
         return left
 
     def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
@@ -547,20 +565,29 @@ class ReuseState:
                 self.due[named] = None
         return k
 
-    def commit(self, to_host=ids_to_host) -> None:
+    def commit(self) -> None:
         """The host committed a step's writes (its streams' ``stored_len`` moved): index the pages that filled
-        (``_commit_due``). ``to_host``: how device ids start their copy to the host (``ids_to_host``)."""
+        (``_commit_due``); those decode steps filled once a few steps' worth wait (``_ROWS_BATCH``, ``_ROWS_WAIT``)."""
         with self.lock:
             if self.due or self.landing:
-                self._commit_due(to_host)
+                self._commit_due()
+            elif self.due_rows:
+                self.rows_waited += 1
+                if self.rows_waited >= _ROWS_WAIT or len(self.due_rows) >= _ROWS_BATCH:
+                    self._commit_due()
 
-    def _commit_due(self, to_host) -> None:
-        """Index the pages that filled: of the streams whose announced feed reaches a page end (``due``), those
-        whose feed is now written; their fed ids joined at once (``_flush``), then one ``commit_many`` per label. Ids
-        on a CUDA device are copied to the host without waiting (``_park``) and their pages indexed at a later commit,
-        once the copy has landed (``_land``). A stream whose step has not committed yet stays."""
+    def _commit_due(self) -> None:
+        """Index the pages that filled: of the streams whose announced feed reaches a page end (``due``, and
+        ``due_rows``), those whose feed is now written; their fed ids joined at once (``_flush``), then one
+        ``commit_many`` per label. Ids on a CUDA device are copied to the host without waiting (``_park``, through
+        ``to_host``) and their pages indexed at a later commit, once the copy has landed (``_land``). A stream whose
+        step has not committed yet stays. Under the lock."""
         if self.landing:
             self._land(wait=False)
+        if self.due_rows:
+            self.due.update(self.due_rows)
+            self.due_rows.clear()
+        self.rows_waited = 0
         ready = []
         for named in list(self.due):
             stream = named.stream
@@ -570,7 +597,7 @@ class ReuseState:
             del self.due[named]
             if named.covered and min(stream.stored_len, named.named) >= named.due:
                 ready.append(named)
-        if ready and not self._park(ready, to_host):
+        if ready and not self._park(ready):
             self._index_written(ready, self._flush(ready))
 
     def _index_written(self, streams: Sequence[_Named], joined: Sequence[bool]) -> None:
@@ -587,13 +614,13 @@ class ReuseState:
             for named, _ in items:
                 named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
 
-    def _park(self, streams: list[_Named], to_host) -> bool:
-        """Start the host copy of ``streams``' chunks when they are device tensors (``ids_to_host``); their pages are
+    def _park(self, streams: list[_Named]) -> bool:
+        """Start the host copy of ``streams``' chunks when they are device tensors (``to_host``); their pages are
         indexed when it lands, and each is due at its next page end meanwhile. False (nothing changed) otherwise."""
         first = next((named.chunks[0] for named in streams if named.chunks), None)
         if first is None or type(first) is int:  # ids joined when fed (``_step_ids``) are on the host
             return False
-        started = to_host([named.chunks for named in streams if named.chunks])
+        started = self.to_host([named.chunks for named in streams if named.chunks])
         if started is None:
             return False
         sizes = [named.named - named.prompt_len - named.generated.size - named.in_flight for named in streams]
@@ -676,8 +703,8 @@ class ReuseState:
         with self.lock:
             if self.shadow_fed:
                 self._end_shadow(rid, finished)
-            if self.landing:  # the request's last pages, as a rule landed already: index them while it holds them
-                self._land(wait=False)
+            if self.due_rows or self.landing:  # the request's last pages: indexed while it holds them (those
+                self._commit_due()  # still on their way to the host, as a rule landed already, are left)
             for of_label in self.named.values():
                 named = of_label.pop(rid, None)
                 if named is None:
