@@ -1,166 +1,173 @@
-"""Per-step cost of M*'s KV resource with mmcache under it vs M*'s own ``KVManager``, in one run.
+"""What a decode step of M*'s node costs with mmcache under it, against M*'s own, as a user pays it.
 
-    python benchmarks/bench_mstar_kv.py [--requests 256] [--repeats 7] [--pages 16,128]
+    python benchmarks/bench_mstar_kv.py [--requests 256] [--runs 3] [--steps 64] [--pages 16,128]
 
-Both resources are built by M*'s ``build_resource`` and driven by M*'s ``StepRunner`` (admit, plan, commit) for decode
-steps of ``--requests`` requests, one token each, after a prefill of 64 tokens per request, for two pages' worth of
-decode steps (every request fills two pages), at each page size of ``--pages`` (16: a page fills every 16 steps; 128:
-M*'s default ``KVConfig.page_size``). Rows: M*'s ``KVManager`` (the baseline), ``ReuseKVManager`` with reuse off (the
-counted pool alone), and with reuse on (plus the seam's ``feed_rows`` of the step's tokens, each request's a
-one-element view of the step's sampled tokens as M*'s nodes return them, and commit-as-written indexing the pages
-that fill). The forward is not run: what is timed is the resource's own work. ms per step, best of
-repeats, spread = max/min over repeats; rows are interleaved repeat by repeat so load on the machine hits every row
-alike. A last row times, alone, what any resource that names the decoded ids must do with what M* 0.2.1 hands it:
-join the step's one-element id tensors (one per request) into ints (``torch.cat``, ``tolist``); it is part of the
-reuse-on row.
+Three of M*'s real ``Engine``s, each with M*'s real Orpheus LLM node (``OrpheusLLMSubmodule``, tiny random weights
+loaded by M*'s own loader, ``workloads.peers.mstar_orpheus``), built as M*'s worker builds one: M*'s own specs (the
+baseline), mmcache's ``ReuseKVManager`` with reuse off (its counted pool alone, no seam), and reuse on (one
+``enable_reuse`` call: the KV spec and the seam on the node's ``prepare_inputs``/``declare_step``/``postprocess``).
+Each serves ``--requests`` requests with distinct prompts (what is measured is the bookkeeping, not hits) whose
+lengths are staggered over a page, so that pages fill at the steady-state rate from the first step (requests / page
+size pages a step). Then ``--steps`` decode steps, one batch of every request each, as M*'s worker runs one:
+``prepare_inputs`` (every request), ``exec_and_postprocess`` (declare, admit, plan, preprocess, forward, commit,
+postprocess), ``finalize_batch``. Timed: that step's thread CPU time less the forward's (``Engine._forward``: the
+model's GPU work in a deployment; here torch on the CPU with stand-in kernels, the same for every engine). The three
+engines run each step in turn, the order rotating, so load on the machine reaches them alike; ``--runs`` fresh sets.
 
-A second table times the seam itself (``mmcache.mstar.switch``): a decode step's ``prepare_inputs`` (one token) for
-every request and its ``declare_step``, bare and with the seam on them (which feeds the step's tokens through
-``feed_rows`` when it is declared), on the toy AR node of the tests (``tests/mstar_toy_ar.py``), per request, best
-of repeats.
+Per engine: the median step (ms, over every timed step of every run) and the best run's mean step; "vs M*" is the
+median over steps of the step's time over M*'s own same step, p10-p90 of those ratios beside it. Only flashinfer's
+and the sampler's kernels are stood in (``workloads.peers.mstar_cpu_kernels``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import platform
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the toy AR node
 from mmcache.mstar.requirement import why_unavailable  # noqa: E402
 
 SKIP = why_unavailable()
-if SKIP is None:
-    from mstar.communication.tensors import LocalTransferEngine
-    from mstar.engine.resources import KVConfig, KVSpec, KVStep, Segment, StepContext, StepRunner, SubmoduleStep
-    from mstar.engine.resources.base import EngineResourceInfo, build_resource
-    from mstar.engine.resources.kv.transfer import TransferEngineInfo
-
-    from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVSpec
-
-PROMPT = 64
+KINDS = ("M*'s own", "reuse off", "reuse on")
 
 
-def build(kind: str, requests: int, page: int, steps: int):
-    pages = requests * (-(-(PROMPT + steps + 1) // page)) + 16
-    cfg = KVConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_seq_len=pages * page, max_num_pages=pages,
-                   page_size=page)
-    spec = KVSpec(resource_key="kv", nodes={"n"}, config=cfg)
-    if kind != "mstar":
-        spec = ReuseKVSpec.of(spec, PrefixReuse(model="bench") if kind == "reuse on" else None)
-    info = EngineResourceInfo(device=torch.device("cpu"), kv_dtype=torch.float16,
-                              transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")))
-    kv = build_resource(spec, info)
-    return kv, StepRunner({"kv": kv})
+def build(kind: str, weights: Path, requests: int, page: int, longest: int):
+    """An Orpheus engine of ``kind`` with room for every request's ``longest`` tokens; (engine, forward seconds
+    counter) where the counter accumulates the thread CPU time spent in ``Engine._forward``."""
+    from mmcache.mstar import PrefixReuse
+    from mmcache.mstar.kv_resource import ReuseKVSpec
+    from mstar.engine.resources.kv.config import KVSpec
+    from workloads.peers import mstar_orpheus as orpheus
+    from workloads.peers.mstar_engine import cpu_engine
+
+    model = orpheus.orpheus_model(weights)
+    if kind == "reuse off":  # mmcache's KV resource without reuse: the counted pool alone, no seam
+        specs_of = model.get_node_resources
+        model.get_node_resources = lambda: [ReuseKVSpec.of(s, None) if type(s) is KVSpec else s for s in specs_of()]
+    pages = requests * -(-longest // page) + 16
+    engine, _ = cpu_engine(model, [orpheus.LLM], pages=pages, page_size=page, dtype=torch.bfloat16,
+                           kv_key=orpheus.KV_CACHE, rope_key=orpheus.ROPE, label=orpheus.LABEL,
+                           reuse=PrefixReuse(model="orpheus-bench") if kind == "reuse on" else None)
+    spent = [0]
+    forward = engine._forward
+
+    def timed_forward(*args, **kwargs):
+        t = time.thread_time_ns()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            spent[0] += time.thread_time_ns() - t
+
+    engine._forward = timed_forward
+    return engine, spent
 
 
-def run_step(runner, rids, span: int) -> None:
-    s = SubmoduleStep(segments=[Segment(rid, "main", span) for rid in rids], steps={"kv": KVStep()})
-    s.set_ctx(StepContext(request_ids=rids, graph_walk="decode", slot=0, capture=False))
-    assert runner.admit(s).ok
-    runner.plan(s)
-    runner.commit(s)
+def batch(walk: str, feeds: dict[str, torch.Tensor]):
+    """The batch M*'s worker hands the LLM node: every request's ids under ``text_inputs``."""
+    from workloads.peers import mstar_orpheus as orpheus
+    from workloads.peers.mstar_engine import ExecutingBatch, StepContext, fwd_info
+
+    configs = orpheus.greedy()
+    return ExecutingBatch(node_name=orpheus.LLM,
+                          per_request_info={rid: fwd_info(rid, walk, configs) for rid in feeds},
+                          per_request_input_tensors={rid: {"text_inputs": [ids]} for rid, ids in feeds.items()},
+                          step_context=StepContext(request_ids=tuple(feeds), graph_walk=walk, slot=0, capture=False))
 
 
-def once(kind: str, requests: int, page: int, steps: int) -> float:
-    gc.collect()  # the last run's garbage is collected here, not inside this run's timing
-    kv, runner = build(kind, requests, page, steps)
+def step_ns(engine, spent, b) -> int:
+    """One step of batch ``b`` as M*'s worker runs it; thread CPU ns outside the forward."""
+    before, t = spent[0], time.thread_time_ns()
+    engine.prepare_inputs(b)
+    engine.exec_and_postprocess(b)
+    engine.finalize_batch(b)
+    return time.thread_time_ns() - t - (spent[0] - before)
+
+
+def one_run(weights: Path, requests: int, page: int, steps: int, warm: int) -> dict[str, list[int]]:
+    """Fresh engines of every kind; per kind, the ns of each timed decode step."""
+    from workloads.peers import mstar_orpheus as orpheus
+
+    longest = 2 * page + warm + steps + 1
+    engines = {k: build(k, weights, requests, page, longest) for k in KINDS}
     rids = [f"r{i}" for i in range(requests)]
-    reuse = kind == "reuse on"
-    for i, rid in enumerate(rids):
-        runner.ingest_request(rid)
-        if reuse:  # distinct prompts: what is measured is the bookkeeping, not hits
-            kv.feed(rid, "main", torch.arange(PROMPT) + i * PROMPT)
-    run_step(runner, rids, PROMPT)
-    spent = 0.0
-    for k in range(steps):
-        # what the seam hands the resource for a decode step: every request's one id, at once, each a one-element
-        # view of the step's sampled tokens (as M*'s nodes return them, ``new_tokens[i : i + 1]``); made untimed
-        sampled = torch.arange(requests) + k
-        rows = {rid: sampled[i:i + 1] for i, rid in enumerate(rids)} if reuse else None
-        t = time.perf_counter()
-        if reuse:
-            kv.feed_rows("main", rows)
-        run_step(runner, rids, 1)
-        spent += time.perf_counter() - t
-    return spent / steps
+    g = torch.Generator().manual_seed(page)
+    # prompts of page + 1 + i * page / requests tokens: request i's second page fills at step about (page - i * page /
+    # requests), each a page the decode steps fill continuing its chain, as after a prompt of more than a page
+    prompts = {rid: torch.randint(1, orpheus.CFG.vocab_size, (page + 1 + i * page // requests,), generator=g)
+               for i, rid in enumerate(rids)}
+    last = {}
+    for kind, (engine, _) in engines.items():
+        for rid in rids:
+            engine.add_request(rid, orpheus.greedy())
+        for lo in range(0, requests, 64):  # prefill in batches of 64 (untimed)
+            part = {rid: prompts[rid] for rid in rids[lo:lo + 64]}
+            b = batch("prefill", part)
+            engine.prepare_inputs(b)
+            engine.exec_and_postprocess(b)
+            engine.finalize_batch(b)
+            last.setdefault(kind, {}).update({rid: b.outputs[rid]["new_token"][0].reshape(1) for rid in part})
+    times = {k: [] for k in KINDS}
+    gc.collect()
+    gc.freeze()  # the engines' long-lived objects: a full collection's pass over them would land on one engine's step
+    for k in range(warm + steps):
+        order = KINDS[k % 3:] + KINDS[:k % 3]
+        for kind in order:
+            engine, spent = engines[kind]
+            b = batch("decode", last[kind])
+            ns = step_ns(engine, spent, b)
+            last[kind] = {rid: b.outputs[rid]["new_token"][0].reshape(1) for rid in rids}
+            if k >= warm:
+                times[kind].append(ns)
+    gc.unfreeze()
+    want = last["M*'s own"]
+    assert all(torch.equal(last[k][r], want[r]) for k in KINDS for r in rids), "the engines sampled differently"
+    return times
 
 
-def seam_us(reuse: bool, requests: int, repeats: int) -> float:
-    """Microseconds per request of a decode step's ``prepare_inputs`` of every request and its ``declare_step`` on the
-    toy node, with or without the seam (which feeds the step's one-row feeds when it is declared)."""
-    from mstar_toy_ar import KV, ROPE, fwd_info, ids_feed, node, step, weights
-
-    n = node(weights(), pages=requests * 4, reuse=PrefixReuse(model="bench") if reuse else None)
-    rids = [f"r{i}" for i in range(requests)]
-    for i, rid in enumerate(rids):
-        n.runner.ingest_request(rid)
-        step(n, "prefill", {rid: ids_feed(range(1 + i, 9 + i))})
-    resources, infos, feed = {KV: n.kv, ROPE: n.rope}, {rid: fwd_info(rid) for rid in rids}, ids_feed([5])
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        outs = [n.sub.prepare_inputs(graph_walk="decode", fwd_info=infos[rid], inputs=feed, resources=resources)
-                for rid in rids]
-        n.sub.declare_step("decode", rids, outs)
-        best = min(best, time.perf_counter() - t)
-    return best / requests * 1e6
-
-
-def join_ms(requests: int, repeats: int) -> float:
-    """ms to join one decode step's ids as M* 0.2.1 hands them to a node (one one-element tensor per request)."""
-    sampled = torch.arange(requests)
-    ids = [sampled[i:i + 1] for i in range(requests)]
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.cat(ids).tolist()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
-
-
-def page_table(requests: int, page: int, repeats: int) -> None:
-    steps = 2 * page  # every request fills two pages
-    kinds = ("mstar", "reuse off", "reuse on")
-    times = {k: [] for k in kinds}
-    for k in kinds:  # warm-up, not counted: each kind's first run pays one-time costs (up to 8x its best)
-        once(k, requests, page, 4)
-    for _ in range(repeats):
-        for k in kinds:
-            times[k].append(once(k, requests, page, steps))
-    base = min(times["mstar"])
-    print(f"{f'KV resource (StepRunner, decode), page {page}':<44} | {'ms/step':>8} | {'vs M*':>6} | {'spread':>6}")
-    names = {"mstar": "M*'s KVManager", "reuse off": "ReuseKVManager, reuse off",
-             "reuse on": "ReuseKVManager, reuse on"}
-    for k in kinds:
-        best = min(times[k])
-        print(f"{names[k]:<44} | {best * 1e3:8.3f} | {best / base:6.2f} | {max(times[k]) / best:6.2f}")
-    join = join_ms(requests, 50 * repeats)
-    print(f"{'  of which: the step ids joined (cat, tolist)':<44} | {join:8.3f} | {join / (base * 1e3):6.2f} |")
-    print(f"({requests} requests per step, page {page}, {steps} decode steps after a {PROMPT}-token prefill, best of "
-          f"{repeats}; {sys.platform}, {torch.get_num_threads()} threads)\n")
+def table(weights: Path, requests: int, page: int, steps: int, runs: int) -> None:
+    per_run = [one_run(weights, requests, page, steps, warm=8) for _ in range(runs)]
+    base = [t for run in per_run for t in run["M*'s own"]]
+    print(f"{f'M* Orpheus node, decode step, page {page}':<32} | {'median ms':>9} | {'best run':>8} | "
+          f"{'vs M*':>5} | {'p10-p90':>11}")
+    for kind in KINDS:
+        mine = [t for run in per_run for t in run[kind]]
+        ratios = sorted(m / b for m, b in zip(mine, base))
+        best = min(statistics.fmean(run[kind]) for run in per_run)
+        p10, p90 = ratios[len(ratios) // 10], ratios[(9 * len(ratios)) // 10]
+        print(f"{kind:<32} | {statistics.median(mine) / 1e6:9.3f} | {best / 1e6:8.3f} | "
+              f"{statistics.median(ratios):5.2f} | {p10:5.2f}-{p90:5.2f}")
+    print(f"({requests} requests a step, page {page}, {requests / page:g} pages fill a step; {steps} timed steps x "
+          f"{runs} runs; thread CPU time outside the forward)\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--pages", default="16,128", help="page sizes, comma-separated")
     args = ap.parse_args()
     if SKIP is not None:
         print(f"bench_mstar_kv: skipped ({SKIP})")
         return
-    for page in (int(p) for p in args.pages.split(",")):
-        page_table(args.requests, page, args.repeats)
-    bare, seam = (seam_us(r, 64, 30 * args.repeats) for r in (False, True))  # 64: the toy vocabulary is 128
-    print(f"{'prepare_inputs + declare_step, decode (toy node)':<44} | {'us/request':>10} | {'vs bare':>7}")
-    print(f"{'bare':<44} | {bare:10.2f} | {1:7.2f}")
-    print(f"{'with the seam (feed included)':<44} | {seam:10.2f} | {seam / bare:7.2f}")
+    from workloads.peers import mstar_orpheus as orpheus
+    from workloads.peers.mstar_cpu_kernels import installed
+
+    torch.set_num_threads(1)  # the timed work is the calling thread's; the forward is not timed
+    print(f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+          f"torch {torch.__version__}\n")
+    with tempfile.TemporaryDirectory() as folder, installed():
+        weights = orpheus.save_weights(Path(folder))
+        for page in (int(p) for p in args.pages.split(",")):
+            table(weights, args.requests, page, args.steps, args.runs)
 
 
 if __name__ == "__main__":
