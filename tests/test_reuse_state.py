@@ -98,6 +98,23 @@ def test_feed_settle_commit_and_a_second_request_reuses_the_pages():
     assert host.prefill("c", prompt + [7, 8, 3, 4]) == 12
 
 
+def test_pages_decode_steps_fill_wait_for_a_few_steps_worth_and_no_longer_than_the_next_lookup():
+    """A commit leaves the pages decode steps filled for a few steps' worth to index at once; a lookup (another
+    request's feed), a read of the index or the request leaving indexes them first."""
+    host = Host()
+    host.ingest("a")
+    host.prefill("a", list(range(10, 18)))                  # two full prompt pages, indexed at once
+    for t in (1, 2, 3, 4):                                   # the third page fills
+        host.decode({"a": t})
+    assert host.state.due_rows and host.state.lifecycles[LABEL].stats(0, 0).pages_cached == 2  # waiting
+    host.ingest("b")
+    assert host.prefill("b", list(range(10, 18)) + [1, 2, 3, 4, 9, 9]) == 12  # the lookup indexed it first
+    for t in (5, 6, 7, 8):                                   # a's fourth page fills, then a leaves
+        host.decode({"a": t})
+    host.remove("a")
+    assert not host.state.due_rows and host.state.lifecycles[LABEL].stats(0, 0).pages_cached == 4
+
+
 def test_a_prefill_retried_after_an_allocation_failure_is_cut_at_what_is_held():
     host, prompt = Host(), list(range(30, 39))              # 9 ids: two full pages
     host.ingest("a")
