@@ -1,7 +1,9 @@
 """Helpers for the tests that run M*'s own encoder submodules under its real ``Engine`` (mstar-ai 0.2.1) on the CPU:
-tiny random models saved and loaded back through ``workloads.fixtures.saved``, batches as M*'s worker builds them
-(``Worker._make_executing_batch``), driven through the engine's own ``prepare_inputs`` -> ``exec_and_postprocess``
--> ``finalize_batch``, and forward counters (hooks on the HF encoder inside the node, so the node runs unchanged)."""
+the engine as M*'s worker builds it over a model (``worker_engine``, ``served_node``: the one call first) or over
+given submodules (``engine``), batches as M*'s worker builds them (``Worker._make_executing_batch``), driven through
+the engine's own ``prepare_inputs`` -> ``exec_and_postprocess`` -> ``finalize_batch``, forward counters (hooks on
+the encoder inside the node, so the node runs unchanged), and Qwen3-Omni's data worker over its own
+``process_prompt``. The tiny checkpoints are ``mstar_encoder_checkpoints``."""
 
 import sys
 
@@ -25,20 +27,11 @@ def saved_model(folder_root, kind: str, config, cls):
 
 
 class CpuEngine:
-    """M*'s ``Engine`` on the CPU with ``submodules`` loaded (no resource specs: encoder nodes own none), one worker
-    of one rank; ``run`` drives one batch the way M*'s worker does and returns rid -> outputs."""
+    """M*'s ``Engine`` on the CPU, one worker of one rank; ``run`` drives one batch the way M*'s worker does and
+    returns rid -> outputs."""
 
-    def __init__(self, submodules: dict, autocast=None):
-        from mstar.communication.tensors import LocalTransferEngine
-        from mstar.distributed.communication import WorkerParallelGroups
-        from mstar.engine.engine import Engine
-        from mstar.engine.resources.kv.transfer import TransferEngineInfo
-        self.engine = Engine(autocast_dtype=autocast)
-        self.engine.load_model(submodules, specs=[], parallel_groups=WorkerParallelGroups(num_workers=1,
-                                                                                           global_rank=0),
-                               device=torch.device("cpu"),
-                               transfer_engine_info=TransferEngineInfo("e", "s", LocalTransferEngine("h")))
-        self.engine.warmup()
+    def __init__(self, engine):
+        self.engine = engine
 
     def run(self, node: str, walk: str, requests: dict, step_metadata: dict | None = None) -> dict:
         """``requests`` (rid -> {input name: [tensors]}) as one batch of ``node`` on ``walk``: rid -> outputs."""
@@ -55,8 +48,39 @@ class CpuEngine:
         self.engine.remove_request(rid)
 
 
+def _one_rank():
+    from mstar.communication.tensors import LocalTransferEngine
+    from mstar.distributed.communication import WorkerParallelGroups
+    from mstar.engine.resources.kv.transfer import TransferEngineInfo
+    return (WorkerParallelGroups(num_workers=1, global_rank=0),
+            TransferEngineInfo("e", "s", LocalTransferEngine("h")))
+
+
 def engine(submodules: dict, autocast=None) -> CpuEngine:
-    return CpuEngine(submodules, autocast)
+    """An ``Engine`` with ``submodules`` loaded as given (no resource specs: encoder nodes own none)."""
+    from mstar.engine.engine import Engine
+    groups, transfer = _one_rank()
+    eng = Engine(autocast_dtype=autocast)
+    eng.load_model(submodules, specs=[], parallel_groups=groups, device=torch.device("cpu"),
+                   transfer_engine_info=transfer)
+    eng.warmup()
+    return CpuEngine(eng)
+
+
+def worker_engine(model, node_names) -> CpuEngine:
+    """The engine M*'s worker builds for ``node_names`` of ``model``: ``EngineManager.build`` (the model's resource
+    specs; ``model.get_submodule`` per node, then its ``to(device, dtype)`` in the model's autocast dtype or the
+    node's own; ``Engine.load_model``) and ``warmup_all``. Each node is loaded first with the device as the string
+    ``"cpu"`` (M*'s safetensors loaders hand ``safe_open`` "cuda" for ``torch.device("cuda")`` but the
+    ``torch.device("cpu")`` itself, which it refuses); the build's own ``get_submodule`` gets it from the model's
+    submodule cache."""
+    from mstar.worker.engine_manager import EngineManager
+    for name in node_names:
+        model.get_submodule(name, "cpu")
+    groups, transfer = _one_rank()
+    manager = EngineManager.build(set(node_names), torch.device("cpu"), {}, groups, transfer, model)
+    manager.warmup_all()
+    return CpuEngine(manager.engine)
 
 
 def batch(node: str, walk: str, requests: dict, step_metadata: dict | None = None):
@@ -94,28 +118,18 @@ def assert_equal_outputs(got: dict, want: dict):
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (rid, name)
 
 
-# -- Qwen3-Omni: tiny encoders, the model's own process_prompt, M*'s data worker ----------------------------------
-def tiny_qwen3_omni_encoders(folder_root):
-    """``(vision, audio)``: Qwen3-Omni's HF vision and audio encoders at tiny random configs (sdpa), saved and
-    loaded back the way M* loads them. The vision tower's config is the tiny thinker's (``vision_config``:
-    ``VISION_SIZES``, its output width the thinker's hidden size)."""
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder)
-    from workloads import fixtures
-    from workloads.peers.mstar_qwen3_omni import vision_config
-    out = []
-    for kind, cls, cfg in (
-            ("q3o-vision", Qwen3OmniMoeVisionEncoder, vision_config()),
-            ("q3o-audio", Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeAudioEncoderConfig(
-                encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32, output_dim=32,
-                downsample_hidden_size=16))):
-        folder = fixtures.saved(folder_root, kind, cfg.to_json_string(),
-                                lambda f, cls=cls, cfg=cfg: cls._from_config(cfg).save_pretrained(f))
-        out.append(cls.from_pretrained(folder, attn_implementation="sdpa").eval())
-    return tuple(out)
+def served_node(model, node: str, reuse: bool = True, capacity_bytes: int = 1 << 22) -> tuple[CpuEngine, object]:
+    """``(engine, submodule)``: with ``reuse``, the one call (``enable_encoder_reuse``) on ``model`` first; then the
+    worker's engine over ``model``'s ``node`` (``worker_engine``) and the submodule it holds (a ``CachedEncoderNode``
+    with reuse on)."""
+    from mmcache.mstar import enable_encoder_reuse
+    if reuse:
+        enable_encoder_reuse(model, capacity_bytes=capacity_bytes, page_bytes=4096)
+    eng = worker_engine(model, [node])
+    return eng, eng.engine._submodules[node].submodule
 
 
+# -- Qwen3-Omni: the model's own process_prompt, M*'s data worker --------------------------------------------------
 def qwen3_omni_processors():
     """The HF image processor and feature extractor Qwen3-Omni uses (the image one the tiny thinker's,
     ``image_processor``: capped at 128x128 pixels so the tiny tower stays fast)."""
@@ -157,9 +171,11 @@ def _chat_template(messages, **_):
     return "".join(render(m["content"]) for m in messages) + "<assistant>"
 
 
-def qwen3_omni_model(image_processor, feature_extractor):
+def qwen3_omni_model(image_processor, feature_extractor, weights=None):
     """M*'s ``Qwen3OmniModel`` with its checkpoint-loading constructor skipped: its own ``process_prompt`` and
-    schedule run over the given processors, a byte tokenizer and a one-line chat template."""
+    schedule run over the given processors, a byte tokenizer and a one-line chat template. With ``weights`` (a
+    folder from ``mstar_encoder_checkpoints.qwen3_omni_encoders``), its own ``get_submodule`` loads the encoder nodes
+    from there (the towers need ``sdpa_encoder_towers`` on the CPU) and its config is the tiny thinker's."""
     import types
 
     from mstar.model.qwen3_omni import qwen3_omni_model as q
@@ -167,6 +183,10 @@ def qwen3_omni_model(image_processor, feature_extractor):
     model._processor = types.SimpleNamespace(image_processor=image_processor, feature_extractor=feature_extractor,
                                              apply_chat_template=_chat_template)
     model.tokenizer = _Tokenizer()
+    if weights is not None:
+        from workloads.peers.mstar_qwen3_omni import model_config
+        model.config, model.local_dir, model.model_path_hf = model_config(), str(weights), str(weights)
+        model.cache_dir, model._submodule_cache = None, {}
     return model
 
 

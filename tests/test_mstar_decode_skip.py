@@ -1,19 +1,25 @@
 """A hit known before decoding skips the decode and the preprocessing: M*'s data worker (with Qwen3-Omni's own
 ``process_prompt``) asks the node's store through the in-process presence oracle; the second request with an image
 decodes nothing and runs no processor, yet the thinker-side inputs and the encoder node's outputs are bit-identical
-to the decoded path."""
+to the decoded path. The encoder nodes are the ones the one call (``enable_encoder_reuse``) makes of M*'s own
+Qwen3-Omni model (tiny towers loaded from a local folder), served on one worker engine; the media are made by the
+tests (``made_media``)."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
+import made_media
+from mstar_encoder_checkpoints import qwen3_omni_encoders, sdpa_encoder_towers
+from mstar_encoder_helpers import (CpuEngine, ForwardCount, assert_equal_outputs, data_worker,
                                    install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
-                                   qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
+                                   qwen3_omni_processors, require_mstar, worker_engine)
 
 require_mstar()
 
+from mmcache.mstar import enable_encoder_reuse  # noqa: E402
 from mmcache.mstar.decode_skip import store_oracle  # noqa: E402
-from mmcache.mstar.encoder_items import items_for  # noqa: E402
 from mmcache.mstar.encoder_node import CachedEncoderNode  # noqa: E402
 from mmcache.mstar.media_digests import install_digests, route_digests  # noqa: E402
 
@@ -35,25 +41,42 @@ class Counting:
 
 
 @pytest.fixture(scope="module")
-def media():
-    from conftest import shared_data
-    data = shared_data()
-    if data is None or not (data / "mmmu" / "images").is_dir() or not (data / "seedtts").is_dir():
-        pytest.skip("MMMU images / Seed-TTS WAVs not found: place ../shared/data or set MMCACHE_DATA")
-    return sorted((data / "mmmu" / "images").glob("*.png"))[:2], sorted((data / "seedtts").glob("**/*.wav"))[:1]
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    return made_media.images(root / "images")[:2], made_media.voices(root / "voices", 1)
+
+
+@dataclasses.dataclass
+class Setup:
+    """The worker's engine over the encoder nodes with the one call (``wrapped``, its nodes ``cached``) and without
+    (``bare``); a data worker with the presence oracle on those nodes (``worker``) and one without (``reference``);
+    the counted image processor and feature extractor; one entry in ``decodes`` per image decode."""
+
+    wrapped: CpuEngine
+    cached: dict
+    bare: CpuEngine
+    worker: object
+    reference: object
+    image_proc: object
+    feature_extractor: object
+    decodes: list
+
+
+NODES = ("vision_encoder", "audio_encoder")
 
 
 @pytest.fixture
 def setup(tmp_path_factory, monkeypatch):
     install_flashinfer_standin(monkeypatch)
-    from mstar.model.qwen3_omni.submodules import AudioEncoderSubmodule, VisionEncoderSubmodule
-    vision, audio = tiny_qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
-    plain = {"vision_encoder": VisionEncoderSubmodule(vision, config=None),
-             "audio_encoder": AudioEncoderSubmodule(audio, config=None)}
-    cached = {name: CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
-              for name, node in plain.items()}
+    sdpa_encoder_towers(monkeypatch)
+    weights, _ = qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
     image_processor, feature_extractor = qwen3_omni_processors()
     counted = Counting(image_processor), Counting(feature_extractor)
+    on, off = (qwen3_omni_model(image_processor, feature_extractor, weights) for _ in range(2))
+    enable_encoder_reuse(on, capacity_bytes=1 << 22, page_bytes=4096)
+    wrapped, bare = worker_engine(on, NODES), worker_engine(off, NODES)
+    cached = {name: wrapped.engine._submodules[name].submodule for name in NODES}
+    assert all(isinstance(node, CachedEncoderNode) for node in cached.values())
 
     def make_worker(known):
         model = qwen3_omni_model(*counted)
@@ -68,14 +91,14 @@ def setup(tmp_path_factory, monkeypatch):
     import torchvision
     real_decode = torchvision.io.decode_image
     monkeypatch.setattr(torchvision.io, "decode_image", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
-    return plain, cached, make_worker(oracle), make_worker(None), counted, decodes
+    return Setup(wrapped, cached, bare, make_worker(oracle), make_worker(None), *counted, decodes)
 
 
 def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_identical(setup, media):
-    plain, cached, worker, reference, (image_proc, _), decodes = setup
+    worker, reference, image_proc, decodes = setup.worker, setup.reference, setup.image_proc, setup.decodes
+    wrapped, bare = setup.wrapped, setup.bare
     images, _ = media
-    node = cached["vision_encoder"]
-    wrapped, bare = engine({"vision_encoder": node}), engine({"vision_encoder": plain["vision_encoder"]})
+    node = setup.cached["vision_encoder"]
     count = ForwardCount(node.node.vision_encoder)
     node_inputs = lambda t: {n: t[n] for n in ("pixel_values", "image_grid_thw", "image_digest")}  # noqa: E731
 
@@ -111,10 +134,10 @@ def test_a_known_image_is_neither_decoded_nor_preprocessed_and_outputs_are_bit_i
 
 
 def test_a_known_audio_skips_the_feature_extractor_and_the_node_inputs_match(setup, media):
-    plain, cached, worker, reference, (_, feature_extractor), _ = setup
+    worker, reference, feature_extractor = setup.worker, setup.reference, setup.feature_extractor
+    wrapped, bare = setup.wrapped, setup.bare
     _, wavs = media
-    node = cached["audio_encoder"]
-    wrapped, bare = engine({"audio_encoder": node}), engine({"audio_encoder": plain["audio_encoder"]})
+    node = setup.cached["audio_encoder"]
     node_inputs = lambda t: {n: t[n] for n in ("audio_features", "audio_seqlens", "audio_digest")}  # noqa: E731
     first = preprocess(worker, "a1", "audio", wavs[0], text=None)
     wrapped.run("audio_encoder", "prefill_audio", {"a1": node_inputs(first)})
@@ -131,21 +154,19 @@ def test_a_known_audio_skips_the_feature_extractor_and_the_node_inputs_match(set
 
 
 def test_nothing_is_skipped_when_the_store_dropped_the_output(setup, media):
-    _, cached, worker, _, (image_proc, _), decodes = setup
     images, _ = media
-    preprocess(worker, "c1", "image", images[0])  # decoded; the node never ran, so the store holds nothing
-    preprocess(worker, "c2", "image", images[0])
-    assert (len(decodes), image_proc.calls) == (2, 2)
-    assert cached["vision_encoder"].pinned("c2") == 0
+    preprocess(setup.worker, "c1", "image", images[0])  # decoded; the node never ran, so the store holds nothing
+    preprocess(setup.worker, "c2", "image", images[0])
+    assert (len(setup.decodes), setup.image_proc.calls) == (2, 2)
+    assert setup.cached["vision_encoder"].pinned("c2") == 0
 
 
 def test_salted_requests_skip_only_for_their_own_tenant(setup, media):
     """The salt is folded into the carried digest, so the oracle asks about exactly the key the node will look up: a
     tenant's second request skips (and hits), another tenant's same image is decoded and misses."""
-    plain, cached, worker, _, (image_proc, _), decodes = setup
+    worker, image_proc, decodes, wrapped = setup.worker, setup.image_proc, setup.decodes, setup.wrapped
     images, _ = media
-    node = cached["vision_encoder"]
-    wrapped = engine({"vision_encoder": node})
+    node = setup.cached["vision_encoder"]
     node_inputs = lambda t: {n: t[n] for n in ("pixel_values", "image_grid_thw", "image_digest")}  # noqa: E731
     for n, salt in enumerate(("tenant-a", "tenant-a", "tenant-b")):
         t = preprocess(worker, f"s{n}", "image", images[1], model_kwargs={"mmcache_salt": salt})

@@ -1,70 +1,64 @@
-"""M*'s own Qwen3-Omni ``AudioEncoderSubmodule`` (a tiny random HF audio encoder, sdpa) under M*'s Engine,
-wrapped in ``CachedEncoderNode``, over the Seed-TTS reference WAVs (each serves two rows of meta.lst), run through
-Qwen3-Omni's own ``process_prompt`` (its feature extractor) by M*'s data worker with the digest hook. M*'s
-``load_audio`` needs torchcodec; where it is missing, the WAV is decoded by mmcache's reader and resampled to 16 kHz
-with torchaudio instead (the same features reach both the wrapped and the plain node either way)."""
+"""M*'s own Qwen3-Omni audio encoder node (``AudioEncoderSubmodule`` over a tiny random tower, loaded by
+``Qwen3OmniModel.get_submodule`` from a local folder) with reuse turned on by the one call (``enable_encoder_reuse``)
+and served as M*'s worker serves it, over made reference-voice WAVs in Seed-TTS's format (``made_media``: 24 kHz mono
+16-bit, each serving two rows), run through Qwen3-Omni's own ``process_prompt`` (its feature extractor) by M*'s data
+worker with the digest hook. M*'s ``load_audio`` needs torchcodec; where it is missing, the WAV is decoded by
+mmcache's reader and resampled to 16 kHz with torchaudio instead (the same features reach both models either way)."""
 
 import importlib.util
 
 import pytest
 
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, engine,
-                                   install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
-                                   qwen3_omni_processors, require_mstar, tiny_qwen3_omni_encoders)
+import made_media
+from mstar_encoder_checkpoints import qwen3_omni_encoders, same_parameters, sdpa_encoder_towers
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, install_flashinfer_standin,
+                                   load_audio_16k, preprocess, qwen3_omni_model, qwen3_omni_processors,
+                                   require_mstar, served_node)
 
 require_mstar()
 
-from mmcache.mstar.encoder_items import items_for  # noqa: E402
 from mmcache.mstar.encoder_node import CachedEncoderNode  # noqa: E402
 from mmcache.mstar.media_digests import install_digests  # noqa: E402
 
-WALK = "prefill_audio"
-
-
-@pytest.fixture(scope="module")
-def seedtts_rows():
-    from conftest import shared_data
-    data = shared_data()
-    if data is None or not (data / "seedtts" / "meta.lst").is_file():
-        pytest.skip("Seed-TTS rows not found: place ../shared/data/seedtts or set MMCACHE_DATA")
-    folder = data / "seedtts"
-    rows = [line.split("|") for line in (folder / "meta.lst").read_text().splitlines() if line.strip()]
-    return [folder / row[2] for row in rows]  # the prompt WAV of each row, in order (3 WAVs, 2 rows each)
+NODE, WALK = "audio_encoder", "prefill_audio"
 
 
 @pytest.fixture(scope="module")
 def audio(tmp_path_factory):
+    """``(make, worker, reference)``: ``make()`` a fresh M* Qwen3-Omni model over the tiny encoders' folder, the
+    data worker (its own model, the digest hook installed), the audio tower the folder was written from."""
     mp = pytest.MonkeyPatch()
     install_flashinfer_standin(mp)
-    from mstar.model.qwen3_omni.submodules import AudioEncoderSubmodule
-    root = tmp_path_factory.mktemp("q3o")
-    nodes = [AudioEncoderSubmodule(tiny_qwen3_omni_encoders(root)[1], config=None) for _ in range(2)]
+    sdpa_encoder_towers(mp)
+    weights, towers = qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
     image_processor, feature_extractor = qwen3_omni_processors()
     model = qwen3_omni_model(image_processor, feature_extractor)
     if importlib.util.find_spec("torchcodec") is None:
         model.load_audio = load_audio_16k
     worker = data_worker(model)
     install_digests(worker, {"audio": feature_extractor})
-    yield nodes, worker
+    yield (lambda: qwen3_omni_model(image_processor, feature_extractor, weights)), worker, towers["audio_tower"]
     mp.undo()
 
 
-def test_reference_wavs_hit_on_their_second_row_bit_identical(audio, seedtts_rows):
-    (plain_node, node), worker = audio
-    cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 22, page_bytes=4096)
-    plain, wrapped = engine({"audio_encoder": plain_node}), engine({"audio_encoder": cached})
-    count = ForwardCount(node.audio_encoder)
+def test_one_call_reference_wavs_hit_on_their_second_row_bit_identical(audio, tmp_path):
+    """The one call wraps the audio node M*'s loader built from the folder; each voice's second row is served from
+    the store (a repeat inside a batch joins the first), the outputs equal reuse off bit for bit."""
+    make, worker, reference = audio
+    (wrapped, cached), (plain, _) = served_node(make(), NODE), served_node(make(), NODE, reuse=False)
+    assert isinstance(cached, CachedEncoderNode) and same_parameters(cached.node.audio_encoder, reference)
+    count = ForwardCount(cached.node.audio_encoder)
     inputs = []
-    for i, wav in enumerate(seedtts_rows):
+    for i, wav in enumerate(made_media.voice_rows(tmp_path)):  # 3 WAVs, 2 rows each
         t = preprocess(worker, f"row{i}", "audio", wav, text=None)
         inputs.append({name: t[name] for name in ("audio_features", "audio_seqlens", "audio_digest")})
     # rows in pairs of two batches: the first of each WAV misses, the second hits, mixed in one batch
     first = {f"r{i}": inputs[i] for i in (0, 2)}
-    wrapped.run("audio_encoder", WALK, first)
+    wrapped.run(NODE, WALK, first)
     assert count.calls == 2
     mixed = {f"r{i}": inputs[i] for i in (1, 3, 4, 5)}  # rows 1, 3 hit (WAVs of rows 0, 2); 4 misses; 5 joins 4
-    got = wrapped.run("audio_encoder", WALK, mixed)
-    want = plain.run("audio_encoder", WALK, mixed)
+    got = wrapped.run(NODE, WALK, mixed)
+    want = plain.run(NODE, WALK, mixed)
     assert_equal_outputs(got, want)
     assert count.calls == 3
     c = cached.counters

@@ -1,13 +1,15 @@
 """Each media file is read once in M*'s data worker: the digest and M*'s own loader see the same bytes. The wrapped
 loader's output equals M*'s ``load_image`` on the same file; a file rewritten between the digest and the decode
 cannot put one image's pixels under another image's digest. (M*'s ``load_audio`` needs torchcodec, which is not
-installed here: the audio check runs a loader override, which gets a private snapshot of the bytes read.)"""
+installed here: the audio check runs a loader override, which gets a private snapshot of the bytes read.) The media
+are made by the tests (``made_media``: PNGs, a Seed-TTS-format WAV)."""
 
 import shutil
 
 import pytest
 import torch
 
+import made_media
 from mstar_encoder_helpers import (data_worker, install_flashinfer_standin, load_audio_16k, preprocess,
                                    qwen3_omni_model, qwen3_omni_processors, require_mstar)
 
@@ -18,12 +20,8 @@ from mmcache.mstar.media_digests import install_digests  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def images():
-    from conftest import shared_data
-    data = shared_data()
-    if data is None or not (data / "mmmu" / "images").is_dir():
-        pytest.skip("MMMU images not found: place ../shared/data/mmmu or set MMCACHE_DATA")
-    return sorted((data / "mmmu" / "images").glob("*.png"))[:2]
+def images(tmp_path_factory):
+    return made_media.images(tmp_path_factory.mktemp("images"))[:2]
 
 
 @pytest.fixture
@@ -65,12 +63,8 @@ def test_a_file_rewritten_after_its_digest_is_decoded_as_digested(worker, images
     assert torch.equal(got["image_grid_thw"][0], want["image_grid_thw"][0])
 
 
-def test_a_loader_override_decodes_a_private_snapshot_of_the_bytes_read(monkeypatch):
-    from conftest import shared_data
-    data = shared_data()
-    wavs = sorted((data / "seedtts").glob("**/*.wav")) if data is not None else []
-    if not wavs:
-        pytest.skip("Seed-TTS WAVs not found: place ../shared/data/seedtts or set MMCACHE_DATA")
+def test_a_loader_override_decodes_a_private_snapshot_of_the_bytes_read(monkeypatch, tmp_path):
+    wavs = made_media.voices(tmp_path, 1)
     install_flashinfer_standin(monkeypatch)
     seen = []
 
