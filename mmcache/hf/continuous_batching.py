@@ -40,10 +40,10 @@ from typing import Callable, Sequence
 
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import DEFAULT_POLICY, check_policy
-from mmcache.module_fingerprint import module_fingerprint
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache
+from mmcache.weights_fingerprint import weights_fingerprint
 
 TESTED_TRANSFORMERS = (">=5.24,<5.25", (5, 24))  # the pin in pyproject's ``models`` extra; enable refuses others
 _LOG = logging.getLogger("ContinuousBatchingLogger")  # the engine's logger: the match line the peer driver reads
@@ -101,7 +101,7 @@ class MmcacheBatching:
                  eviction: str = DEFAULT_POLICY):
         text = model.config.get_text_config(decoder=True)
         p = next(model.parameters())
-        self.model_id = fingerprint or module_fingerprint(model)
+        self.model_id = fingerprint or weights_fingerprint(model)
         self.kv_dtype, self.attention = str(p.dtype), str(text._attn_implementation)
         self.vocab_size = text.vocab_size
         self.evict_batch_pages, self.namer, self.eviction = evict_batch_pages, namer, eviction
@@ -144,11 +144,11 @@ def enable_prefix_cache(model, *, fingerprint: str | None = None, evict_batch_pa
                         namer: Namer | None = None, eviction: str = DEFAULT_POLICY) -> MmcacheBatching:
     """Serve every continuous-batching engine built from ``model`` after this call on mmcache's ``PrefixCache``.
 
-    The engine's ``allow_block_sharing`` still turns reuse on and off. ``fingerprint`` names the weights (default: a
-    hash of the module's parameters); ``namer(fingerprint, token_ids, salt)`` overrides page names (tests force
-    collisions with it); ``eviction`` (a name in ``mmcache.eviction.POLICIES``) orders what each engine's pool evicts.
-    Only models whose layers are all full attention are accepted. An unknown ``eviction`` raises ``InvalidConfig``
-    before anything is installed.
+    The engine's ``allow_block_sharing`` still turns reuse on and off. ``fingerprint`` names the weights (default:
+    ``mmcache.weights_fingerprint``, from the checkpoint files they were loaded from); ``namer(fingerprint,
+    token_ids, salt)`` overrides page names (tests force collisions with it); ``eviction`` (a name in
+    ``mmcache.eviction.POLICIES``) orders what each engine's pool evicts. Only models whose layers are all full
+    attention are accepted. An unknown ``eviction`` raises ``InvalidConfig`` before anything is installed.
     """
     check_policy(eviction)
     _check_version()

@@ -26,10 +26,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import DEFAULT_POLICY
 from mmcache.lifecycle import LowerTier
-from mmcache.module_fingerprint import module_fingerprint
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool, same_device
 from mmcache.prefix_cache import PrefixCache, RequestState
+from mmcache.weights_fingerprint import weights_fingerprint
 
 _MIN_CAPACITY = 256  # staging positions allocated at least, so short chats never regrow it
 
@@ -120,11 +120,11 @@ class PagedKVCache(Cache):
 
     @staticmethod
     def fingerprint_for(model, page_size: int = 16, fingerprint: str | None = None) -> Fingerprint:
-        """The fingerprint ``for_model`` names pages under: the weights (``module_fingerprint``, or ``fingerprint`` if
-        given), KV dtype, attention backend and page size (a ``TierStack`` under the cache is built with it)."""
+        """The fingerprint ``for_model`` names pages under: the weights (``weights_fingerprint``, or ``fingerprint``
+        if given), KV dtype, attention backend and page size (a ``TierStack`` under the cache is built with it)."""
         p = next(model.parameters())
         text = model.config.get_text_config(decoder=True)
-        return Fingerprint(model=fingerprint or module_fingerprint(model), kv_dtype=str(p.dtype),
+        return Fingerprint(model=fingerprint or weights_fingerprint(model), kv_dtype=str(p.dtype),
                            attention_backend=str(text._attn_implementation), page_size=page_size)
 
     @classmethod

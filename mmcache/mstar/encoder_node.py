@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Protocol
+import os
+from typing import Any, Callable, Protocol, Sequence
 
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderPin, EncoderStore
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import check_policy
-from mmcache.module_fingerprint import module_fingerprint
 from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.salts import request_salt
+from mmcache.weights_fingerprint import weights_fingerprint
 
 require_mstar()
 
@@ -111,15 +112,16 @@ class CachedEncoderNode(NodeSubmodule):
     ``mmcache.mstar.encoder_items``). ``store``: pass a shared one (e.g. one on the node's KV pool); by default the
     node gets a store of its own of ``capacity_bytes`` on the node's device, evicting by ``eviction`` (a name in
     ``mmcache.eviction.POLICIES``, None for the default; ``InvalidConfig`` here for an unknown one; not with
-    ``store``, which evicts by its pool's). ``fingerprint``: what names the node's weights (default: a hash of every
-    weight, taken once here).
+    ``store``, which evicts by its pool's). ``fingerprint``: what names the node's weights (default:
+    ``mmcache.weights_fingerprint`` of the node, from the checkpoint folders in ``checkpoints`` and those its configs
+    name, without reading the weights; every weight's bytes where no checkpoint names them), taken once, on first use.
     """
 
     disable_torch_compile = True  # the engine would compile ``forward``; this wrapper dispatches in forward_batched
 
     def __init__(self, node: NodeSubmodule, items: NodeItems, store: EncoderStore | None = None, *,
                  capacity_bytes: int = DEFAULT_CAPACITY, page_bytes: int = 65536, fingerprint: str | None = None,
-                 eviction: str | None = None):
+                 eviction: str | None = None, checkpoints: Sequence[str | os.PathLike] = ()):
         if not isinstance(node, NodeSubmodule):
             raise InvalidRequest(f"CachedEncoderNode wraps an M* NodeSubmodule, got {type(node).__name__}")
         if type(node).declare_step is not NodeSubmodule.declare_step:
@@ -135,7 +137,7 @@ class CachedEncoderNode(NodeSubmodule):
         self.disable_autocast = node.disable_autocast  # the engine reads it off the submodule it holds
         self._store, self._own_store, self._store_size = store, store is None, (capacity_bytes, page_bytes)
         self._eviction = eviction
-        self._given_fingerprint, self._fingerprint = fingerprint, None
+        self._given_fingerprint, self._fingerprint, self._checkpoints = fingerprint, None, tuple(checkpoints)
         self.counters = NodeCounters()
         self._lock = threading.RLock()
         self._pins: dict[str, list[EncoderPin]] = {}
@@ -150,13 +152,13 @@ class CachedEncoderNode(NodeSubmodule):
 
     @property
     def fingerprint(self) -> tuple:
-        """What names the node's weights (the one given, else a hash of every weight, taken on first use: after M*
+        """What names the node's weights (the one given, else ``weights_fingerprint``, taken on first use: after M*
         moved and cast the node) and the item split."""
         with self._lock:
             if self._fingerprint is None:
                 given = self._given_fingerprint
                 if given is None:
-                    given = module_fingerprint(self.node)
+                    given = weights_fingerprint(self.node, folders=self._checkpoints)
                 self._fingerprint = (given, type(self.spec).__name__)
             return self._fingerprint
 
