@@ -178,6 +178,10 @@ class EncoderLowerTier(Protocol):
         """A ``TierRead`` per key (no lock held, one bounded wait for the whole call): an entry verified against its
         key in full and by ``accept(key, layout)`` before it is returned."""
 
+    def stats(self) -> dict:
+        """The tiers' counters that are not per modality (``mmcache.stats.EncoderStoreStats`` fields: ``host``,
+        ``store``, ``host_*``, ``store_*``)."""
+
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
@@ -584,7 +588,8 @@ class EncoderStore:
         """Counter ``totals``, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
         with self._lock:
             return EncoderStoreStats(EncoderCounters(**self._totals), len(self._entries), self.capacity_bytes,
-                                     {m: EncoderCounters(**c) for m, c in self._by_modality.items()})
+                                     {m: EncoderCounters(**c) for m, c in self._by_modality.items()},
+                                     **(self.tiers.stats() if self.tiers is not None else {}))
 
     def __contains__(self, key: EncoderKey) -> bool:
         _check_key(key)
@@ -767,15 +772,18 @@ class EncoderStore:
         if evicted and self.tiers is not None and entries:
             spilled = self.tiers.spill([StoredBytes(e.key, e.tree, e.layout, e.nbytes, e.compute_s,
                                                     self._bytes.read(e.index)[:e.nbytes]) for e in entries])
-        for e, spill in zip(entries, spilled):
+        for e in entries:
             del self._entries[e.key.name]
             for p in e.pages:
                 del self._holder[p]
-            self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
-                        evicted_bytes=e.nbytes if evicted else 0, host_spilled=int(spill))
         if self.observer is not None and entries:
             self.observer.encoder_removed([e.key for e in entries])
-        self.pool.release([p for e in entries for p in e.pages])
+        freed = set(self.pool.release([p for e in entries for p in e.pages]))
+        for e, spill in zip(entries, spilled):
+            self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
+                        evicted_bytes=e.nbytes if evicted else 0, host_spilled=int(spill),
+                        evicted_pages=len(e.pages) if evicted else 0,
+                        freed_pages=sum(p in freed for p in e.pages) if evicted else 0)
 
     def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:
         """Copy ``leaves`` into ``pages`` (no lock held; the caller owns the pages alone); returns the page index."""

@@ -11,12 +11,13 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mmcache.stats import COUNTERS, counter_values
 from mmcache.tiers import MemoryStore
 from tier_traffic import P, TieredCache, prompts, publish_as_another_instance, traffic
 from workloads.harness.metrics import SLO
 from workloads.harness.prometheus import DASHBOARD, Exporter, cache_outcome, dashboard_queries
 from workloads.harness.serving import Schedule, compare
-from workloads.harness.tier_series import STORE_COUNTERS
+from workloads.harness.tier_series import STORE_COUNTERS, TIER_SERIES
 
 SLO_ = SLO(ttft_s=0.05)
 
@@ -86,10 +87,13 @@ def test_tier_series_follow_the_tier_stats(tiered):
     inst, stats, samples = tiered
     for tier, tokens in inst.hits.items():  # what the admissions got, tier by tier
         assert value(samples, "mmcache_tier_hit_tokens_total", tier=tier, kind="kv") == tokens > 0
-        assert value(samples, "mmcache_tier_hit_pages_total", tier=tier, kind="kv") == tokens // P
     assert sum(inst.hits.values()) == value(samples, "mmcache_prefix_cache_hit_tokens_total")
     assert stats.store_mac_failures == stats.store_rejected == stats.store_read_errors == 1
-    assert stats.store_published_pages > 0
+    assert stats.store_published_pages > 0 and stats.host_evicted_pages >= stats.host_freed_pages > 0
+    cells = counter_values({"prefix": inst.cache.stats().to_dict(), "tiers": stats.to_dict()})
+    assert {(t, k) for _, t, k in cells} == {("device", "kv"), ("host", "kv"), ("store", "kv")}
+    for (name, tier, kind), count in cells.items():  # every counter of the table, under its name
+        assert value(samples, f"mmcache_tier_{name}_total", tier=tier, kind=kind) == count, (name, tier)
     for field, (suffix, _) in STORE_COUNTERS.items():
         assert value(samples, f"mmcache_tier_store_{suffix}_total", kind="kv") == getattr(stats, field), field
     assert value(samples, "mmcache_tier_store_up") == 0
@@ -111,7 +115,7 @@ def test_tier_series_stay_monotonic_across_fresh_caches(tiered):
     fresh = TieredCache(MemoryStore(64), publish_async=False, deadline_s=None)
     exporter.sample(fresh.cache_stats())
     after = parse(generate_latest(exporter.registry).decode())
-    assert value(after, "mmcache_tier_store_mac_failures_total", kind="kv") == 1
+    assert value(after, "mmcache_tier_mac_failures_total", tier="store", kind="kv") == 1
     assert value(after, "mmcache_tier_hit_tokens_total", tier="host", kind="kv") == stats.host_adopted_pages * P
     assert value(after, "mmcache_tier_store_wait_seconds_count", kind="kv") == stats.store_wait.count
     assert value(after, "mmcache_tier_store_up") == 1 and value(after, "mmcache_tier_host_pages", kind="kv") == 0
@@ -122,9 +126,11 @@ def test_scrape_matches_the_runs(scraped):
     assert value(samples, "mmcache_requests_total", outcome="ok") == len(off.completed) + len(on.completed) == 34
     assert value(samples, "mmcache_requests_total", outcome="error") == 2
     prefix = on.cache_stats["prefix"]  # the cache-off run never queries, so the counters are the cache-on run's
-    for k in ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "stalls"):
+    for k in ("queries", "hits", "queried_tokens", "hit_tokens", "stalls"):
         assert value(samples, f"mmcache_prefix_cache_{k}_total") == prefix[k]
-    assert prefix["evicted_pages"] > 0
+    for k in ("evicted_pages", "freed_pages"):  # the counters by tier and kind: the device's KV pages
+        assert value(samples, f"mmcache_tier_{k}_total", tier="device", kind="kv") == prefix[k]
+    assert prefix["evicted_pages"] >= prefix["freed_pages"] > 0
     assert value(samples, "mmcache_prefix_cache_hit_tokens_total") == sum(r.result.hit_tokens for r in on.completed)
     for state in ("free", "live", "cached"):
         assert value(samples, "mmcache_pool_pages", state=state) == prefix[f"pages_{state}"]
@@ -147,7 +153,10 @@ def test_series_exist_at_zero_before_the_first_request():
     assert value(samples, "mmcache_time_to_first_audio_seconds_count", cached="on", cache_outcome="miss") == 0
     assert value(samples, "mmcache_requests_slo_met_total", cached="off") == 0
     assert value(samples, "mmcache_pool_pages", state="live") == 0
-    assert not any(name.startswith("mmcache_tier_") for name, _ in samples)  # no tiers sampled, no tier series
+    by_tier = {k: v for k, v in samples.items() if k[0].startswith(TIER_SERIES) and k[0].endswith("_total")}
+    device_kv = (("kind", "kv"), ("tier", "device"))  # no tiers sampled: only the device's KV counters, at 0
+    assert by_tier == {(f"mmcache_tier_{c.name}_total", device_kv): 0 for c in COUNTERS
+                       if any((cell.tier, cell.kind) == ("device", "kv") for cell in c.cells)}
 
 
 @pytest.mark.parametrize("metric, latency", [("mmcache_time_to_first_token_seconds", "ttft"),
@@ -192,7 +201,7 @@ def test_grafana_dashboard_queries_only_exported_metrics(scraped, tiered):
             "mmcache_prefix_cache_stalls_total", "mmcache_requests_slo_met_total",
             "mmcache_encoder_cache_saved_seconds_total", "mmcache_prefix_cache_matched_pages_total",
             "mmcache_tier_hit_tokens_total", "mmcache_tier_store_up", "mmcache_tier_store_wait_seconds_bucket",
-            "mmcache_tier_store_mac_failures_total", "mmcache_tier_store_rejected_total",
+            "mmcache_tier_mac_failures_total", "mmcache_tier_rejected_total", "mmcache_tier_evicted_pages_total",
             "mmcache_tier_host_pages"} <= queried
     quantiles = [e for e in exprs if "histogram_quantile" in e]
     assert quantiles and all(re.search(r"by \(le, (cached|cache_outcome|kind)\)", e) and "_bucket" in e
@@ -201,3 +210,9 @@ def test_grafana_dashboard_queries_only_exported_metrics(scraped, tiered):
     assert sum('cache_outcome' in e and 'first_audio' in e for e in quantiles) == 2  # TTFA p50/p99 hit vs miss
     ids = [p["id"] for p in board["panels"]]
     assert len(set(ids)) == len(ids)
+
+
+def test_the_dashboards_doc_lists_every_counter_in_table_order():
+    doc = (DASHBOARD.parents[3] / "docs" / "dashboards.md").read_text()
+    table = doc.split("### Counters by tier and kind", 1)[1]
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == [c.name for c in COUNTERS]

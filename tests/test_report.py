@@ -1,20 +1,30 @@
 """The cache-on vs cache-off report: files, JSON numbers, embedded PNGs, and a real headless-browser render."""
 
 import base64
+import dataclasses
 import html
 import io
 import json
 import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmcache import EncoderStore, HostPagePool, PagePool, PrefixCache
+from mmcache.stats import COUNTERS, KINDS, TIERS, counter_values
+from mmcache.tiers import EncoderHostTier, EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack
+from tiny_chat import P, TinyChat
 from workloads.harness.metrics import SLO, summarize, summary_rows
-from workloads.harness.report import savings, write_report
+from workloads.harness.prometheus import Exporter
+from workloads.harness.report import counter_rows, savings, write_report
 from workloads.harness.serving import Schedule, compare
 
 CHROMIUM = "chromium"  # Debian's package name and command
@@ -28,6 +38,68 @@ def report(tiny_chat, tmp_path_factory):
                       Schedule())  # turns interleave across sessions: the small pool evicts live contexts
     html_path, json_path = write_report(off, on, root / "report.html", root / "report.json", SLO_)
     return off, on, html_path, json_path
+
+
+class TieredChat(TinyChat):
+    """TinyChat with every tier: the prefix cache over a host tier of 16 pages, the encoder store (room for one output)
+    over a host tier of 6 pages, both over one shared in-process store tier of 24 entries; ``cache_stats`` with the
+    tiers' stats."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.shared = StoreTier(MemoryStore(24), publish_async=False, deadline_s=None)
+        pool = PagePool(self.cache.pool.num_pages)
+        self.stack = TierStack(self.cache.fingerprint, host=HostTier(HostPagePool.like(pool, 16), P), store=self.shared)
+        self.cache = PrefixCache(pool, self.cache.fingerprint, evict_batch_pages=1, tiers=self.stack)
+        host = EncoderHostTier(HostPagePool(6, (512,), torch.uint8))
+        self.store = EncoderStore(capacity_bytes=3 * 512, page_bytes=512,
+                                  tiers=EncoderTiers(host=host, store=self.shared))
+
+    def cache_stats(self) -> dict:
+        return {**super().cache_stats(), "tiers": self.stack.stats().to_dict()}
+
+
+@pytest.fixture(scope="module")
+def tiered(tiny_chat, tmp_path_factory):
+    """(off, on, Prometheus samples, HTML, JSON) of one replay of ``TieredChat`` observed by an exporter, scraped
+    over HTTP at the end, and its report."""
+    root = tmp_path_factory.mktemp("tiered")
+    exporter = Exporter(slo=SLO_)
+    port = exporter.serve(0)
+    try:
+        kit = dataclasses.replace(tiny_chat, cls=TieredChat)
+        off, on = compare(kit.factory(pool_pages=40), Schedule(), observer=exporter)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        exporter.close()
+    html_path, json_path = write_report(off, on, root / "report.html", root / "report.json", SLO_)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    return off, on, samples, html_path.read_text(), json.loads(json_path.read_text())
+
+
+def test_every_counter_is_the_same_in_stats_prometheus_and_the_html_report(tiered):
+    """Each cell of the counter table (``mmcache.stats.COUNTERS``: counter, tier, kind) read off the replay's stats
+    is the Prometheus series of its name and labels and the report's row of its name, with the same value."""
+    off, on, samples, page, data = tiered
+    stats = counter_values(on.cache_stats)
+    assert counter_values(off.cache_stats) == dict.fromkeys(stats, 0)  # the cache-off run bypasses every cache
+    assert {(t, k) for _, t, k in stats} == {(t, k) for t in TIERS for k in KINDS}  # every tier of both kinds
+    assert {name for name, *_ in stats} == {c.name for c in COUNTERS}
+    for key in ("evicted_pages", "device", "kv"), ("evicted_pages", "device", "encoder"), \
+            ("hit_tokens", "host", "kv"), ("hits", "host", "encoder"), ("put_stored", "store", "encoder"):
+        assert stats[key] > 0, key
+    assert data["counters"] == counter_rows(off, on) == [
+        {"name": n, "tier": t, "kind": k, "off": 0, "on": v} for (n, t, k), v in stats.items()]
+    rows = {m[:3]: int(m[4].replace(",", "")) for m in re.findall(
+        r"<tr><td>(\w+)</td><td>(\w+)</td><td>(\w+)</td><td>([\d,]+)</td><td>([\d,]+)</td></tr>", page)}
+    assert rows == stats
+    for (name, tier, kind), count in stats.items():
+        assert samples[f"mmcache_tier_{name}_total", (("kind", kind), ("tier", tier))] == count, (name, tier, kind)
+    for c in COUNTERS:  # what it counts, under its name, in the report and in the series' help
+        assert f"<dt>{c.name}</dt><dd>{html.escape(c.meaning)}</dd>" in page
+    assert data["summary"]["on"]["cache_stats"] == json.loads(json.dumps(on.cache_stats))
 
 
 def _assert_nonuniform_png(data: bytes, min_size=(200, 150)) -> Image.Image:

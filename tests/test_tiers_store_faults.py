@@ -265,5 +265,6 @@ def test_a_store_marked_down_drops_and_counts_what_either_kind_would_publish_rea
         EncoderTiers(store=store).publish(None)
         store.publish([("mmcache/k", b"v")])
         assert store.counters["publish_dropped"] == 3 + 1 + 1 and not store.client.get("mmcache/k")
+        assert (store.kinds["kv"]["publish_dropped"], store.kinds["encoder"]["publish_dropped"]) == (3 + 1, 1)
     finally:
         store.close()

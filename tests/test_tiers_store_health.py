@@ -45,7 +45,7 @@ def test_a_put_the_full_store_refuses_makes_room_or_is_a_counted_skip_never_an_o
     store, other = StoreTier(client), StoreTier(client)
     try:
         n = 96  # 48 MiB of 512 KiB entries into a 16 MiB store, as fast as the publisher goes
-        store.publish([entry(i) for i in range(n)], counter="published_entries")
+        store.publish([entry(i) for i in range(n)], kind="encoder")
         assert store.flush(60)
         c = store.counters
         assert store.up and c["publish_dropped"] == 0, c
@@ -53,7 +53,7 @@ def test_a_put_the_full_store_refuses_makes_room_or_is_a_counted_skip_never_an_o
         assert c["marked_down"] == 0, c
         got = store.fetch([entry(i)[0] for i in range(n)])  # every entry read holds a lease: the master keeps it
         assert all(g in (b"", entry(i)[1]) for i, g in enumerate(got)) and got[-1] == entry(n - 1)[1]
-        other.publish([entry(n, 15 << 20)], counter="published_entries")  # no room, and none of its own to free
+        other.publish([entry(n, 15 << 20)], kind="encoder")  # no room, and none of its own to free
         assert other.flush(60)
         o = other.counters
         assert other.up and o["publish_dropped"] == 0, o
@@ -61,7 +61,7 @@ def test_a_put_the_full_store_refuses_makes_room_or_is_a_counted_skip_never_an_o
         deadline = time.monotonic() + 20
         i, fresh = n + 1, 0
         while fresh < 5 and time.monotonic() < deadline:  # room again: fresh entries are stored and read back
-            store.publish([entry(i)], counter="published_entries")
+            store.publish([entry(i)], kind="encoder")
             assert store.flush(30)
             fresh += store.fetch([entry(i)[0]])[0] == entry(i)[1]
             i += 1

@@ -24,6 +24,14 @@ from mmcache.pool import HostPagePool
 from mmcache.reclaim import coldest_of, eviction_key, make_room
 
 
+COUNTERS = (  # ``EncoderHostTier.counters``, each since creation (entries written: ``EncoderCounters.host_spilled``)
+    "refreshed_entries",  # entries a spill found held already with equal verifying ids (marked used, no copy)
+    "full_entries",       # entries a put could not fit (larger than the pool, or pinned KV pages hold the rest)
+    "evicted_pages",      # pages of the entries the tier's eviction took out of it
+    "freed_pages",        # of them, pages that went free in the host pool
+)
+
+
 @dataclasses.dataclass(eq=False)
 class _HostEntry:
     pages: list[int]
@@ -44,6 +52,7 @@ class EncoderHostTier:
         self._bytes = pool.data.view(-1).view(torch.uint8).view(pool.num_pages, self.page_bytes)
         self._entries: dict[str, _HostEntry] = {}
         self._owner: dict[int, str] = {}  # page -> the key of the entry holding it
+        self.counters = dict.fromkeys(COUNTERS, 0)
         pool.register(self)
 
     def __len__(self) -> int:
@@ -56,6 +65,7 @@ class EncoderHostTier:
             if e is None or e.verify_ids != verify_ids:
                 return False
             self._used(key, e)
+            self.counters["refreshed_entries"] += 1
             return True
 
     def put(self, key: str, payload: bytes, verify_ids: bytes | None) -> bool:
@@ -65,10 +75,12 @@ class EncoderHostTier:
         with self.pool.cache_lock:
             self._drop([key])
             if n > self.pool.num_pages:
+                self.counters["full_entries"] += 1
                 return False
             try:
                 make_room(self.pool, n)
             except OutOfPages:  # pinned KV host pages hold the rest
+                self.counters["full_entries"] += 1
                 return False
             pages = self.pool.alloc(n)
             blob = torch.zeros(n * self.page_bytes, dtype=torch.uint8)
@@ -105,17 +117,21 @@ class EncoderHostTier:
         keys = {self._owner[p] for p in np.asarray(pages).tolist() if p in self._owner}
         gone = [self._entries[k] for k in keys]
         self.pool.policy.evicted([e.rank for e in gone], [e.tick for e in gone])
-        self._drop(keys)
+        self.counters["evicted_pages"] += sum(len(e.pages) for e in gone)
+        self.counters["freed_pages"] += self._drop(keys)
 
     def _used(self, key: str, e: _HostEntry) -> None:
         """Entry ``e`` under ``key`` stored or used now: its tick and the host pool policy's key for it."""
         e.tick = self.pool.clock.tick()
         e.rank = self.pool.policy.key(entry_name(key), e.tick, e.rank)
 
-    def _drop(self, keys) -> None:
+    def _drop(self, keys) -> int:
+        """Take the entries under ``keys`` out of the tier and release their pages; how many pages went free."""
+        freed = 0
         for key in keys:
             e = self._entries.pop(key, None)
             if e is not None:
                 for p in e.pages:
                     del self._owner[p]
-                self.pool.release(e.pages)
+                freed += len(self.pool.release(e.pages))
+        return freed

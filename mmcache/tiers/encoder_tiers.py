@@ -25,7 +25,9 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import StoredBytes, TierRead
 from mmcache.tiers import encoder_entry
 from mmcache.tiers.encoder_host import EncoderHostTier
-from mmcache.tiers.store import StoreTier
+from mmcache.tiers.store import PUBLISHED, StoreTier
+
+KIND = "encoder"  # the kind of entry these tiers put in a ``StoreTier`` (``KINDS``)
 
 
 @dataclasses.dataclass
@@ -53,11 +55,23 @@ class EncoderTiers:
     def publish(self, entry: StoredBytes) -> None:
         """Queue ``entry`` for the shared store (while it is down: dropped, counted as the publisher counts it); its
         bytes are read before this returns."""
-        if self.store is None or not self.store.publishing(1):
+        if self.store is None or not self.store.publishing(1, KIND):
             return
         payload = encoder_entry.encode(entry, self.store.key)
         if payload is not None:
-            self.store.publish([(encoder_entry.entry_key(entry.key), payload)], counter="published_entries")
+            self.store.publish([(encoder_entry.entry_key(entry.key), payload)], KIND)
+
+    def stats(self) -> dict:
+        """The tiers' counters that are not per modality, as ``mmcache.stats.EncoderStoreStats`` fields: which tiers
+        there are, the host tier's ``host_*`` counters and the shared store's puts and removals of encoder entries
+        (``store_*``: this kind's alone, where the store also holds KV pages)."""
+        out = {"host": self.host is not None, "store": self.store is not None}
+        if self.host is not None:
+            out.update({f"host_{k}": v for k, v in self.host.counters.items()})
+        if self.store is not None:
+            out.update({f"store_{PUBLISHED[KIND] if k == 'published' else k}": v
+                        for k, v in self.store.kinds[KIND].items()})
+        return out
 
     def fetch(self, keys: list[EncoderKey], accept: Callable[[EncoderKey, tuple], bool]) -> list[TierRead]:
         """A ``TierRead`` per key: the host tier first, the shared store for the rest (one deadline), each entry
@@ -75,7 +89,7 @@ class EncoderTiers:
         if self.store is not None and todo:
             for i, payload in zip(todo, self.store.fetch([names[i] for i in todo])):
                 found[i] = self._verified(payload or None, keys[i], self.store.key, accept, counts[i], "store",
-                                          lambda name=names[i]: self.store.discard(name))
+                                          lambda name=names[i]: self.store.discard(name, KIND))
                 source[i] = "shared" if found[i] is not None else None
         return [TierRead(e, s, c) for e, s, c in zip(found, source, counts)]
 

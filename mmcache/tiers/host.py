@@ -25,6 +25,15 @@ from mmcache.reclaim import coldest_of, eviction_key, make_room
 from mmcache.tiers.lineage import RequestLineage
 
 _LIN = np.dtype((np.void, 16))
+COUNTERS = (  # ``HostTier.counters``, each since creation
+    "written_pages",    # device pages a put copied in
+    "refreshed_pages",  # pages a put found held already with equal ids (marked used, no copy)
+    "full_pages",       # pages a put skipped: no room once the tier's unpinned pages were dropped
+    "evicted_pages",    # pages the tier's eviction took out of it
+    "freed_pages",      # of them, pages that went free in the host pool (a page a hit pins goes once it is read)
+    "hit_pages",        # pages lookups matched and verified
+    "collisions",       # lookups that found a page under its name whose ids differ (a verification failure)
+)
 
 
 class HostBudget:
@@ -72,8 +81,7 @@ class HostTier:
         self._held = np.zeros(n, dtype=bool)
         self._pages: dict[int, int] = {}
         pool.register(self)
-        self.counters = dict.fromkeys(("written_pages", "refreshed_pages", "dropped_pages", "hit_pages",
-                                       "collisions"), 0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -104,6 +112,7 @@ class HostTier:
                     fresh_at.append(j)
             self._drop(np.asarray(replace, dtype=np.int64))
             room = self._free_up_to(len(fresh_at))
+            self.counters["full_pages"] += len(fresh_at) - room
             fresh_at = fresh_at[:room]
             if not fresh_at:
                 return 0
@@ -182,14 +191,15 @@ class HostTier:
         pages = np.asarray(pages, dtype=np.int64)
         held = pages[self._held[pages]] if pages.size else pages
         self.pool.policy.evicted(self._key[held].tolist(), self._tick[held].tolist())
-        self._drop(pages)
+        self.counters["evicted_pages"] += int(held.size)
+        self.counters["freed_pages"] += self._drop(pages)
 
-    def _drop(self, pages: np.ndarray) -> None:
+    def _drop(self, pages: np.ndarray) -> int:
+        """Take the held ones of ``pages`` out of the tier and release them; how many went free."""
         pages = pages[self._held[pages]] if pages.size else pages
         if not pages.size:
-            return
+            return 0
         for name in self._name[pages].tolist():
             del self._pages[name]
         self._held[pages] = False
-        self.pool.release(pages)
-        self.counters["dropped_pages"] += int(pages.size)
+        return len(self.pool.release(pages))

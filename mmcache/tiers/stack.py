@@ -27,7 +27,9 @@ from mmcache.reclaim import make_room
 from mmcache.stats import TierStats
 from mmcache.tiers.host import HostTier
 from mmcache.tiers.lineage import RequestLineage, root_lineage
-from mmcache.tiers.store import Expected, StoreTier, encode_page, page_key
+from mmcache.tiers.store import PUBLISHED, Expected, StoreTier, encode_page, page_key
+
+KIND = "kv"  # the kind of entry a TierStack puts in a ``StoreTier`` (``KINDS``)
 
 
 class PageFetch:
@@ -183,7 +185,7 @@ class TierStack:
                   mids: np.ndarray, salt: bytes) -> None:
         """Put the newly indexed pages ``pages[j]`` (chain position ``j`` for j in ``positions``) to the store. The
         bytes are read now, under the caller's lock; the puts run on the store's publisher thread."""
-        if self.store is None or not positions or not self.store.publishing(len(positions)):
+        if self.store is None or not positions or not self.store.publishing(len(positions), KIND):
             return
         P = self.fingerprint.page_size
         lineage = RequestLineage(root_lineage(self.fingerprint, salt), seq, mids, P)
@@ -198,7 +200,7 @@ class TierStack:
             items.append((page_key(names[j]), encode_page(want.fp_bytes, want.salt, want.layout, names[j], j,
                                                           seq[j * P:(j + 1) * P], mids[j], lineage.before(j), data,
                                                           self.store.key)))
-        self.store.publish(items)
+        self.store.publish(items, KIND)
 
     def stats(self) -> TierStats:
         """The tiers' counters and state now. Read without a lock: each counter is exact, the set may come from
@@ -207,9 +209,11 @@ class TierStack:
         if self.host is not None:
             out.update(_prefixed("host_", self.host.counters), host_adopted_pages=self.adopted["host"],
                        host_pages_held=len(self.host))
-        if self.store is not None:
+        if self.store is not None:  # the store's reads and health, then its puts and removals of KV pages alone
             out.update(_prefixed("store_", self.store.counters), store_adopted_pages=self.adopted["store"],
                        store_up=self.store.up, store_wait=self.store.wait.snapshot())
+            out.update(_prefixed("store_", {PUBLISHED[KIND] if k == "published" else k: v
+                                            for k, v in self.store.kinds[KIND].items()}))
         return TierStats(**out)
 
 

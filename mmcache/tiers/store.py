@@ -25,7 +25,8 @@ master evicts only entries no reader holds a lease on, 10 s after each read by d
 evict only the newest, unread entries: left to it, a full store drops what was just published.) A put whose key
 holds an entry already (``EXISTS``: Mooncake's put never overwrites; ``publish_exists``) is skipped too. An entry
 refused by verification (a MAC that fails, any field that differs) is removed from the store (``discard``, on the
-publisher thread), so the next publish of the real bytes stores them and is served.
+publisher thread), so the next publish of the real bytes stores them and is served. The puts and removals are
+counted by the kind of entry too (``kinds``: ``"kv"`` pages, ``"encoder"`` entries; ``counters`` holds the totals).
 
 Authenticated entries: with a deployment ``key`` every payload ends in a keyed BLAKE2b MAC over all of it (header,
 fingerprint, salt, layout, token ids, page bytes); a reader with the key refuses, and counts (``mac_failures``), an
@@ -51,6 +52,7 @@ import xxhash
 from mmcache.errors import InvalidRequest
 from mmcache.histogram import WaitHistogram
 from mmcache.names import Fingerprint
+from mmcache.stats import KINDS  # what an entry is: a KV page (``TierStack``) or an encoder output (``EncoderTiers``)
 from mmcache.tiers.lineage import RequestLineage
 
 _MAGIC = b"MMCP1\0"
@@ -61,6 +63,8 @@ WAIT_BOUNDS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.0
 
 
 STORED, EXISTS, FULL, FAILED = "stored", "exists", "full", "failed"  # what a put did (``KVStore.put``)
+PUBLISHED = {"kv": "published_pages", "encoder": "published_entries"}  # the counter of a kind's stored puts
+KIND_COUNTERS = ("published", "publish_exists", "publish_full", "publish_dropped", "room_removed", "refused_removed")
 
 
 class KVStore(Protocol):
@@ -249,11 +253,13 @@ class StoreTier:
         self._health = threading.Condition()
         self._window = FailureWindow(float(window_s), down_failures, float(down_rate), clock)
         self._late_read: tuple[concurrent.futures.Future, float] | None = None  # in flight past its deadline
-        self._own: collections.deque[tuple[str, int]] = collections.deque(maxlen=own_entries)  # (key, bytes) stored
+        # (key, bytes, kind) of the entries it stored, oldest first
+        self._own: collections.deque[tuple[str, int, str]] = collections.deque(maxlen=own_entries)
         self.counters = dict.fromkeys(("published_pages", "published_entries", "publish_dropped", "publish_full",
                                        "publish_exists", "room_removed", "hit_pages", "gets", "batches", "misses",
                                        "rejected", "mac_failures", "refused_removed", "failures", "late",
                                        "read_errors", "skipped", "skipped_late_read", "marked_down", "probes"), 0)
+        self.kinds = {kind: dict.fromkeys(KIND_COUNTERS, 0) for kind in KINDS}  # the puts and removals per kind
         self.wait = WaitHistogram(WAIT_BOUNDS)  # seconds each lookup that asked the store spent reading it
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -314,30 +320,37 @@ class StoreTier:
                     self._down = False
 
     # ----------------------------------------------------------------- publish
-    def publishing(self, items: int) -> bool:
-        """Whether ``items`` entries may be published now. The one rule for a store marked down: what would be
-        published is dropped and counted (``publish_dropped``), whether a publisher asks before encoding its
+    def publishing(self, items: int, kind: str = "kv") -> bool:
+        """Whether ``items`` entries of ``kind`` may be published now. The one rule for a store marked down: what
+        would be published is dropped and counted (``publish_dropped``), whether a publisher asks before encoding its
         entries (``TierStack.publish``, ``EncoderTiers.publish``: their bytes are then never read) or the put is
         about to be made (``_put``, for entries queued before the store went down). A full store is not down."""
         if not self.up:
-            self.counters["publish_dropped"] += items
+            self._count(kind, "publish_dropped", items)
             return False
         return True
 
-    def publish(self, items: list[tuple[str, bytes]], counter: str = "published_pages") -> None:
-        """Put ``(key, payload)`` pairs: on the publisher thread with ``publish_async`` (dropped, and counted, when
-        its queue is full or the store is down), else now. Each put counts in ``counter`` (``published_pages`` for KV
-        pages, ``published_entries`` for encoder entries)."""
+    def publish(self, items: list[tuple[str, bytes]], kind: str = "kv") -> None:
+        """Put ``(key, payload)`` pairs of ``kind`` (``KINDS``: ``"kv"`` pages, ``"encoder"`` entries): on the
+        publisher thread with ``publish_async`` (dropped, and counted, when its queue is full or the store is down),
+        else now. A stored put counts in ``PUBLISHED[kind]`` (``published_pages``, ``published_entries``)."""
         for key, payload in items:
-            if not self._submit(self._put, key, payload, counter):
-                self.counters["publish_dropped"] += 1
+            if not self._submit(self._put, key, payload, kind):
+                self._count(kind, "publish_dropped")
 
-    def discard(self, key: str) -> None:
-        """Remove the entry under ``key``, which a reader refused (its MAC or a field failed): Mooncake's put never
-        overwrites, so until it is gone the real entry cannot be stored there. On the publisher thread (now without
-        ``publish_async``); skipped while the store is down, when the queue is full or the store cannot remove."""
+    def discard(self, key: str, kind: str = "kv") -> None:
+        """Remove the entry of ``kind`` under ``key``, which a reader refused (its MAC or a field failed): Mooncake's
+        put never overwrites, so until it is gone the real entry cannot be stored there. On the publisher thread (now
+        without ``publish_async``); skipped while the store is down, when the queue is full or the store cannot
+        remove."""
         if self.up and getattr(self.client, "remove", None) is not None:
-            self._submit(self._remove, key)
+            self._submit(self._remove, key, kind)
+
+    def _count(self, kind: str, what: str, n: int = 1) -> None:
+        """Count ``n`` puts or removals of ``kind`` as ``what`` (a ``KIND_COUNTERS`` name): in ``kinds[kind]`` and
+        in ``counters``, whose totals are over both kinds (``published`` is ``PUBLISHED[kind]`` there)."""
+        self.kinds[kind][what] += n
+        self.counters[PUBLISHED[kind] if what == "published" else what] += n
 
     def _submit(self, call, *args) -> bool:
         """Run ``call(*args)`` on the publisher thread (now without one); False when it was not taken (closed, or
@@ -391,19 +404,19 @@ class StoreTier:
             finally:
                 self._queue.task_done()
 
-    def _put(self, key: str, payload: bytes, counter: str) -> None:
-        """One put, counted by what the store did with it: stored (``counter``), already held (``publish_exists``),
-        refused for lack of space even after ``_make_room`` (``publish_full``), or failed (``publish_dropped``, and
-        a failed call)."""
-        if not self.publishing(1):  # down since it was queued
+    def _put(self, key: str, payload: bytes, kind: str) -> None:
+        """One put of ``kind``, counted by what the store did with it: stored (``published``), already held
+        (``publish_exists``), refused for lack of space even after ``_make_room`` (``publish_full``), or failed
+        (``publish_dropped``, and a failed call)."""
+        if not self.publishing(1, kind):  # down since it was queued
             return
         outcome = self._put_once(key, payload)
         if outcome == FULL and self._make_room(len(payload)):
             outcome = self._put_once(key, payload)
         if outcome == STORED:
-            self._own.append((key, len(payload)))
-        self.counters[{STORED: counter, EXISTS: "publish_exists", FULL: "publish_full",
-                       FAILED: "publish_dropped"}[outcome]] += 1
+            self._own.append((key, len(payload), kind))
+        self._count(kind, {STORED: "published", EXISTS: "publish_exists", FULL: "publish_full",
+                           FAILED: "publish_dropped"}[outcome])
 
     def _put_once(self, key: str, payload: bytes) -> str:
         started = self._clock()
@@ -415,14 +428,14 @@ class StoreTier:
         return outcome
 
     def _make_room(self, nbytes: int) -> bool:
-        """Remove the oldest entries this tier stored until twice ``nbytes`` went (``room_removed``); whether any
-        did. Entries the store already evicted free nothing and are passed over."""
+        """Remove the oldest entries this tier stored until twice ``nbytes`` went (``room_removed``, by the kind of
+        the entry removed); whether any did. Entries the store already evicted free nothing and are passed over."""
         if getattr(self.client, "remove", None) is None:
             return False
         freed = 0
         while freed < 2 * nbytes and self.up:
             try:
-                key, size = self._own.popleft()
+                key, size, kind = self._own.popleft()
             except IndexError:  # nothing of its own left (publishers without a publisher thread may race here)
                 break
             started = self._clock()
@@ -433,12 +446,12 @@ class StoreTier:
             self._called(removed is False, self._clock() - started)
             if removed is True:
                 freed += size
-                self.counters["room_removed"] += 1
+                self._count(kind, "room_removed")
         return freed > 0
 
-    def _remove(self, key: str) -> None:
-        """One removal of a refused entry (``refused_removed`` once the key holds nothing: removed, or gone
-        already)."""
+    def _remove(self, key: str, kind: str) -> None:
+        """One removal of a refused entry of ``kind`` (``refused_removed`` once the key holds nothing: removed, or
+        gone already)."""
         if not self.up:
             return
         started = self._clock()
@@ -446,7 +459,7 @@ class StoreTier:
             removed = self.client.remove(key)
         except Exception:  # noqa: BLE001 - left for a later reader to refuse and remove again
             removed = False
-        self.counters["refused_removed"] += removed is not False
+        self._count(kind, "refused_removed", int(removed is not False))
         self._called(removed is False, self._clock() - started)
 
     # ----------------------------------------------------------------- read

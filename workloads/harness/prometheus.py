@@ -10,6 +10,10 @@ in seconds, sizes in bytes, and what varies is a label (``cached``, ``cache_outc
   workload's ``cache_stats()``: each advances by the growth of its statistic since the previous sample of the same
   run (a run starts with a fresh workload, whose statistics start at 0), so they stay monotonic across runs. The
   cache-off run bypasses the caches, so they only move in the cache-on run. Gauges hold the latest sample.
+- Counters per tier and kind (``mmcache_tier_<name>_total{tier, kind}``): one series per counter of
+  ``mmcache.stats.COUNTERS`` (pages evicted and freed, hit tokens and hits, puts stored, held, skipped for room or
+  dropped, entries removed, refused), with that table's name and meaning, for every ``tier`` (device, host, store)
+  and ``kind`` (kv, encoder) the sampled caches have; the device's KV series exist at 0 from the start.
 - Page counters (``mmcache_prefix_cache_{prompt,matched}_pages_total``) come from the completed requests of the
   cache-on run: their ratio is the matched-page share.
 - Latency histograms carry ``cached="on"|"off"`` and ``cache_outcome="hit"|"miss"`` (hit: the request reused
@@ -22,8 +26,8 @@ in seconds, sizes in bytes, and what varies is a label (``cached``, ``cache_outc
   completed request add to ``mmcache_stage_seconds_total{cached, stage}``: off minus on is the time the cache saved.
 - Every series a dashboard panel reads exists from the first scrape (at 0), before the first request: a rate needs
   a sample before the first increase, and a replay is often shorter than a few scrape intervals. The tier series
-  (``tier_series``: hits by tier, store up/down, the store's admission wait, its refusals) exist once a cache with
-  tiers was sampled.
+  (``tier_series``: host pages held, store up/down, the store's admission wait, its read faults) and the lower tiers'
+  counters exist once a cache with tiers was sampled.
 - ``sample(cache_stats)`` advances the cache series alone (``observe`` calls it); ``new_caches()`` says the caches
   sampled next start at 0 again. A trace replay, which has no requests to observe, drives the exporter with these.
 """
@@ -35,6 +39,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from mmcache.stats import COUNTERS, counter_values
 from workloads.harness.metrics import SLO, RequestRecord, RunResult
 from workloads.harness.tier_series import TierSeries
 
@@ -47,8 +52,6 @@ PREFIX_COUNTERS = {  # PrefixCache.stats().to_dict() key -> help
     "hits": "Prefix cache lookups that matched at least one page.",
     "queried_tokens": "Prompt tokens looked up in the prefix cache.",
     "hit_tokens": "Prompt tokens served from the prefix cache.",
-    "evicted_pages": "Cached KV pages evictions took out of the index (with descendants a live request may hold).",
-    "freed_pages": "Of the evicted KV pages, those that went free (only the index held them).",
     "stalls": "Admissions that waited for live requests to finish because live demand filled the pool.",
 }
 ENCODER_COUNTERS = {  # EncoderStore.stats().to_dict()["by_modality"][m] key -> (name suffix, help)
@@ -106,6 +109,8 @@ class Exporter:
                         for k, (suffix, doc) in ENCODER_COUNTERS.items()}
         self.encoder_bytes = Gauge("mmcache_encoder_cache_bytes", "Bytes of encoder outputs stored.", ["modality"],
                                    registry=reg)
+        self.counters = {c.name: Counter(f"mmcache_tier_{c.name}_total", c.meaning, ["tier", "kind"], registry=reg)
+                         for c in COUNTERS}
         self.pool_pages = Gauge("mmcache_pool_pages", "Prefix-cache pool pages by state: free, live (held by a live "
                                 "request, indexed or not), cached (indexed; a matched page is live and cached).",
                                 ["state"], registry=reg)
@@ -133,6 +138,11 @@ class Exporter:
                     hist.labels(cached=cached, cache_outcome=hit)
         for state in POOL_STATES:
             self.pool_pages.labels(state=state)
+        self._cells: dict[tuple[str, str, str], Counter] = {}
+        for c in COUNTERS:
+            for cell in c.cells:
+                if (cell.tier, cell.kind) == ("device", "kv"):
+                    self._cell(c.name, "device", "kv")
         self._last: dict[tuple, float] = {}
         self._server = self._thread = None
 
@@ -193,10 +203,21 @@ class Exporter:
             for k, counter in self.encoder.items():
                 counter.labels(modality=m).inc(self._growth(("encoder", m, k), stats[k]))
             self.encoder_bytes.labels(modality=m).set(stats["bytes_stored"])
+        for key, value in counter_values(cache_stats).items():  # every cell the caches have, at 0 until it grows
+            child = self._cell(*key)
+            if grew := self._growth(key, value):
+                child.inc(grew)
         if (tiers := cache_stats.get("tiers")) is not None:
             if self.tiers is None:
                 self.tiers = TierSeries(self.registry)
-            self.tiers.sample(tiers, prefix, self._growth)
+            self.tiers.sample(tiers, self._growth)
+
+    def _cell(self, name: str, tier: str, kind: str):
+        """The series of counter ``name`` (``COUNTERS``) for ``tier`` and ``kind``, made once."""
+        child = self._cells.get((name, tier, kind))
+        if child is None:
+            child = self._cells[name, tier, kind] = self.counters[name].labels(tier=tier, kind=kind)
+        return child
 
     def _growth(self, key: tuple, value: float) -> float:
         """How much statistic ``key`` grew since its last sample in this run (never negative: counters only rise)."""

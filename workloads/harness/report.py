@@ -3,9 +3,10 @@
 The HTML needs nothing but itself: plots are PNGs (matplotlib's Agg backend, no display) embedded as base64
 ``data:`` URIs, styles are inline, there are no scripts and no external links. It holds the summary table, latency
 CDFs with the cache off and on (one plot per latency that has data), the cumulative hit rate per cache against its
-ceiling and the pool occupancy over time (cache-on run), and the measured time per stage off vs on (the saving per
-encoder modality and for prefill). The JSON holds both runs' ``metrics.summarize``, the table rows, the savings, the
-time series and every request record.
+ceiling and the pool occupancy over time (cache-on run), the measured time per stage off vs on (the saving per
+encoder modality and for prefill), and the counters per tier and kind (``mmcache.stats.COUNTERS``: the names and
+meanings Prometheus exports them under) with what each counts. The JSON holds both runs' ``metrics.summarize``, the
+table rows, the savings, the time series, the counter rows and every request record.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmcache.stats import COUNTERS, counter_values
 from workloads.harness.metrics import LATENCIES, SLO, RunResult, hit_rate_series, stage_seconds, summarize, summary_rows
 
 _STYLE = {False: dict(color="C3", label="cache off"), True: dict(color="C0", label="cache on")}
@@ -29,6 +31,15 @@ def savings(off: RunResult, on: RunResult) -> dict[str, float]:
     return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(set(a) | set(b))}
 
 
+def counter_rows(off: RunResult, on: RunResult) -> list[dict]:
+    """``{name, tier, kind, off, on}`` per counter cell of ``COUNTERS`` (in its order) that either run's final
+    ``cache_stats`` holds: the value after each run (0 where a run's caches lack it)."""
+    a, b = counter_values(off.cache_stats), counter_values(on.cache_stats)
+    keys = [(c.name, cell.tier, cell.kind) for c in COUNTERS for cell in c.cells]
+    return [{"name": n, "tier": t, "kind": k, "off": a.get((n, t, k), 0), "on": b.get((n, t, k), 0)}
+            for n, t, k in keys if (n, t, k) in a or (n, t, k) in b]
+
+
 def report_json(off: RunResult, on: RunResult, slo: SLO = SLO()) -> dict:
     """Everything in the report as JSON-ready values."""
     runs = {"off": off, "on": on}
@@ -37,6 +48,7 @@ def report_json(off: RunResult, on: RunResult, slo: SLO = SLO()) -> dict:
         "summary": {k: summarize(r, slo) for k, r in runs.items()},
         "table": [dict(zip(("metric", "off", "on", "on/off"), row)) for row in summary_rows(off, on, slo)],
         "savings_s": savings(off, on),
+        "counters": counter_rows(off, on),
         "hit_rate_series": {k: hit_rate_series(r) for k, r in runs.items()},
         "occupancy": {k: [dict(zip(("t", "pages_live", "pages_cached", "pages_free"), s)) for s in r.occupancy]
                       for k, r in runs.items()},
@@ -152,6 +164,26 @@ def _savings(off: RunResult, on: RunResult) -> str | None:
     return _png(fig)
 
 
+def _counters_html(off: RunResult, on: RunResult) -> str:
+    """The counters per tier and kind (one row per cell, both runs), then what each counter counts; empty when the
+    caches have none."""
+    rows = counter_rows(off, on)
+    if not rows:
+        return ""
+    e = html.escape
+    cells = "\n".join("<tr>" + "".join(f"<td>{e(str(r[k]))}</td>" for k in ("name", "tier", "kind"))
+                      + "".join(f"<td>{r[k]:,}</td>" for k in ("off", "on")) + "</tr>" for r in rows)
+    names = dict.fromkeys(r["name"] for r in rows)
+    meanings = "".join(f"<dt>{e(c.name)}</dt><dd>{e(c.meaning)}</dd>" for c in COUNTERS if c.name in names)
+    return f"""<h2>Counters by tier and kind</h2>
+<p>Tiers: device pool, host tier, shared store; kinds: KV pages, encoder outputs. Prometheus exports each as
+<code>mmcache_tier_&lt;counter&gt;_total{{tier, kind}}</code>.</p>
+<table><tr><th>counter</th><th>tier</th><th>kind</th><th>cache off</th><th>cache on</th></tr>
+{cells}
+</table>
+<dl>{meanings}</dl>"""
+
+
 def report_html(off: RunResult, on: RunResult, slo: SLO = SLO()) -> str:
     """The self-contained HTML report (see the module docstring)."""
     e = html.escape
@@ -169,6 +201,7 @@ table {{ border-collapse: collapse; }} td, th {{ padding: 2px 10px; border-botto
 td:not(:first-child), th:not(:first-child) {{ text-align: right; font-variant-numeric: tabular-nums; }}
 .grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 12px; }}
 img {{ width: 100%; border: 1px solid #eee; }}
+dt {{ font-weight: 600; }} dd {{ margin: 0 0 4px 1.5em; }}
 </style></head><body>
 <h1>mmcache: {e(on.workload)}, cache on vs off</h1>
 <p>schedule {e(on.schedule)}; {len(on.records):,} requests; SLO {e(str(slo))}; one request at a time, FIFO,
@@ -178,6 +211,7 @@ latencies = simulated queueing + measured service time.</p>
 {rows}
 </table>
 {f"<h2>Failed requests</h2><ul>{errors}</ul>" if errors else ""}
+{_counters_html(off, on)}
 {sections}
 </body></html>
 """
