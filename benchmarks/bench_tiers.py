@@ -20,7 +20,11 @@
    killed then restarted; availability is the share of steps with the store up, "max ms" the slowest read (bound:
    the deadline).
 
-    python benchmarks/bench_tiers.py [--quick] [--only availability]
+9. The soak (``--only soak``, not in the default run): the full 16 MiB store beside CPU hogs (one per core), a put
+   every 50 ms, for ``--soak-s`` seconds (default 600): availability, fresh-read hits and the slowest read over the
+   whole run, against the bound (a loaded but healthy machine must see no outage).
+
+    python benchmarks/bench_tiers.py [--quick] [--only availability|soak] [--soak-s 600]
 """
 
 from __future__ import annotations
@@ -458,14 +462,29 @@ def availability(quick):
               f"{worst * 1e3:>7.1f}  {delta}", flush=True)
 
 
+def soak(seconds: float) -> None:
+    """Section 9: section 8's full store beside CPU hogs, for ``seconds``."""
+    cores = os.cpu_count() or 1
+    print(f"\n9. soak: {seconds:.0f} s of section 8's full store (16 MiB, a put every 50 ms) beside {cores} CPU "
+          f"hog(s), the tier at its defaults (deadline 50 ms, probe 5 s)")
+    print(f"{'store':<58} {'steps':>6} {'up %':>6} {'reads':>6} {'hit %':>6} {'max ms':>7}  counters")
+    steps, reads, hits, up, worst, delta = availability_run(segment_bytes=16 << 20, seconds=seconds, step_s=0.05,
+                                                            hogs=cores)
+    print(f"{'full (16 MiB), CPU hogs, ' + f'{seconds:.0f} s':<58} {steps:>6} {100 * up / steps:>6.1f} {reads:>6} "
+          f"{100 * hits / max(reads, 1):>6.1f} {worst * 1e3:>7.1f}  {delta}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=("batched", "mac", "killed", "availability"),
-                    help="run one of the store sections alone")
+    ap.add_argument("--only", choices=("batched", "mac", "killed", "availability", "soak"),
+                    help="run one of the store sections alone (soak: only so)")
+    ap.add_argument("--soak-s", type=float, default=600.0, help="the soak's length in seconds")
     args = ap.parse_args()
     torch.set_num_threads(1)
     repeats = 3 if args.quick else 5
+    if args.only == "soak":
+        return soak(args.soak_s)
     if args.only:
         return only(args.only, repeats, args.quick)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, CUDA {torch.cuda.is_available()}; "
