@@ -164,7 +164,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
                 if needed:
                     stored = kv.stored(rid, label)
                     restores[rid] = rows, kv.held_rows(rid, label, stored - held, stored), kept
-                    if post is not None:
+                    if post is not None and submodule.postprocess == post:  # the node's own (a bound method)
                         submodule.postprocess = postprocess  # on while held rows wait to be put back
                 positions = {k for k, res in resources.items()
                              if isinstance(res, PositionManager) and key in res.depends_on()}
@@ -207,8 +207,8 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
 
     @functools.wraps(declare)
     def declare_step(graph_walk, request_ids, inputs, *args, **kwargs):
-        if submodule.prepare_inputs is not prepare_inputs:
-            submodule.prepare_inputs = prepare_inputs  # stepped aside for a plain walk's batch (or another's)
+        if submodule.prepare_inputs is prepare:
+            submodule.prepare_inputs = prepare_inputs  # the seam stepped aside for a plain walk's batch
         if graph_walk in plain_walks:
             feed_plain_step(graph_walk, request_ids, inputs)
         elif one_row:
@@ -278,7 +278,7 @@ def name_what_is_fed(submodule, node_name: str, label: str) -> None:
             if restore is not None:
                 rows, held_rows, kept = restore
                 rows.restore(kwargs["outputs"] if "outputs" in kwargs else args[2], held_rows, kept)
-            if not restores:
+            if not restores and submodule.postprocess is postprocess:
                 submodule.postprocess = post
             return post(*args, **kwargs)
     if cleanup is not None:
