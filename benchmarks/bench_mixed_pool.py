@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workloads import registry  # noqa: E402
+from workloads.service import ServiceModel  # noqa: E402
 from workloads.sizes import format_size, parse_sizes  # noqa: E402
 from workloads.sizing.replicas import replay_replicas  # noqa: E402
-from workloads.sizing.service import ServiceModel  # noqa: E402
 
 
 def load(name: str, data: Path):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from workloads import cli, registry
+from workloads.service import ServiceModel
 from workloads.sizing.replicas import ENCODER_UNIT, replay_replicas
-from workloads.sizing.service import ServiceModel
 from workloads.traces.image_chats import ImageChats, load_image_chats
 from workloads.traces.mmmu import question_parts
 from workloads.traces.tokenizer import load_tokenizer
@@ -63,7 +63,8 @@ def test_encoder_misses_cost_encoder_s_and_the_store_is_split_over_replicas():
 
 
 def test_voice_sessions_share_the_reference_and_report_first_audio():
-    from workloads.models.voice_clone import AUDIO_CHUNK_FRAMES, tone_wav
+    from workloads.models.voice_clone import tone_wav
+    from workloads.traces.voice_clone_turns import AUDIO_CHUNK_FRAMES
     voices = [Voice(tone_wav(k), f"Speaker {k} reads a short line.") for k in range(6)]
     trace = VoiceSessions(users=80).trace(voices, TOK, "generated")
     req = max(trace.sessions, key=lambda s: len(s.calls)).build(1)

@@ -17,6 +17,7 @@ from workloads.models import voice_clone as vc
 from workloads.harness.metrics import summarize
 from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Schedule, compare
+from workloads.traces.voice_clone_turns import AUDIO_CHUNK_FRAMES
 
 FRAMES = 8  # ModelWorkloadOptions.max_new_tokens: frames per request
 
@@ -56,7 +57,7 @@ def assert_exact(a: vc.VoiceClone, b: vc.VoiceClone):
     for rid, x in a.outputs.items():
         y = b.outputs[rid]
         assert torch.equal(x.codes, y.codes), rid
-        assert len(x.audio) == len(y.audio) == FRAMES // vc.AUDIO_CHUNK_FRAMES
+        assert len(x.audio) == len(y.audio) == FRAMES // AUDIO_CHUNK_FRAMES
         assert all(torch.equal(u, v) for u, v in zip(x.audio, y.audio)), rid
 
 
@@ -82,7 +83,7 @@ def test_first_audio_chunk_and_frames_equal_with_the_cache_on_and_off(embedded):
     for run_ in (off, on):
         assert all(r.ok and len(r.token_s) == FRAMES and r.ttfa_s is not None for r in run_.records)
     first = a.outputs["spk0/row0"].audio[0]
-    assert first.shape == (vc.AUDIO_CHUNK_FRAMES * 1920,) and first.abs().sum() > 0  # 1920 samples per Mimi frame
+    assert first.shape == (AUDIO_CHUNK_FRAMES * 1920,) and first.abs().sum() > 0  # 1920 samples per Mimi frame
 
 
 def test_codec_store_hits_from_the_second_use_of_a_reference(embedded):

@@ -19,8 +19,8 @@ from workloads.commands.common import _fail, _missing_dependency, _positive, _si
 from workloads.commands.model_replay import ENGINE_WORKLOADS, MSTAR_WORKLOADS
 from workloads.commands.trace_replay import DEFAULT_IN_FLIGHT, DEFAULT_POOLS, TEXT_PAGE_SIZE
 from workloads.options import ModelWorkloadOptions
+from workloads.service import ServiceModel
 from workloads.sizes import parse_sizes
-from workloads.sizing.service import ServiceModel
 
 
 def add_parser(sub) -> None:

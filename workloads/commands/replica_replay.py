@@ -17,9 +17,9 @@ from workloads import registry
 from workloads.commands.common import INTERRUPTED, _fail, _given, _held_interrupt, _save, _seconds
 from workloads.interrupts import hold_interrupts
 from workloads.options import ModelWorkloadOptions
+from workloads.service import ServiceModel
 from workloads.sizes import parse_sizes
 from workloads.sizing.router_names import DEFAULT_REPLICA_POOL, ROUTERS
-from workloads.sizing.service import ServiceModel
 
 # what a replica replay of a model workload reads (it runs no model); any other option given is refused
 MODEL_REPLICA_OPTIONS = ("replicas", "router", "pool_tokens", "affinity_threshold", "key_pages", "prefill_rate",

@@ -24,9 +24,9 @@ from workloads.commands.common import (INTERRUPTED, _bytes, _fail, _given, _held
                                        _progress, _rate, _save, _size, _with_metrics)
 from workloads.commands.replica_replay import _replica_problem, _replica_replay
 from workloads.interrupts import hold_interrupts
+from workloads.service import ServiceModel
 from workloads.sizing.ordering import ORDERS
 from workloads.sizing.router_names import TEXT_ROUTERS
-from workloads.sizing.service import ServiceModel
 from workloads.sizing.tiers import TierModel
 
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"

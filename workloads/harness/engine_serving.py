@@ -18,15 +18,31 @@ the real makespan (``metrics``). The records are the harness's ``RequestRecord``
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from workloads.harness.metrics import RequestRecord, RequestResult, RunResult
 from workloads.harness.progress import progress_bar
-from workloads.harness.serving import Observer, Schedule
-from workloads.models.text import TextWorkload
+from workloads.harness.serving import Observer, Schedule, Workload
+
+if TYPE_CHECKING:  # mmcache.hf imports torch
+    from mmcache.hf.paged_kv import PagedKVCache
 
 ENGINE = "transformers continuous batching (ContinuousBatchingManager)"
 PREFILL_TOKENS = 256  # tokens per engine step (its max_batch_tokens), as in benchmarks/bench_peer_transformers.py
+
+
+@runtime_checkable
+class TokenWorkload(Workload, Protocol):
+    """What the engine serves: a workload whose every request's payload is an int32 prompt (token ids) for one causal
+    LM, ``model``, decoded greedily for ``max_new_tokens`` tokens; ``kv``'s pool numbers the engine's KV blocks, of
+    ``page_size`` tokens each, and ``outputs`` gets each request's generated ids (the text workloads of
+    ``workloads.models``)."""
+
+    model: Any
+    kv: PagedKVCache
+    page_size: int
+    max_new_tokens: int
+    outputs: dict[str, list[int]]
 
 
 def engine_label(schedule: Schedule, in_flight: int, engine: str = ENGINE) -> str:
@@ -46,13 +62,13 @@ def record_done(run: RunResult, rec: RequestRecord, stats: dict, observer: Obser
     bar.update(1)
 
 
-def serve_engine_run(workload: TextWorkload, schedule: Schedule, cached: bool, in_flight: int, *,
+def serve_engine_run(workload: TokenWorkload, schedule: Schedule, cached: bool, in_flight: int, *,
                      observer: Observer | None = None, progress: bool = False) -> RunResult:
     """Serve every request of ``workload`` through the engine (mmcache under it when ``cached``), at most
     ``in_flight`` at once (``closed:C``: at most ``min(C, in_flight)``); ``workload.outputs`` gets each output."""
     from workloads.peers.transformers_cb import PeerEngine
 
-    if not isinstance(workload, TextWorkload):
+    if not isinstance(workload, TokenWorkload):
         raise TypeError(f"{workload.name}: only text workloads serve through the continuous-batching engine")
     from workloads.peers.transformers_cb import Call
 
@@ -110,7 +126,7 @@ def compare_engine(workload_factory: Callable, schedule: Schedule, in_flight: in
     return off, on, sum(a.outputs[r] == b.outputs.get(r) for r in a.outputs)
 
 
-def warm(workload: TextWorkload) -> None:
+def warm(workload: TokenWorkload) -> None:
     """One short request through a throwaway engine, so first-call costs land on neither run."""
     from workloads.peers.transformers_cb import Call, PeerEngine
 

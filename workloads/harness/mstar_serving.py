@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from mmcache.errors import MmcacheError
-from workloads.harness.admission import Admission
+from workloads.admission import Admission
 from workloads.harness.engine_serving import compare_engine, engine_label, record_done
 from workloads.harness.metrics import RequestRecord, RequestResult, RunResult
 from workloads.harness.progress import progress_bar

@@ -25,9 +25,10 @@ import numpy as np
 
 from digests import FrameSampling
 from workloads import fixtures
-from workloads.models.vlm_chat import PREAMBLES, VlmChat, chats, generated_png
+from workloads.models.vlm_chat import VlmChat, chats, generated_png
 from workloads.options import ModelWorkloadOptions
 from workloads.traces.clips import clip_files, pan_clip
+from workloads.traces.vlm_chat_turns import PREAMBLES
 
 SYSTEM = ("You are a careful assistant. You answer questions about the video the user shows, describing what moves "
           "and what stays, frame by frame when it helps.")

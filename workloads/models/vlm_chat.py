@@ -53,14 +53,8 @@ from workloads.models.text import check_vocab, prefix_ceiling, timed, trace_orde
 from workloads.options import ModelWorkloadOptions
 from workloads.traces.mmmu import Part, load_mmmu
 from workloads.traces.mmmu import question_parts as _question
+from workloads.traces.vlm_chat_turns import FOLLOW_UPS, PREAMBLES, SYSTEM
 
-SYSTEM = ("You are a careful assistant. You answer questions about the images the user shows, citing what you see "
-          "in them, and you give the letter of the option you choose.")
-PREAMBLES = ("Answer with the letter of the correct option.",
-             "Think step by step about the figure, then give the letter of your answer.",
-             "I am studying for an exam. Explain briefly and give the answer.")
-FOLLOW_UPS = ("Why is that option correct? Point to the part of the image that shows it.",
-              "Which other option is the most tempting distractor, and why is it wrong?")
 REAL_USERS = 2
 EMBEDDED_IMAGES, EMBEDDED_USERS = 4, 3
 SESSION_GAP_S, TURN_GAP_S = 2.0, 6.0  # arrivals: session k starts at k * SESSION_GAP_S, turns TURN_GAP_S apart

@@ -4,7 +4,7 @@ only, with mmcache's KV resource and encoder store or M*'s own KV resource.
 
 Requests: vlm-chat's own (``vlm_chat.load_items``: MMMU-Pro questions with their images under ``--data``, else its
 embedded generated images and questions), in vlm-chat's sessions: each item asked by several users, each a first turn
-and ``len(vlm_chat.FOLLOW_UPS)`` follow-ups; ``options.limit`` keeps the first requests.
+and ``len(vlm_chat_turns.FOLLOW_UPS)`` follow-ups; ``options.limit`` keeps the first requests.
 
 A request's prompt is the thinker's prefill schedule in prompt order, as M*'s ``_build_thinker_prefill_schedule``
 makes it (one walk per text span or image, in the order written), in Qwen3-Omni's ChatML layout:
@@ -42,6 +42,7 @@ from workloads.harness.serving import Request
 from workloads.models import vlm_chat
 from workloads.models.text import prefix_ceiling, trace_order
 from workloads.options import ModelWorkloadOptions
+from workloads.traces import vlm_chat_turns
 from workloads.traces.mmmu import Part
 
 NAME = "vlm-mstar"
@@ -55,7 +56,7 @@ def text_ids(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def system_ids(system: str = vlm_chat.SYSTEM) -> list[int]:
+def system_ids(system: str = vlm_chat_turns.SYSTEM) -> list[int]:
     return [IM_START, SYSTEM, NL, *text_ids(system), IM_END, NL]
 
 
@@ -75,7 +76,7 @@ def merged(walks: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
     return out
 
 
-def first_turn(parts: Sequence[Part], preamble: str, system: str = vlm_chat.SYSTEM) -> list[tuple[str, object]]:
+def first_turn(parts: Sequence[Part], preamble: str, system: str = vlm_chat_turns.SYSTEM) -> list[tuple[str, object]]:
     """A first turn's walks: the system prompt and the user's preamble, then the question's parts (text as ids, an
     image as itself), then the assistant's header."""
     walks = [(TEXT, system_ids(system) + [IM_START, USER, NL, *text_ids(preamble + "\n")])]
@@ -83,7 +84,7 @@ def first_turn(parts: Sequence[Part], preamble: str, system: str = vlm_chat.SYST
     return merged(walks + [(TEXT, [IM_END, NL, IM_START, ASSISTANT, NL])])
 
 
-def sessions(items: list[list[list[Part]]], follow_ups: Sequence[str] = vlm_chat.FOLLOW_UPS) -> list[Request]:
+def sessions(items: list[list[list[Part]]], follow_ups: Sequence[str] = vlm_chat_turns.FOLLOW_UPS) -> list[Request]:
     """Every session's requests, listed session by session (vlm-chat's sessions, ``vlm_chat.sessions``' arrivals):
     item ``i``'s user ``u`` asks ``items[i][u]`` after preamble ``u``; payloads are ``vlm_chat.Turn``s whose first
     turn holds its walks, a follow-up its appended ids."""
@@ -92,7 +93,7 @@ def sessions(items: list[list[list[Part]]], follow_ups: Sequence[str] = vlm_chat
     for i, questions in enumerate(items):
         for u, question in enumerate(questions):
             session, start = f"i{i}u{u}", k * vlm_chat.SESSION_GAP_S
-            walks = first_turn(question, vlm_chat.PREAMBLES[u % len(vlm_chat.PREAMBLES)])
+            walks = first_turn(question, vlm_chat_turns.PREAMBLES[u % len(vlm_chat_turns.PREAMBLES)])
             reqs.append(Request(f"{session}t0", session, start, vlm_chat.Turn(0, tuple(walks))))
             reqs += [Request(f"{session}t{t}", session, start + t * vlm_chat.TURN_GAP_S,
                              vlm_chat.Turn(t, follow_up=tail)) for t, tail in enumerate(tails, 1)]

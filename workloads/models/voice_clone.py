@@ -55,7 +55,7 @@ import torch
 import digests
 from encoders.codec import CachedCodecEncoder
 from mmcache import EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex
-from mmcache.errors import InvalidMedia, InvalidRequest, TraceError
+from mmcache.errors import InvalidMedia, InvalidRequest
 from mmcache.hf import runner
 from mmcache.hf.csm import CsmSpeech, Template, frames_digest
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
@@ -65,16 +65,13 @@ from workloads.harness.metrics import RequestResult
 from workloads.harness.serving import Clock, Request
 from workloads.models.text import prefix_ceiling
 from workloads.options import ModelWorkloadOptions
+from workloads.traces.seedtts import SEEDTTS, load_seedtts
+from workloads.traces.voice_clone_turns import AUDIO_CHUNK_FRAMES, sentence
 
 NAME = "voice-clone"
-AUDIO_CHUNK_FRAMES = 2          # Mimi frames per audio chunk: 160 ms at 12.5 frames/s
 SESSION = "voice"               # session id of the voice-session turns
 SESSION_TURNS = 4
 ROW_GAP_S, TURN_GAP_S, TURN_START_S = 0.5, 1.0, 0.25  # trace arrivals (s): rows, session turns, interleaved
-SEEDTTS = "seedtts/meta.lst"    # under options.data
-_WORDS = ("the", "a", "quiet", "river", "light", "morning", "voice", "carries", "over", "green", "hills", "we",
-          "found", "seven", "small", "boats", "near", "old", "harbor", "wind", "turns", "slowly", "before", "rain",
-          "every", "story", "begins", "with", "one", "clear", "sound", "and", "ends", "far", "away", "today")
 
 
 # ------------------------------------------------------------------------------------------------------- requests
@@ -123,12 +120,6 @@ def tone_wav(speaker: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def sentence(rng: np.random.Generator) -> str:
-    """A transcript of 6 to 12 words from the embedded vocabulary."""
-    words = rng.choice(_WORDS, int(rng.integers(6, 13)))
-    return " ".join(words).capitalize() + "."
-
-
 def embedded_requests(seed: int = 0, speakers: int = 3) -> list[Request]:
     """The default with no data: ``speakers`` generated references, each serving 2 rows (as in Seed-TTS-Eval), and a
     voice session of ``SESSION_TURNS`` turns in speaker 0's voice; transcripts drawn from a small vocabulary."""
@@ -140,25 +131,10 @@ def embedded_requests(seed: int = 0, speakers: int = 3) -> list[Request]:
 
 
 def seedtts_requests(meta: str | Path) -> list[Request]:
-    """Rows of a Seed-TTS-Eval ``meta.lst`` (``utt_id|prompt_text|prompt_wav|target_text``, WAV paths relative to
-    it), then a voice session in the first row's voice whose turns say the rows' target texts; ``TraceError`` (file
-    and line) for a line without four fields."""
-    meta = Path(meta)
-    try:
-        lines = meta.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise TraceError(meta, None, str(e)) from e
-    rows = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            fields = line.split("|")
-            if len(fields) != 4 or not all(f.strip() for f in fields):
-                raise TraceError(meta, n, f"expected utt_id|prompt_text|prompt_wav|target_text, got {line!r}")
-            rid, ref_text, wav_path, text = (f.strip() for f in fields)
-            rows.append((rid, meta.parent / wav_path, ref_text, text))
-    if not rows:
-        raise TraceError(meta, None, "no rows")
-    session = _session(rows[0][1], rows[0][2], [text for *_, text in rows[:SESSION_TURNS]])
+    """Rows of a Seed-TTS-Eval ``meta.lst`` (``seedtts.load_seedtts``: ``TraceError`` for a bad line), then a voice
+    session in the first row's voice whose turns say the rows' target texts."""
+    rows = load_seedtts(meta)
+    session = _session(rows[0].wav, rows[0].transcript, [row.text for row in rows[:SESSION_TURNS]])
     return sorted(_rows(rows) + session, key=lambda r: r.arrival_s)
 
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from workloads.harness.admission import Admission
+from workloads.admission import Admission
 
 MATCH_LINE = re.compile(r"Found a prefix match of (\d+) tokens for request (\S+)")
 CB_LOGGER = "ContinuousBatchingLogger"  # continuous_batching/utils.py: the logger every module of the engine uses
@@ -75,12 +75,14 @@ class _MatchLog(logging.Filter):
 class PeerEngine:
     """transformers' ``ContinuousBatchingManager`` over ``model``, started on ``__enter__`` and stopped on
     ``__exit__`` (the model's attention implementation is restored then), with sharing on or off, and with mmcache's
-    allocator under it when ``mmcache`` (turned off again on ``__exit__``; ``prefix_cache`` is its ``PrefixCache``).
+    allocator under it when ``mmcache`` (turned off again on ``__exit__``; ``prefix_cache`` is its ``PrefixCache``),
+    evicting by ``eviction`` (a name in ``mmcache.eviction.POLICIES``; None: mmcache's default).
 
     ``fed_tokens`` counts every input id the model was fed while the engine ran (prefill and decode)."""
 
     def __init__(self, model, *, share: bool, page_size: int, num_blocks: int, max_batch_tokens: int = 256,
-                 max_new_tokens: int = 8, mmcache: bool = False, return_logprobs: bool = False, namer=None):
+                 max_new_tokens: int = 8, mmcache: bool = False, return_logprobs: bool = False, namer=None,
+                 eviction: str | None = None):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -88,7 +90,7 @@ class PeerEngine:
         self.cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
                                                   max_batch_tokens=max_batch_tokens, allow_block_sharing=share,
                                                   return_logprobs=return_logprobs)
-        self.use_mmcache, self.namer, self.mm = mmcache, namer, None
+        self.use_mmcache, self.namer, self.eviction, self.mm = mmcache, namer, eviction, None
         # greedy, no EOS: every request generates exactly max_new_tokens, like mmcache's runner
         self.gen_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
         self.fed_tokens = 0
@@ -102,7 +104,8 @@ class PeerEngine:
         self._hook = self.model.register_forward_pre_hook(self._count, with_kwargs=True)
         if self.use_mmcache:
             from mmcache.hf.continuous_batching import enable_prefix_cache
-            self.mm = enable_prefix_cache(self.model, namer=self.namer)
+            policy = {} if self.eviction is None else {"eviction": self.eviction}
+            self.mm = enable_prefix_cache(self.model, namer=self.namer, **policy)
         self.manager = self.model.init_continuous_batching(generation_config=self.gen_config,
                                                            continuous_batching_config=self.cb_config)
         self.manager.start()

@@ -46,9 +46,9 @@ from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from mmcache.eviction import DEFAULT_POLICY, EvictionPolicy, OfflineOptimal
 from mmcache.prefix_index import IndexObserver
 from workloads.harness.progress import progress_bar
+from workloads.service import ServiceModel
 from workloads.sizes import format_size
 from workloads.sizing.ordering import schedule
-from workloads.sizing.service import ServiceModel
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextRequest, TextTrace
 

@@ -53,10 +53,10 @@ from mmcache import EncoderKey, EncoderStore, Fingerprint, page_names
 from mmcache.events import CacheView, EventLog
 from mmcache.eviction import DEFAULT_POLICY
 from mmcache.shadow import ReplicaSpread
+from workloads.service import ServiceModel
 from workloads.sizing.ordering import schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
 from workloads.sizing.routers import make_router
-from workloads.sizing.service import ServiceModel
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import MediaItem, TextRequest, TextTrace
 

@@ -12,8 +12,9 @@ import dataclasses
 from typing import Sequence
 
 from mmcache.eviction import DEFAULT_POLICY, LookupRecorder
+from workloads.service import ServiceModel
 from workloads.sizes import format_size
-from workloads.sizing.replay import CacheObserver, ReplayRun, ServiceModel, replay_trace
+from workloads.sizing.replay import CacheObserver, ReplayRun, replay_trace
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextTrace
 

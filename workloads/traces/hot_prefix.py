@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from workloads.sizing.service import ServiceModel
+from workloads.service import ServiceModel
 from workloads.traces.swe_agent import Trajectory
 from workloads.traces.text_trace import CallInfo, TextTrace
 

@@ -1,13 +1,13 @@
 """vlm-chat's sessions as a metadata trace for the replica replay: several users per image, arriving over time.
 
 Each item (a question with its images: MMMU-Pro's sample questions, vlm-chat's data) is asked about by
-``users_per_item`` users. A session is vlm-chat's (``workloads.models.vlm_chat``): the shared system prompt, a first
-user turn (the user's own line, then one of vlm-chat's preambles, the question with its images, the options), and
-vlm-chat's two follow-ups, each re-sending the history, images and replies included. The user's own line ("I am user
-u.") makes every user's pages their own past the system prompt, so what users of one image share is the image: its
-encoder output, and nothing of its KV (it sits behind each user's text). Sessions start in a seeded random order as a
-Poisson process of ``sessions_per_s``; a session's next turn comes ``think_s`` (exponential mean) after the previous
-one would have ended (``text_trace.turn_calls``).
+``users_per_item`` users. A session is vlm-chat's (``workloads.models.vlm_chat``, in the words of
+``vlm_chat_turns``): the shared system prompt, a first user turn (the user's own line, then one of vlm-chat's
+preambles, the question with its images, the options), and vlm-chat's two follow-ups, each re-sending the history,
+images and replies included. The user's own line ("I am user u.") makes every user's pages their own past the system
+prompt, so what users of one image share is the image: its encoder output, and nothing of its KV (it sits behind
+each user's text). Sessions start in a seeded random order as a Poisson process of ``sessions_per_s``; a session's
+next turn comes ``think_s`` (exponential mean) after the previous one would have ended (``text_trace.turn_calls``).
 
 No model: an image is ``image_tokens`` placeholder rows (LLaVA-1.5 at 336 px: (336 / 14)^2 = 576) named by the
 digest of its file's bytes, and its encoder output is ``feature_bytes`` (576 rows x 4096 x 2 bytes: LLaVA-1.5-7B's
@@ -30,6 +30,7 @@ from workloads.traces.mmmu import Part, load_mmmu
 from workloads.traces.swe_agent import Trajectory
 from workloads.traces.text_trace import MediaItem, TextTrace, turn_calls
 from workloads.traces.tokenizer import load_tokenizer
+from workloads.traces.vlm_chat_turns import FOLLOW_UPS, PREAMBLES, SYSTEM
 
 MMMU_QUESTIONS = "mmmu/mmmu_pro_tool_sample_questions.jsonl"  # vlm-chat's data, under the shared data folder
 IMAGE_PLACEHOLDER = 0
@@ -49,7 +50,6 @@ class ImageChats:
     def trace(self, items: Sequence[Sequence[Part]], tokenizer, source: str, limit: int | None = None) -> TextTrace:
         """The sessions of ``items`` (each a question's parts: text, image paths or bytes), the first ``limit`` to
         start (all by default); ``TraceError`` naming an image that cannot be read."""
-        from workloads.models.vlm_chat import FOLLOW_UPS, PREAMBLES, SYSTEM
         rng = np.random.default_rng(self.seed)
         tok = lambda text: np.asarray(tokenizer.encode([text])[0], dtype=np.int32)  # noqa: E731
         bos = np.array([tokenizer.bos_id()], dtype=np.int32)

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
+from workloads.service import ServiceModel
+
 if TYPE_CHECKING:  # the CLI's --help imports this module, and mmcache imports torch
     from mmcache.errors import TraceError
-    from workloads.sizing.service import ServiceModel
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,9 +122,7 @@ def turn_calls(start_s: float, lengths: Sequence[tuple[int, int]], think_s: floa
     """The calls of a generated session of ``(prompt_len, output_len)`` turns: the first sent at ``start_s``, each
     next one ``think_s`` (exponential mean, drawn from ``rng``) after the previous one would have ended unserved by
     any cache under ``service`` (default: the default ``ServiceModel``), so a session's calls stay in causal order."""
-    if service is None:
-        from workloads.sizing.service import ServiceModel
-        service = ServiceModel()
+    service = ServiceModel() if service is None else service
     calls, t = [], start_s
     for prompt_len, output_len in lengths:
         calls.append(CallInfo(t, int(prompt_len), int(output_len)))

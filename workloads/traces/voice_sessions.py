@@ -1,13 +1,14 @@
 """voice-clone's requests as a metadata trace for the replica replay: many users cloning a few reference voices.
 
-Each of ``users`` users picks one reference voice (uniformly; the references and their transcripts are Seed-TTS-Eval's,
-voice-clone's data) and holds a voice session of ``turns`` turns, laid out by CSM's template (``mmcache.hf.csm``,
-what voice-clone serves): the reference line (its transcript, then one row per Mimi frame of the reference audio),
-then each earlier turn's line with the frames it generated, then the text to say. What the users of one voice share
-is that reference line: its page-aligned KV (it opens every prompt) and the codec's codes of the reference (the
-encoder output, ``frames x codebooks`` int64). A turn's text is a sentence drawn by voice-clone's own generator, so
-two turns share nothing past the reference. Users arrive as a Poisson process of ``users_per_s``; a turn comes
-``think_s`` (exponential mean) after the previous one would have ended (``text_trace.turn_calls``).
+Each of ``users`` users picks one reference voice (uniformly; the references and their transcripts are
+Seed-TTS-Eval's, voice-clone's data) and holds a voice session of ``turns`` turns, laid out by CSM's template
+(``mmcache.hf.csm``, what voice-clone serves): the reference line (its transcript, then one row per Mimi frame of the
+reference audio), then each earlier turn's line with the frames it generated, then the text to say. What the users of
+one voice share is that reference line: its page-aligned KV (it opens every prompt) and the codec's codes of the
+reference (the encoder output, ``frames x codebooks`` int64). A turn's text is a sentence drawn by voice-clone's own
+generator (``voice_clone_turns.sentence``), so two turns share nothing past the reference. Users arrive as a Poisson
+process of ``users_per_s``; a turn comes ``think_s`` (exponential mean) after the previous one would have ended
+(``text_trace.turn_calls``).
 
 No model: frames of a reference are its duration at Mimi's 12.5 frames/s; audio rows are placeholder ids; the
 reference is named by the digest of its WAV's bytes; generated frames sent back by a later turn are named by one
@@ -28,9 +29,11 @@ import numpy as np
 
 import digests
 from mmcache.errors import InvalidMedia, TraceError
+from workloads.traces.seedtts import SEEDTTS, load_seedtts
 from workloads.traces.swe_agent import Trajectory
 from workloads.traces.text_trace import MediaItem, TextTrace, turn_calls
 from workloads.traces.tokenizer import load_tokenizer
+from workloads.traces.voice_clone_turns import AUDIO_CHUNK_FRAMES, sentence
 
 FRAMES_PER_S = 12.5                      # Mimi
 AUDIO_TOKEN, AUDIO_EOS = 1 << 20, (1 << 20) + 1  # placeholder ids of audio rows, outside any text vocabulary
@@ -67,7 +70,6 @@ class VoiceSessions:
     def trace(self, voices: Sequence[Voice], tokenizer, source: str, limit: int | None = None) -> TextTrace:
         """The sessions of the first ``limit`` users (all by default) over ``voices``."""
         from mmcache.hf.csm import Template
-        from workloads.models.voice_clone import AUDIO_CHUNK_FRAMES, sentence
         if not voices:
             raise TraceError(source, None, "no reference voices")
         rng = np.random.default_rng(self.seed)
@@ -104,13 +106,12 @@ class VoiceSessions:
 
 def load_voice_sessions(data: str | Path, *, limit: int | None = None, seed: int = 0) -> TextTrace:
     """The registry's replica-replay trace of ``voice-clone``: ``VoiceSessions`` over the distinct references of the
-    Seed-TTS-Eval rows under the shared data folder ``data`` (``voice_clone.seedtts_requests`` reads them), text
-    tokenized by the Mistral SentencePiece model (what voice-clone's tiny CSM uses)."""
-    from workloads.models.voice_clone import SEEDTTS, seedtts_requests
+    Seed-TTS-Eval rows under the shared data folder ``data`` (``seedtts.load_seedtts`` reads them), text tokenized by
+    the Mistral SentencePiece model (what voice-clone's tiny CSM uses)."""
     meta = Path(data) / SEEDTTS
     voices = {}
-    for req in seedtts_requests(meta):
-        voices.setdefault(req.payload.reference, Voice(req.payload.reference, req.payload.reference_text))
+    for row in load_seedtts(meta):
+        voices.setdefault(row.wav, Voice(row.wav, row.transcript))
     try:
         return VoiceSessions(seed=seed).trace(list(voices.values()), load_tokenizer(), str(meta), limit)
     except InvalidMedia as e:

@@ -1,5 +1,6 @@
-"""The service-time model of timestamp-order trace replays (apart from ``replay``, so the CLI's ``--help`` can show
-its defaults without importing the cache).
+"""The service-time model of timestamp-order trace replays (``workloads.sizing``), which generated traces also space
+their sessions' turns by (``workloads.traces.text_trace.turn_calls``). A module of its own, below both and apart from
+``sizing.replay``, so the CLI's ``--help`` can show its defaults without importing the cache.
 
 ``encoder_s`` (multimodal replays: seconds per media item whose encoder runs, i.e. neither inside the matched prefix
 nor in the encoder store) defaults to 0.02 s, from a figure measured here: decoding and preprocessing one 0.8-1.2 MB
