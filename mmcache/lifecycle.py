@@ -324,14 +324,14 @@ class PrefixLifecycle:
                     claim.names += chain(claim.names[-1] if start else prompt.root, rows[start - lo:].ravel(), P,
                                          start, claim.media)
                 runs.append(ChainRun(w.pages[lo:m], claim.names[lo:m], rows, media_ids(claim.media, range(lo, m)),
-                                     claim.salt_id, lo, claim.chain[-1] if lo else -1, prompt.media))
+                                     claim.salt_id, lo, claim.chain[-1] if lo else -1, claim.media))
                 kept.append((i, w, lo, m))
             if children:
                 for i, w, lo in self._commit_children(children, out):  # those the index left to a run of their own
                     claim = w.claim
                     rows = _rows(claim.prompt, w.generated, lo, lo + 1)
                     runs.append(ChainRun(w.pages[lo:lo + 1], claim.names[lo:lo + 1], rows, media_ids(claim.media,
-                                         range(lo, lo + 1)), claim.salt_id, lo, claim.chain[-1], claim.prompt.media))
+                                         range(lo, lo + 1)), claim.salt_id, lo, claim.chain[-1], claim.media))
                     kept.append((i, w, lo, lo + 1))
             for (i, w, lo, m), (new, walked, ok) in zip(kept, self.index.insert_runs(runs)):
                 claim = w.claim

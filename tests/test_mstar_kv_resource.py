@@ -403,6 +403,38 @@ def test_kv_events_from_m_stars_resource_name_every_indexed_page():
     assert heard.names and heard.names == {int(index.tier_view().name[p]) for p in np.flatnonzero(index.indexed)}
 
 
+def test_kv_events_put_a_media_walk_s_key_on_every_page_the_item_overlaps():
+    """A walk of embeddings named by its media digest: the seam tells the label's KV event observer how many rows the
+    item holds (``describe_media``), so vLLM's ``extra_keys`` carry ``[identifier, offset]`` on each page the item
+    overlaps, not on its first alone (built by the events' own ``EventBuilder``, as the publisher builds them)."""
+    from mmcache.events.builder import EventBuilder
+    from mmcache.events.extra_keys import media_identifier
+
+    class Builds(EventBuilder):  # an IndexObserver that builds each event at once
+        def __init__(self):
+            super().__init__(P)
+            self.keys = {}
+
+        def stored(self, names, parent, tokens, media, salt, depth):
+            event = super().stored(names, parent, tokens, media, salt, depth)
+            self.keys.update(zip(range(depth, depth + len(names)), event.extra_keys or [None] * len(names)))
+
+        def removed(self, names):
+            pass
+
+        def cleared(self):
+            pass
+
+    built = Builds()
+    on = node(W, reuse=PrefixReuse(model="toy@0", walk_media=_media_walk_reuse().walk_media,
+                                   observer=lambda fp, pool: built))
+    digest = b"\x07" * 16
+    _media_request(on, "a", digest)                             # 8 text rows, 8 media rows, 6 text rows
+    ident = media_identifier(digest)
+    assert [built.keys[d] for d in range(5)] == [None, None, ((ident, 0),), ((ident, -P),), None]
+    assert built.spans.unsized == 0
+
+
 def test_shadow_mode_measures_what_reuse_would_match_and_changes_nothing():
     """Phase 1 on M*: ``PrefixReuse(shadow=True)`` names and looks up every prompt, generated pages included, but M*
     computes everything itself (logits equal to reuse off, nothing cached), and the shadow's matched pages are the

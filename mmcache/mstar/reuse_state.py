@@ -229,7 +229,7 @@ class ReuseState:
 
     __slots__ = ("pool", "page_size", "lock", "streams", "new_stream", "release", "root", "tiers", "observer", "side",
                  "evict_batch", "reused", "shadowed", "agreement", "fresh_rows", "watched", "lifecycles", "named",
-                 "due", "due_rows", "rows_waited", "to_host", "landing", "shadows", "shadow_fed")
+                 "due", "due_rows", "rows_waited", "to_host", "landing", "shadows", "shadow_fed", "observers")
 
     def __init__(self, pool: PagePool, page_size: int, streams: dict, *, root: Fingerprint | None,
                  new_stream: Callable[[], object] = Stream, release: Callable[[list], None] | None = None,
@@ -247,6 +247,7 @@ class ReuseState:
         self.fresh_rows: RowParts | None = None  # the last watched forward's rows, until its step commits
         self.watched: set = set()  # ids of the submodules whose forward records row outputs
         self.lifecycles: dict = {}  # label -> PrefixLifecycle
+        self.observers: dict = {}  # label -> its IndexObserver (told each media item's length, where it listens)
         self.named: dict = {}  # label -> rid -> its stream's names (_Named)
         self.due: dict = {}  # streams whose announced feed reaches a page end, in order
         self.due_rows: dict = {}  # the same, announced by ``feed_rows``: indexed a few steps' worth at once
@@ -274,7 +275,7 @@ class ReuseState:
         if life is None:
             fp = self.fingerprint(label)
             tiers = self.tiers(fp, self.pool) if self.tiers is not None else None
-            observer = self.observer(fp, self.pool) if self.observer is not None else None
+            observer = self.observers[label] = self.observer(fp, self.pool) if self.observer is not None else None
             life = self.lifecycles[label] = PrefixLifecycle(
                 self.pool, fp, evict_batch_pages=self.evict_batch, tiers=tiers, agreement=self.agreement,
                 observer=observer)
@@ -310,6 +311,7 @@ class ReuseState:
             with self.lock:
                 self._commit_due()
         if token_ids is None and media and length:
+            self._describe_media(label, media, int(length))
             token_ids = np.zeros(int(length), dtype=np.int32)  # placeholders: the marks carry what the rows hold
         named = self.named.get(label, {}).get(rid)
         if named is None:
@@ -343,6 +345,20 @@ class ReuseState:
             with self.lock:
                 self.due[named] = None  # a page fills in this step: commit indexes it
         return cut
+
+    def _describe_media(self, label: str, media: Sequence, length: int) -> None:
+        """Tell ``label``'s observer, where it listens for it (``KVEventPublisher.describe_media``), how many rows
+        each media item of a walk of ``length`` embeddings holds: the walk's marks partition it (one item from offset
+        0, or one per row), each item running to the next mark or the walk's end. A router then finds the item's key
+        on every page it overlaps, not only on its first."""
+        self.lifecycle(label)  # makes the observer
+        describe = getattr(self.observers.get(label), "describe_media", None)
+        if describe is None:
+            return
+        marks = sorted((int(o), d) for o, d in media)
+        for (at, digest), end in zip(marks, [o for o, _ in marks[1:]] + [length]):
+            if end > at:
+                describe(digest, end - at)
 
     def marks_taken(self, rid: str, label: str) -> bool:
         """Whether (``rid``, ``label``)'s stream stands inside the walk whose media marks it took last (the prompt's,
