@@ -17,18 +17,18 @@ From outside M*, on the model object the engine loads (no M* file changes):
   suffix. A step whose outputs carry every fed row (``RowOutputs.needed``, ``PrefixReuse.row_outputs``) is cut only
   at pages whose row outputs are held; the seam reads the cut rows' outputs then, keeps what ``RowOutputs.keep``
   takes from the uncut inputs, and ``postprocess`` puts both back in front of what the forward emitted
-  (``RowOutputs.restore``), so the node's consumer gets every row as without reuse (the seam is on ``postprocess`` only while such rows wait); a step that
-  ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids alone is named by
-  them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks`` (embeddings that
-  are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives (once per walk: a walk
-  retried after ``AllocationFailed`` keeps the marks it was given), else by nothing, which stops the stream's
-  indexing there. A one-row feed (a decode step's) is never cut, so
-  ``prepare_inputs`` only keeps it, and ``declare_step`` hands the step's one-row feeds to the KV resource at once
-  (``ReuseKVManager.feed_rows``) before M* admits the step. A walk whose batch was all such feeds of named streams
-  (a decode walk) is plain from then on: its batches run the node's own ``prepare_inputs`` (the seam steps aside at
-  the batch's first request; ``declare_step`` puts it back) and ``declare_step`` reads the ids from the inputs it is
-  handed, so a decode step costs no Python per request in the seam; a batch that breaks the pattern is fed as far as
-  it is plain, nothing of it is cut, and the walk goes through the seam again. ``declare_step`` also keeps the sampler's repetition
+  (``RowOutputs.restore``), so the node's consumer gets every row as without reuse (the seam is on ``postprocess``
+  only while such rows wait); a step that ``PrefixReuse.needs_every_row`` is named and never cut. A step fed ids
+  alone is named by them; a step fed embeddings is named by its ids when its walk is one of ``PrefixReuse.id_walks``
+  (embeddings that are the embedding of those ids), else by the media marks ``PrefixReuse.walk_media`` gives (once
+  per walk: a walk retried after ``AllocationFailed`` keeps the marks it was given), else by nothing, which stops the
+  stream's indexing there. A one-row feed (a decode step's) is never cut, so ``prepare_inputs`` only keeps it, and
+  ``declare_step`` hands the step's one-row feeds to the KV resource at once (``ReuseKVManager.feed_rows``) before M*
+  admits the step. A walk whose batch was all such feeds of named streams (a decode walk) is plain from then on: its
+  batches run the node's own ``prepare_inputs`` (the seam steps aside at the batch's first request; ``declare_step``
+  puts it back) and ``declare_step`` reads the ids from the inputs it is handed, so a decode step costs no Python per
+  request in the seam; a batch that breaks the pattern is fed as far as it is plain, nothing of it is cut, and the
+  walk goes through the seam again. ``declare_step`` also keeps the sampler's repetition
   penalty over the whole prompt, hit or not, so sampling is what it was, and adds the held rows' advance to the step's
   declared position advance where ``position_advance`` says so. ``cleanup_request`` (M*'s engine calls it on every
   submodule when it removes a request) drops what the seam kept for the request.
