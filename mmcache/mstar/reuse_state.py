@@ -86,7 +86,7 @@ _ROWS_LEFT = 2
 # pages as for sixty (M*'s default page of 128 fills two pages a step over 256 streams), so a commit leaves them until
 # this many streams wait, or for this many steps, or until anything reads the index (a feed's lookup, ``lifecycle``)
 # or a request leaves. A page waits only while the stream that wrote it holds it (nothing else may match it yet).
-_ROWS_BATCH, _ROWS_WAIT = 64, 8
+_ROWS_BATCH, _ROWS_WAIT = 256, 16
 
 
 def _joined_tokens(chunks: list) -> np.ndarray:
