@@ -14,7 +14,16 @@ prompts, the last prompt token always computed), TTFT p50/p99, requests/s, and w
 peer's with sharing off. Timings: median over ``--runs`` with the min-max spread, the engines taking turns within each
 repetition; reuse is deterministic.
 
+Knee section (``--knee``; with ``--knee`` and no ``--traces`` only the knee runs): agent sessions round-robin, 8 in
+flight (the mini-swe-agent trajectories of the data folder, the first ``--knee-calls`` calls of ``--knee-sessions``
+sessions; without them agent-model's generated sessions of the same shape, labelled), at the ``--knee-points`` pool
+sizes where the replay's ``lru`` and its offline optimum differ most on these calls (or ``--knee-pools``): the peer's
+own sharing, mmcache under the same engine with ``eviction="lru"`` and with the default, beside the replay's ``lru``,
+default and optimum on the same calls (``workloads.sizing.sweep.run_sweep``, as ``mmcache replay --eviction
+optimal``). Per row: prompt tokens computed, hit share, and "of optimal" (tokens matched over the optimum's).
+
 Run: python benchmarks/bench_peer_transformers.py [--model bigger] [--runs 3] [--inflight 1,4,16]
+     python benchmarks/bench_peer_transformers.py --knee [--knee-sessions 8 --knee-calls 4]   # the knee alone
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ DATA = registry.data_place()[0]  # $MMCACHE_DATA, else ../shared/data: where the
 TRACE_FILES = {"mt-bench": ("mt-bench", "mt-bench/question.jsonl"),
                "sharegpt": ("sharegpt", "sharegpt/sharegpt_sample_50_single_turn.json"),
                "swe-agent": ("mini-swe-agent", "mini-swe-agent/trajs")}  # mooncake runs on the embedded slice without
+DEFAULT_TRACES = "mt-bench,sharegpt,swe-agent"
 
 
 def missing_data(traces: list[str]) -> str | None:
@@ -137,11 +147,14 @@ class Run:
     wall_s: float
 
 
-def run_peer(model, calls, *, share, pages, args, inflight, mmcache=False) -> tuple[Run, int]:
+def run_peer(model, calls, *, share, pages, args, inflight, mmcache=False, eviction=None,
+             probe=None) -> tuple[Run, int]:
+    """One replay through the peer engine; its run and the blocks the engine really held. ``eviction``: the policy
+    of mmcache under the engine (None: mmcache's default); ``probe(engine)`` is called as each request completes."""
     with PeerEngine(model, share=share, page_size=args.page_size, num_blocks=pages, mmcache=mmcache,
-                    max_batch_tokens=args.batch_tokens, max_new_tokens=args.new_tokens) as e:
+                    max_batch_tokens=args.batch_tokens, max_new_tokens=args.new_tokens, eviction=eviction) as e:
         t = time.perf_counter()
-        out = e.replay(calls, inflight=inflight)
+        out = e.replay(calls, inflight=inflight, on_done=None if probe is None else lambda _: probe(e))
         return Run(out, time.perf_counter() - t), e.num_blocks
 
 
@@ -176,8 +189,8 @@ def parser() -> argparse.ArgumentParser:
     that the benchmarks beside it replay with."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("tiny", "bigger"), default="tiny")
-    ap.add_argument("--traces", default="mt-bench,sharegpt,swe-agent", help="any of mt-bench, sharegpt, swe-agent, "
-                    "mooncake")
+    ap.add_argument("--traces", default=None, help=f"any of mt-bench, sharegpt, swe-agent, mooncake (default "
+                    f"{DEFAULT_TRACES}; none with --knee unless given)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
@@ -195,12 +208,30 @@ def parser() -> argparse.ArgumentParser:
                     "largest request (0: that floor)")
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MMCACHE_MODEL_DIR",
                                                                           Path.home() / ".cache/mmcache/models")))
+    add_knee_args(ap)
     return ap
+
+
+def add_knee_args(ap: argparse.ArgumentParser, takes: str = "about 1.5 minutes at the defaults on a 2-core "
+                  "machine") -> None:
+    """The knee section's options (this script's and ``bench_vllm.py``'s); ``takes``: how long, for ``--help``."""
+    g = ap.add_argument_group("knee", "pools at the knee of agent sessions round-robin 8 in flight, against the "
+                              "offline optimum on the same calls")
+    g.add_argument("--knee", action="store_true", help="run the knee section (after the --traces tables; alone when "
+                   f"--traces is not given); {takes}")
+    g.add_argument("--knee-sessions", type=int, default=8, help="agent sessions (round-robin, 8 in flight)")
+    g.add_argument("--knee-calls", type=int, default=4, help="first calls of each session")
+    g.add_argument("--knee-page-size", type=int, default=32, help="page (block) size of the knee section")
+    g.add_argument("--knee-points", type=int, default=3, help="pool sizes: where the replay's lru and optimum "
+                   "differ most on these calls")
+    g.add_argument("--knee-pools", help="pool sizes in tokens instead (16k,24k,32k)")
 
 
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
-    if problem := missing_data(args.traces.split(",")):
+    traces = [t for t in (args.traces if args.traces is not None else "" if args.knee else DEFAULT_TRACES
+                          ).split(",") if t]
+    if problem := missing_data(traces):
         sys.exit(f"bench_peer_transformers: {problem}")
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.model_dir)
@@ -210,17 +241,19 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()}, torch {torch.__version__}, transformers {transformers.__version__}")
     cfg = model.config
     print(f"# model: random-weight Llama ({args.model}) hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, "
-          f"{cfg.num_key_value_heads} KV heads; page {P}, prefill chunk {args.batch_tokens}, {args.new_tokens} new "
-          f"tokens, in flight {args.inflight}, {args.runs} runs (median, min-max)")
+          f"{cfg.num_key_value_heads} KV heads; prefill chunk {args.batch_tokens}, {args.new_tokens} new tokens"
+          + (f"; page {P}, in flight {args.inflight}, {args.runs} runs (median, min-max)" if traces else ""))
     print(f"# data: {DATA if DATA.is_dir() else 'missing: ' + str(DATA)}")
     warm = [Call("warm", "warm", list(range(3, 3 + 4 * P)))]
     run_peer(model, warm, share=True, pages=64, args=args, inflight=1), run_ours(model, warm, pages=64, args=args)
-    for trace in args.traces.split(","):
+    for trace in traces:
         calls = load_calls(trace, args)
         if trace == "mooncake":
             print(f"\n# mooncake source: {load_mooncake_calls(args)[1]}")
         for inflight in map(int, args.inflight.split(",")):
             bench_trace(model, trace, calls, inflight, args)
+    if args.knee:
+        bench_knee(model, args)
 
 
 def bench_trace(model, trace: str, calls: list[Call], inflight: int, args) -> None:
@@ -268,6 +301,169 @@ def bench_trace(model, trace: str, calls: list[Call], inflight: int, args) -> No
             print(f"{row['pages']:>6} {row['engine']:<15} {row['computed']:>9,} {row['reuse']:>6.1%} "
                   f"{row['of_ceiling']:>7.1%} {spread(row['p50'], '%.1f'):>20} {spread(row['p99'], '%.1f'):>20} "
                   f"{spread(row['rps'], '%.1f'):>18} {ratio:>9.2f}x {same:>8}")
+
+
+# ------------------------------------------------------------------------------------------------------- the knee
+KNEE_IN_FLIGHT = 8  # round-robin, 8 in flight: docs/eviction.md's agent rows
+KNEE_GRID = 16      # pool sizes the replay tries to find the knee
+KNEE_NOTE = """\
+computed: prompt tokens prefilled (prompt - matched); hit share: matched / prompt; of optimal: matched over what the
+offline optimum matched on the same calls at the same pool; live: requests holding pages as each request completed
+(mmcache's cache under the engine, mean; the replay: at most).
+The optimum (Belady, as `mmcache replay --eviction optimal`: workloads.sizing.sweep.run_sweep) is prompt-page reuse in
+the replay's service model: a call is matched when admitted, in round-robin order, prefilled at once and holds its
+prompt + {new} new tokens until it finishes, {inflight} live (the oldest finished early when the pool is short).
+The engines are sent the same calls in the same order, {inflight} at a time (a session's next call once its previous
+one finished), but serve them their own way: a request is matched when the engine schedules it, not when it is sent;
+the engine prefills {chunk} tokens a step, so sent requests wait in its queue holding no pages and few run at once
+(see live); the peer keeps 15% of its blocks free and drops every cached block when under that margin. With fewer
+pages live, more of the pool caches than in the replay, so an engine's 'of optimal' can pass 100%: it is a share of
+this replay's optimum, not a bound on the engine. Compare engine rows with each other, replay rows with the optimum."""
+
+
+@dataclasses.dataclass
+class KneeSession:
+    """One agent session as the engines and the replay both see it: the prompts the engines are sent, each followed by
+    ``new_tokens`` generated tokens that no later prompt carries (the next prompt holds the trace's recorded reply,
+    not the random-weight model's), so the replay is given no output ids and indexes no output page."""
+
+    name: str
+    prompts: list[np.ndarray]
+    new_tokens: int
+    calls: list = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        from workloads.traces.text_trace import CallInfo
+        self.calls = [CallInfo(float(i), int(p.size), self.new_tokens) for i, p in enumerate(self.prompts)]
+
+    def build(self, i: int):
+        from workloads.traces.text_trace import TextRequest
+        return TextRequest(rid=f"{self.name}#{i}", session=self.name, arrival_s=float(i), token_ids=self.prompts[i],
+                           names=None, output_ids=None, output_len=self.new_tokens)
+
+
+def load_knee_trace(args):
+    """The knee section's sessions as a ``TextTrace`` (the replay's input), and where they came from: the first
+    ``--knee-calls`` calls of the first ``--knee-sessions`` mini-swe-agent trajectories of the data folder, else as
+    many of agent-model's generated sessions (its embedded default: system prompt, task, command / output turns)."""
+    from workloads.traces.text_trace import TextTrace
+
+    folder = DATA / TRACE_FILES["swe-agent"][1]
+    if folder.exists():
+        from workloads.traces.swe_agent import load_swe_agent
+        trajs = load_swe_agent(folder, limit=args.knee_sessions).sessions
+        source = f"mini-swe-agent ({folder})"
+    else:
+        from workloads import fixtures
+        from workloads.models.agent import _agent_messages, _trajectory
+        tok, rng = fixtures.text_tokenizer(None), np.random.default_rng(0)
+        trajs = [_trajectory(f"gen-{k}", _agent_messages(rng, args.knee_calls), tok, 0.0, 1.0)
+                 for k in range(args.knee_sessions)]
+        source = f"agent-model's generated agent sessions (no {folder}: not the real trace)"
+    sessions = [KneeSession(t.name, [t.build(i).token_ids for i in range(min(args.knee_calls, len(t.calls)))],
+                            args.new_tokens) for t in trajs]
+    return TextTrace(source=source, kind="swe-agent", sessions=sessions), source
+
+
+def knee_calls(trace) -> list[Call]:
+    """The engines' calls in the replay's round-robin order (``workloads.sizing.ordering.schedule``)."""
+    from workloads.sizing.ordering import schedule
+
+    order = schedule(trace.sessions, "round-robin", KNEE_IN_FLIGHT)
+    return [Call(r.rid, r.session, r.token_ids.tolist()) for r in (trace.sessions[s].build(i) for s, i in order)]
+
+
+def knee_sweep(trace, P: int, pages: list[int]):
+    """The replay on the same calls at ``pages`` (blocks of ``P``): ``lru`` with the offline optimum, and the
+    default (``workloads.sizing.sweep.run_sweep``, the code path of ``mmcache replay --eviction ...,optimal``)."""
+    from mmcache.eviction import DEFAULT_POLICY
+    from workloads.sizing.sweep import run_sweep
+
+    sizes = [n * P for n in pages]
+    kw = dict(page_size=P, pool_sizes=sizes, order="round-robin", in_flight=KNEE_IN_FLIGHT)
+    return run_sweep(trace, eviction="lru", **kw), run_sweep(trace, eviction=DEFAULT_POLICY, optimal=False, **kw)
+
+
+def knee_pages(trace, P: int, args) -> tuple[list[int], str]:
+    """The pool sizes (blocks) of the knee: ``--knee-pools``, else the ``--knee-points`` sizes of a grid from one
+    largest request (over the peer's margin) to every distinct prompt page plus 8 requests where the replay's ``lru``
+    and optimum differ most; and a line saying how they were found."""
+    from workloads.sizes import format_size, parse_sizes
+
+    if args.knee_pools:
+        return [max(1, int(t) // P) for t in parse_sizes(args.knee_pools)], "given (--knee-pools)"
+    requests = [trace.sessions[s].build(i) for s in range(len(trace.sessions))
+                for i in range(len(trace.sessions[s].calls))]
+    largest = max(-(-(r.prompt_len + r.output_len) // P) for r in requests)
+    distinct = len({hash(r.token_ids[:(i + 1) * P].tobytes()) for r in requests for i in range(r.prompt_len // P)})
+    lo, hi = int(largest * 1.25) + 2, distinct + KNEE_IN_FLIGHT * largest
+    grid = sorted({lo + (hi - lo) * k // (KNEE_GRID - 1) for k in range(KNEE_GRID)})
+    lru, _ = knee_sweep(trace, P, grid)
+    gaps = [(o.hit_tokens - r.hit_tokens, n) for r, o, n in zip(lru.runs, lru.optimal, grid)]
+    best = sorted(n for _, n in sorted(gaps, key=lambda g: (-g[0], g[1]))[:args.knee_points])
+    by = ", ".join(f"{g:,}" for g, n in gaps if n in best)
+    none = "" if max(g for g, _ in gaps) > 0 else "; lru matched the optimum at every size: no knee on these calls"
+    return best, (f"the {len(best)} of {len(grid)} sizes from {format_size(lo * P)} to {format_size(hi * P)} tokens "
+                  f"where the replay's lru and optimum differ most (by {by} prompt tokens){none}")
+
+
+def bench_knee(model, args, extra=()) -> None:
+    """The knee table: per pool size, prompt tokens computed, hit share and share of the optimum's reuse for the peer's
+    own sharing, mmcache under the same engine with ``lru`` and with the default, each of ``extra`` (``(label,
+    fn(calls, pages, args) -> (Run, blocks held, live))``: bench_vllm's vLLM; ``args`` carries the knee's page size),
+    and the replay's ``lru``, default and optimum on the same calls at the blocks the peer engine held."""
+    from mmcache.eviction import DEFAULT_POLICY
+
+    kargs = argparse.Namespace(**{**vars(args), "page_size": args.knee_page_size})
+    P = kargs.page_size
+    started = time.perf_counter()
+    trace, source = load_knee_trace(args)
+    calls = knee_calls(trace)
+    prompt = sum(len(c.token_ids) for c in calls)
+    pages, how = knee_pages(trace, P, args)
+    print(f"\n## knee: {len(trace.sessions)} agent sessions x up to {args.knee_calls} calls, round-robin, "
+          f"{KNEE_IN_FLIGHT} in flight, page {P}: {len(calls)} requests, {prompt:,} prompt tokens, ceiling "
+          f"{sum(ceiling(calls, P)) / prompt:.1%} reusable")
+    print(f"# source: {source}")
+    print(f"# pools: {how}")
+
+    def mmcache_in_peer(pg, policy):  # also how many requests held pages in its cache as each one completed
+        live: list[int] = []
+        run, held = run_peer(model, calls, share=True, pages=pg, args=kargs, inflight=KNEE_IN_FLIGHT, mmcache=True,
+                             eviction=policy, probe=lambda e: live.append(e.prefix_cache.stats().requests_live))
+        return run, held, f"{statistics.mean(live):.1f}"
+
+    engines = [("peer share-on", lambda pg: run_peer(model, calls, share=True, pages=pg, args=kargs,
+                                                     inflight=KNEE_IN_FLIGHT) + ("-",)),
+               ("mmcache lru", lambda pg: mmcache_in_peer(pg, "lru")),
+               (f"mmcache {DEFAULT_POLICY} (default)", lambda pg: mmcache_in_peer(pg, DEFAULT_POLICY))]
+    engines += [(name, lambda pg, fn=fn: fn(calls, pg, kargs)) for name, fn in extra]
+    measured = []  # per pool: (blocks the first engine held, [(label, run, blocks held, live)])
+    for pg in pages:
+        rows = [(name, *fn(pg)) for name, fn in engines]
+        measured.append((rows[0][2], rows))
+    lru, default = knee_sweep(trace, P, [held for held, _ in measured])
+    print(f"{'pool tok':>8} {'blocks':>6} {'engine / policy':<26} {'computed':>9} {'hit share':>9} {'of optimal':>10} "
+          f"{'live':>5} {'same out':>8} {'wall s':>6}")
+    for k, (held, rows) in enumerate(measured):
+        opt = lru.optimal[k].hit_tokens
+        of = lambda hit: f"{hit / opt:.1%}" if opt else "-"  # noqa: E731
+        ref = rows[0][1].outcomes
+        for label, run, blocks, live in rows:
+            hit = sum(o.matched_tokens for o in run.outcomes)
+            agree = sum(a.output_ids == b.output_ids for a, b in zip(run.outcomes, ref))
+            same = "ref" if run.outcomes is ref else f"{agree}/{len(ref)}"
+            note = "" if blocks == held else f" ({blocks} blocks)"
+            print(f"{held * P:>8,} {held:>6} {label + note:<26} {prompt - hit:>9,} {hit / prompt:>9.1%} {of(hit):>10} "
+                  f"{live:>5} {same:>8} {run.wall_s:>6.1f}")
+        for label, r in (("replay lru", lru.runs[k]), (f"replay {DEFAULT_POLICY} (default)", default.runs[k]),
+                         ("replay optimal", lru.optimal[k])):
+            print(f"{held * P:>8,} {held:>6} {label:<26} {prompt - r.hit_tokens:>9,} {r.hit_tokens / prompt:>9.1%} "
+                  f"{of(r.hit_tokens):>10} {f'<={r.peak_live_requests}':>5} {'':>8} {'':>6}")
+    print(f"# {time.perf_counter() - started:.0f} s, one run of each engine (the reuse repeats; wall s is one "
+          f"sample on a shared machine)")
+    print("\n".join("# " + line for line in KNEE_NOTE.format(new=args.new_tokens, inflight=KNEE_IN_FLIGHT,
+                                                              chunk=args.batch_tokens).splitlines()))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ largest request x in flight to unbounded) and engine: prompt tokens computed (vL
 ``num_cached_tokens``), share of the ceiling, TTFT p50/p99, req/s, outputs equal to the transformers engine with
 sharing off. vLLM's load (about 17 s) is outside its timing; each configuration runs ``--runs`` times.
 
+Knee section (``--knee``; alone when ``--traces`` is not given): ``bench_peer_transformers.py``'s, with vLLM's automatic
+prefix caching as one more engine on the same calls (agent sessions round-robin, 8 in flight, at the pool sizes where
+the replay's ``lru`` and its offline optimum differ most): prompt tokens computed, hit share and share of the
+optimum's reuse per engine, beside the replay's ``lru``, default and optimum. On this script's model (hidden 256),
+slower than the peer script's tiny one.
+
 Run: python benchmarks/bench_vllm.py [--traces mt-bench] [--inflight 1,4] [--runs 1]
+     python benchmarks/bench_vllm.py --knee [--knee-sessions 8 --knee-calls 4]
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_peer_transformers import Run, ceiling, load_calls, run_peer, spread, summarize  # noqa: E402
+from bench_peer_transformers import (KNEE_IN_FLIGHT, Run, add_knee_args, bench_knee, ceiling, load_calls,  # noqa: E402
+                                     run_peer, spread, summarize)
 from workloads.peers.transformers_cb import Call, Outcome  # noqa: E402
 
 DRIVER = Path(__file__).resolve().with_name("vllm_driver.py")
@@ -68,7 +76,8 @@ def run_vllm(python: str, folder: Path, calls: list[Call], *, pages: int, inflig
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
-    ap.add_argument("--traces", default="mt-bench")
+    ap.add_argument("--traces", default=None, help="mt-bench, sharegpt, swe-agent, mooncake (default mt-bench; none "
+                    "with --knee unless given)")
     ap.add_argument("--inflight", default="1,4")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
@@ -84,7 +93,10 @@ def main(argv=None) -> None:
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MMCACHE_MODEL_DIR",
                                                                           Path.home() / ".cache/mmcache/models")))
+    add_knee_args(ap, "longer than bench_peer_transformers.py's (this model is wider, and vLLM starts in about 20 s "
+                  "per pool)")
     args = ap.parse_args(argv)
+    traces = [t for t in (args.traces if args.traces is not None else "" if args.knee else "mt-bench").split(",") if t]
     if not Path(args.vllm_python).is_file():
         print(f"# skipped: no vLLM environment at {args.vllm_python} (see the docstring to make one)")
         return
@@ -96,7 +108,7 @@ def main(argv=None) -> None:
     print(f"# machine: {platform.machine()}, {os.cpu_count()} CPUs, threads {args.threads}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; random-weight Llama hidden 256, 2 layers, head_dim 64; page "
           f"{P}, {args.new_tokens} new tokens, {args.runs} run(s) (median, min-max)")
-    for trace in args.traces.split(","):
+    for trace in traces:
         calls = load_calls(trace, args)
         for inflight in map(int, args.inflight.split(",")):
             ceil = ceiling(calls, P)
@@ -138,6 +150,23 @@ def main(argv=None) -> None:
                     print(f"{pages:>6} {label:<16} {row['computed']:>9,} {row['of_ceiling']:>7.1%} "
                           f"{spread(row['p50'], '%.1f'):>20} {spread(row['p99'], '%.1f'):>20} "
                           f"{spread(row['rps'], '%.1f'):>18} {same:>8}", flush=True)
+    if args.knee:
+        knee_vllm(model, folder, args)
+
+
+def knee_vllm(model, folder: Path, args) -> None:
+    """The peer script's knee section on this script's model, with vLLM (its automatic prefix caching, blocks of
+    ``--knee-page-size``, exactly the pool's blocks) as one more engine."""
+    versions = set()
+
+    def vllm(calls, pages, kargs):
+        run, version = run_vllm(args.vllm_python, folder, calls, pages=pages, inflight=KNEE_IN_FLIGHT, args=kargs)
+        versions.add(version)
+        return run, pages, "-"
+
+    bench_knee(model, args, extra=[("vllm APC", vllm)])
+    print(f"# vllm APC: vLLM {', '.join(sorted(versions))} with automatic prefix caching (its per-request "
+          f"num_cached_tokens), max_num_seqs {KNEE_IN_FLIGHT}, as many blocks as the pool")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 - a forced collision: the peer's block hash made constant (monkeypatched here: that is the peer, not the thing under
   test) serves another prompt's KV and its outputs change; mmcache with every page name equal still verifies the
   tokens, matches nothing it should not, and its outputs do not change;
-- two tenants with the same prompt: the peer shares between them (its hash has no salt); mmcache with salts does not.
+- two tenants with the same prompt: the peer shares between them (its hash has no salt); mmcache with salts does not;
+- mmcache under the peer's engine evicts by the policy the driver names (the knee rows of the peer benchmark).
 """
 
 import pytest
@@ -86,3 +87,13 @@ def test_two_tenants_share_in_the_peer_not_in_mmcache_with_salts(tiny_llama, pro
     served = ours(tiny_llama, same, salts=[b"tenant-a", b"tenant-b", b"tenant-a"])
     assert [s.matched_tokens for s in served] == [0, 0, (len(prompts[3]) - 1) // P * P]
     assert all(s.output_ids == reference[3] for s in served)
+
+
+@pytest.mark.parametrize("policy", ["lru", "odds"])
+def test_mmcache_under_the_peer_evicts_by_the_policy_named(tiny_llama, prompts, reference, policy):
+    with PeerEngine(tiny_llama, share=True, page_size=P, num_blocks=128, max_batch_tokens=128, max_new_tokens=NEW,
+                    mmcache=True, eviction=policy) as e:
+        out = e.replay(calls(prompts))
+        assert e.prefix_cache.pool.policy.name == policy
+    assert [o.output_ids for o in out] == reference
+    assert sum(o.matched_tokens for o in out) > 0
