@@ -158,7 +158,7 @@ def tiny_chat(tiny_model, tiny_media) -> TinyChatKit:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# EncoderStore helpers (tests/test_encoder_store*.py); imported the same way.
+# EncoderStore helpers (tests/mmcache/test_encoder_store*.py); imported the same way.
 STORE_PB = 64  # page bytes in most tests: 16 float32 per page
 
 
@@ -199,8 +199,9 @@ def store_all_free(store):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The continuous-batching engine tests (tests/test_peer_transformers.py, tests/test_hf_continuous_batching.py): the same
-# prompts and the plain ``generate`` reference on the tiny Llama, page 16, 6 new tokens.
+# The continuous-batching engine tests (tests/workloads/test_peer_transformers.py,
+# tests/mmcache/hf/test_hf_continuous_batching.py): the same prompts and the plain ``generate`` reference on the tiny
+# Llama, page 16, 6 new tokens.
 ENGINE_P, ENGINE_NEW = 16, 6
 
 

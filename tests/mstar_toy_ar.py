@@ -11,7 +11,9 @@ is the same model with no cache at all, the reference the stand-in is checked ag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import torch
 
@@ -28,6 +30,7 @@ from mstar.engine.resources.base import EngineResourceInfo, build_resource  # no
 from mstar.engine.resources.kv.transfer import TransferEngineInfo  # noqa: E402
 from mstar.model.submodule_base import ARNodeInputs  # noqa: E402
 
+from mmcache.mstar import kv_resource  # noqa: E402
 from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVSpec  # noqa: E402
 from mmcache.mstar.switch import name_what_is_fed  # noqa: E402
 
@@ -218,6 +221,38 @@ def host_pool(n: Node, pages: int):
             pass
 
     return HostPagePoolOnCPU(n.kv.config, n.kv.kv_cache, pages)
+
+
+# -- decode ids as from a CUDA device (their copy to the host lands later) -------------------------------------------
+class PendingCopy:
+    """Stands in for the CUDA event of a copy to the host (``kv_resource.ids_to_host``): done when the schedule says
+    so, or when waited for."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@contextlib.contextmanager
+def ids_as_from_a_device(copies: list):
+    """The CPU ids of the toy node handled as ids on a CUDA device are: not joined when fed (``_step_ids`` refuses
+    them), and joined and copied to the host by ``ids_to_host``, the copy done only when its ``PendingCopy``
+    (appended to ``copies``) says so; None where the real one refuses."""
+    def start(streams):
+        chunks = [chunk for stream in streams for chunk in stream]
+        ids = kv_resource._one_tensor(chunks) if all(isinstance(c, torch.Tensor) for c in chunks) else None
+        if ids is None:
+            return None
+        copies.append(PendingCopy())
+        return ids.clone(), copies[-1]
+    with mock.patch.object(kv_resource, "ids_to_host", start), \
+            mock.patch.object(kv_resource, "_step_ids", lambda ids: None):
+        yield
 
 
 # -- the same node under M*'s real Engine ---------------------------------------------------------------------------

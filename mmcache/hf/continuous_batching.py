@@ -23,7 +23,7 @@ What changes inside the engine (and nothing else does: the scheduler, the model 
 Page ``p`` of the ``PrefixCache`` is the engine's block ``p + reserved``, where ``reserved`` are the trash sectors'
 blocks. The ``PagePool`` holds ids and owner counts only (``page_shape=()``): the KV stays in the engine's tensor.
 
-Private API this relies on (transformers 5.24, ``TESTED_TRANSFORMERS``; ``tests/test_hf_continuous_batching.py``
+Private API this relies on (transformers 5.24, ``TESTED_TRANSFORMERS``; ``tests/mmcache/hf/test_hf_continuous_batching.py``
 fails when it moves): ``cache.ATTN_TYPE_TO_ALLOCATOR``, the ``CacheAllocator`` block-level methods, the
 ``CachePool`` fields ``free_sectors``, ``_free_blocks`` and ``num_reserved_sectors``, and
 ``PagedAttentionCache.search_prefix_match(request_id, prompt_ids)``, wrapped once to pass the request id (the
@@ -66,7 +66,7 @@ def _check_version() -> None:
     if (major, minor) != TESTED_TRANSFORMERS[1]:
         raise InvalidRequest(f"mmcache's continuous-batching allocator is tested with transformers "
                              f"{TESTED_TRANSFORMERS[0]}, found {transformers.__version__}: its private cache API "
-                             "may have moved (run tests/test_hf_continuous_batching.py)")
+                             "may have moved (run tests/mmcache/hf/test_hf_continuous_batching.py)")
 
 
 class _FreeBlocks:

@@ -18,7 +18,7 @@ positions), so two runs agree bit for bit when every position's K/V came from fo
 is a page boundary) and decodes one token per forward. The uncached run of the same schedule replays the spans that
 computed the matched pages (earlier requests' chunks and decode steps), then the cached run's own. With
 ``chunk_tokens`` equal to the page size every page boundary is a chunk boundary, so that replay always exists; this
-is how tests/test_bit_exact_gate.py runs.
+is how tests/mmcache/hf/test_bit_exact_gate.py runs.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def test_instance_b_serves_a_s_image_features_and_negative_embedding_without_run
     for seed in (1, 2):
         (path := tmp_path / f"{seed}.png").write_bytes(png_bytes(seed))
         images.append(str(path))
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
     with MooncakeMaster() as master:
         a = subprocess.Popen([sys.executable, str(root / "tests" / "encoder_instance.py"), str(vision_folder),

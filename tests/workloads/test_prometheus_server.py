@@ -24,7 +24,7 @@ from workloads.harness.tier_series import reads_lower_tiers
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="no prometheus binary: apt-get install prometheus (.ci/run does)")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_S, STEP_S, LINGER_S = 0.25, 1.0, 2.0
 TTFA_SLO_S = 0.1
 

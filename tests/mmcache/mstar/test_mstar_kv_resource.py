@@ -13,11 +13,9 @@ from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
-    KV, LABEL, P, KVStep, PrefixReuse, Segment, StepContext, SubmoduleStep, dense_logits, ids_feed, node, serve, step,
-    weights,
+    KV, LABEL, P, KVStep, PendingCopy, PrefixReuse, Segment, StepContext, SubmoduleStep, dense_logits,
+    ids_as_from_a_device, ids_feed, node, serve, step, weights,
 )
-
-from test_mstar_kv_resource_schedules import PendingCopy, ids_as_from_a_device  # noqa: E402
 
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
 from mmcache.errors import InvalidRequest  # noqa: E402

@@ -71,7 +71,7 @@ def uncached(model, prompt, prefix_schedule, got):
 @needs_mooncake
 def test_instance_b_hits_what_instance_a_published(llama_folder, master, instance):
     first = random_tokens(13, 1)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
     a = subprocess.Popen([sys.executable, str(root / "tests" / "mooncake_instance.py"), str(llama_folder),
                           master.rpc_address, master.metadata_url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

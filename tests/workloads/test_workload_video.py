@@ -11,8 +11,9 @@ from workloads.models import video_chat, video_gen
 from workloads.models.video_gen import Clip, VideoGen
 from workloads.models.vlm_chat import chats
 from workloads.options import ModelWorkloadOptions
-from tests.test_video import bad_clips, frames
 from workloads.traces.clips import encode_frames
+
+from made_clips import bad_clips, frames
 
 TRACE = Schedule.parse("trace")
 

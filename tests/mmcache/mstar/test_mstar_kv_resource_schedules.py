@@ -7,7 +7,6 @@ indexed page holds exactly the K/V that a cold prefill of its chain's verifying 
 wait for a later request to hit the page)."""
 
 import contextlib
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,9 +17,9 @@ from hypothesis import strategies as st
 from mstar_helpers import require_mstar
 
 require_mstar()
-from mstar_toy_ar import D, LABEL, P, PrefixReuse, ids_feed, node, project, step, weights  # noqa: E402
-
-from mmcache.mstar import kv_resource  # noqa: E402
+from mstar_toy_ar import (  # noqa: E402
+    D, LABEL, P, PendingCopy, PrefixReuse, ids_as_from_a_device, ids_feed, node, project, step, weights,
+)
 
 W = weights()
 PREFIXES = (list(range(3, 15)), list(range(40, 52)))  # three pages each at the toy's page size 4
@@ -53,37 +52,6 @@ def both(nodes, walk: str, feeds: dict) -> dict:
         assert torch.equal(on[rid], off[rid]), f"{walk} of {rid}: reuse on differs from reuse off"
     indexed_pages_hold_the_kv_of_their_ids(nodes[0].kv)
     return on
-
-
-class PendingCopy:
-    """Stands in for the CUDA event of a copy to the host (``kv_resource.ids_to_host``): done when the schedule says
-    so, or when waited for."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.done = True
-
-
-@contextlib.contextmanager
-def ids_as_from_a_device(copies: list):
-    """The CPU ids of the toy node handled as ids on a CUDA device are: not joined when fed (``_step_ids`` refuses
-    them), and joined and copied to the host by ``ids_to_host``, the copy done only when its ``PendingCopy``
-    (appended to ``copies``) says so; None where the real one refuses."""
-    def start(streams):
-        chunks = [chunk for stream in streams for chunk in stream]
-        ids = kv_resource._one_tensor(chunks) if all(isinstance(c, torch.Tensor) for c in chunks) else None
-        if ids is None:
-            return None
-        copies.append(PendingCopy())
-        return ids.clone(), copies[-1]
-    with mock.patch.object(kv_resource, "ids_to_host", start), \
-            mock.patch.object(kv_resource, "_step_ids", lambda ids: None):
-        yield
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -160,7 +160,7 @@ def test_runs_with_mstar_blocked():
             "assert not [m for m in sys.modules if m.startswith('mstar.')], 'M* was imported'\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code, str(here)], capture_output=True, text=True, timeout=300,
-                         cwd=here.parent)
+                         cwd=here.parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

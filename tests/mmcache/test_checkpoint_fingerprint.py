@@ -28,7 +28,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.module_fingerprint import module_fingerprint
 from mmcache.weights_fingerprint import weights_fingerprint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_bert(seed: int = 0, **config) -> BertModel:

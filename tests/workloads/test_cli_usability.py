@@ -14,7 +14,7 @@ from workloads.commands import common
 from workloads.cli import main
 from workloads.harness.metrics import RequestRecord, RunResult, failure_lines
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

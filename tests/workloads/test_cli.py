@@ -11,7 +11,7 @@ import pytest
 from workloads.cli import main
 from workloads.sizes import format_size, parse_size, parse_sizes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TOP_KEYS = {"page_size", "requests", "prompt_tokens", "ceiling_hit_tokens", "order", "in_flight", "runs",
             "malformed_lines"}
