@@ -23,11 +23,12 @@ What changes inside the engine (and nothing else does: the scheduler, the model 
 Page ``p`` of the ``PrefixCache`` is the engine's block ``p + reserved``, where ``reserved`` are the trash sectors'
 blocks. The ``PagePool`` holds ids and owner counts only (``page_shape=()``): the KV stays in the engine's tensor.
 
-Private API this relies on (transformers 5.24, ``TESTED_TRANSFORMERS``; ``tests/mmcache/hf/test_hf_continuous_batching.py``
-fails when it moves): ``cache.ATTN_TYPE_TO_ALLOCATOR``, the ``CacheAllocator`` block-level methods, the
-``CachePool`` fields ``free_sectors``, ``_free_blocks`` and ``num_reserved_sectors``, and
-``PagedAttentionCache.search_prefix_match(request_id, prompt_ids)``, wrapped once to pass the request id (the
-allocator's own ``match_prefix_blocks`` receives the tokens only, and the salt is per request).
+Private API this relies on (transformers 5.24, ``TESTED_TRANSFORMERS``;
+``tests/mmcache/hf/test_hf_continuous_batching.py`` fails when it moves): ``cache.ATTN_TYPE_TO_ALLOCATOR``, the
+``CacheAllocator`` block-level methods, the ``CachePool`` fields ``free_sectors``, ``_free_blocks`` and
+``num_reserved_sectors``, and ``PagedAttentionCache.search_prefix_match(request_id, prompt_ids)``, wrapped once to
+pass the request id (the allocator's own ``match_prefix_blocks`` receives the tokens only, and the salt is per
+request).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 (request, label) stream write, matches it against the label's ``PrefixLifecycle`` and indexes its pages as they fill.
 It imports nothing of ``mstar``: ``ReuseKVManager`` (``mmcache.mstar.kv_resource``) keeps M*'s hooks and calls it
 (the seam's ``feed``/``feed_rows`` before M* admits a step, ``commit`` after M* committed the step's writes, ``forget``
-when a request leaves or is reset), and a test drives it on a plain ``PagePool`` (``tests/mmcache/mstar/test_reuse_state.py``).
+when a request leaves or is reset), and a test drives it on a plain ``PagePool``
+(``tests/mmcache/mstar/test_reuse_state.py``).
 
 The table it is handed (``streams``: rid -> label -> stream) is the host's: a stream is anything with M*'s
 ``CacheStream`` fields this module reads and moves, ``page_indices`` (one owner per page listed, the table's),
