@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from mooncake_master import free_ports
+from gloo_ranks import spawn_gloo
 
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.errors import InvalidRequest, OutOfPages, RefusedByGroup
@@ -57,60 +56,56 @@ class Rank:
         assert all(torch.equal(e, mine) for e in every)
 
 
-def _scenarios(rank, world, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        rng = np.random.default_rng(0)  # same seed: every rank sees the same traffic
-        base = rng.integers(0, 1000, 12).tolist()
-        # identical traffic: agreement is a no-op
-        r = Rank(rank, world)
-        r.run("a", base + [1, 2], out=[7, 7, 7])
-        assert r.run("b", base + [3]).matched_tokens == 12
-        # one rank evicted its pages: everyone keeps none
-        if rank == world - 1:
-            r.tp.clear()
-        st = r.run("c", base + [4])
-        assert st.matched_tokens == 0 and r.tp.stats().requests_live == 0
-        # a smaller pool on one rank: it keeps fewer pages; the group keeps what it kept
-        r = Rank(rank, world, pages=6 if rank == 1 else 64)
-        r.run("d", base + [5, 6, 7])                          # 4 pages
-        r.run("e", rng.integers(0, 1000, 14).tolist())        # rank 1 evicts part of d's chain
-        matched = r.run("f", base + [8]).matched_tokens
-        assert matched < 12 and r.pool.counts.sum() == len(r.tp.index)
-        # a rank whose pool is full of live requests at admission: all ranks refuse, nothing is left held
-        r = Rank(rank, world, pages=8)
-        r.run("g", base + [1])
-        if rank == 0:
-            r.tp.admit_unnamed("hog")
-            r.tp.grow("hog", 6 * P)
-        err = OutOfPages if rank == 0 else RefusedByGroup
-        with pytest.raises(err):
-            r.tp.admit("h", np.asarray(base + [2], dtype=np.int32), reserve_tokens=13)
-        assert r.tp.stats().requests_live == (1 if rank == 0 else 0)
-        if rank == 0:
-            r.tp.abort("hog")
-        assert r.run("h", base + [2]).matched_tokens < 12  # rank 0 evicted part of g's chain for the hog
-        # a forced collision on one rank: its index holds other tokens under the request's names
-        r = Rank(rank, world)
-        target = np.asarray(base + [9], dtype=np.int32)
-        names = page_names(r.tp.fingerprint, target)
-        if rank == 1:
-            r.run("evil", rng.integers(0, 1000, 13).tolist(), names=names)
-        else:
-            rng.integers(0, 1000, 13)
-            r.run("first", target)
-        st = r.run("target", target)
-        assert st.matched_tokens == 0
-        if rank == 1:
-            assert r.tp.stats().collisions >= 1
-    finally:
-        dist.destroy_process_group()
+def _scenarios(rank, world):
+    rng = np.random.default_rng(0)  # same seed: every rank sees the same traffic
+    base = rng.integers(0, 1000, 12).tolist()
+    # identical traffic: agreement is a no-op
+    r = Rank(rank, world)
+    r.run("a", base + [1, 2], out=[7, 7, 7])
+    assert r.run("b", base + [3]).matched_tokens == 12
+    # one rank evicted its pages: everyone keeps none
+    if rank == world - 1:
+        r.tp.clear()
+    st = r.run("c", base + [4])
+    assert st.matched_tokens == 0 and r.tp.stats().requests_live == 0
+    # a smaller pool on one rank: it keeps fewer pages; the group keeps what it kept
+    r = Rank(rank, world, pages=6 if rank == 1 else 64)
+    r.run("d", base + [5, 6, 7])                          # 4 pages
+    r.run("e", rng.integers(0, 1000, 14).tolist())        # rank 1 evicts part of d's chain
+    matched = r.run("f", base + [8]).matched_tokens
+    assert matched < 12 and r.pool.counts.sum() == len(r.tp.index)
+    # a rank whose pool is full of live requests at admission: all ranks refuse, nothing is left held
+    r = Rank(rank, world, pages=8)
+    r.run("g", base + [1])
+    if rank == 0:
+        r.tp.admit_unnamed("hog")
+        r.tp.grow("hog", 6 * P)
+    err = OutOfPages if rank == 0 else RefusedByGroup
+    with pytest.raises(err):
+        r.tp.admit("h", np.asarray(base + [2], dtype=np.int32), reserve_tokens=13)
+    assert r.tp.stats().requests_live == (1 if rank == 0 else 0)
+    if rank == 0:
+        r.tp.abort("hog")
+    assert r.run("h", base + [2]).matched_tokens < 12  # rank 0 evicted part of g's chain for the hog
+    # a forced collision on one rank: its index holds other tokens under the request's names
+    r = Rank(rank, world)
+    target = np.asarray(base + [9], dtype=np.int32)
+    names = page_names(r.tp.fingerprint, target)
+    if rank == 1:
+        r.run("evil", rng.integers(0, 1000, 13).tolist(), names=names)
+    else:
+        rng.integers(0, 1000, 13)
+        r.run("first", target)
+    st = r.run("target", target)
+    assert st.matched_tokens == 0
+    if rank == 1:
+        assert r.tp.stats().collisions >= 1
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_agree_on_the_matched_length_and_hold_the_same_bytes(world):
-    mp.spawn(_scenarios, args=(world, free_ports(1)[0]), nprocs=world, join=True)
+    spawn_gloo(_scenarios, world)
 
 
 class GroupOf:
