@@ -171,6 +171,18 @@ def _chat_template(messages, **_):
     return "".join(render(m["content"]) for m in messages) + "<assistant>"
 
 
+def qwen3_omni_on_cpu(monkeypatch, root):
+    """The tiny Qwen3-Omni encoders' checkpoint written under ``root`` and Qwen3-Omni's processors, with what its
+    encoder nodes need on the CPU put in through ``monkeypatch`` (the flashinfer stand-in, sdpa towers): ``(weights
+    folder, the towers it was written from, image processor, feature extractor)``."""
+    from mstar_encoder_checkpoints import qwen3_omni_encoders, sdpa_encoder_towers
+
+    install_flashinfer_standin(monkeypatch)
+    sdpa_encoder_towers(monkeypatch)
+    weights, towers = qwen3_omni_encoders(root)
+    return (weights, towers, *qwen3_omni_processors())
+
+
 def qwen3_omni_model(image_processor, feature_extractor, weights=None):
     """M*'s ``Qwen3OmniModel`` with its checkpoint-loading constructor skipped: its own ``process_prompt`` and
     schedule run over the given processors, a byte tokenizer and a one-line chat template. With ``weights`` (a

@@ -11,10 +11,8 @@ import pytest
 import torch
 
 import made_media
-from mstar_encoder_checkpoints import qwen3_omni_encoders, sdpa_encoder_towers
-from mstar_encoder_helpers import (CpuEngine, ForwardCount, assert_equal_outputs, data_worker,
-                                   install_flashinfer_standin, load_audio_16k, preprocess, qwen3_omni_model,
-                                   qwen3_omni_processors, require_mstar, worker_engine)
+from mstar_encoder_helpers import (CpuEngine, ForwardCount, assert_equal_outputs, data_worker, load_audio_16k,
+                                   preprocess, qwen3_omni_model, qwen3_omni_on_cpu, require_mstar, worker_engine)
 
 require_mstar()
 
@@ -67,10 +65,7 @@ NODES = ("vision_encoder", "audio_encoder")
 
 @pytest.fixture
 def setup(tmp_path_factory, monkeypatch):
-    install_flashinfer_standin(monkeypatch)
-    sdpa_encoder_towers(monkeypatch)
-    weights, _ = qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
-    image_processor, feature_extractor = qwen3_omni_processors()
+    weights, _, image_processor, feature_extractor = qwen3_omni_on_cpu(monkeypatch, tmp_path_factory.mktemp("q3o"))
     counted = Counting(image_processor), Counting(feature_extractor)
     on, off = (qwen3_omni_model(image_processor, feature_extractor, weights) for _ in range(2))
     enable_encoder_reuse(on, capacity_bytes=1 << 22, page_bytes=4096)

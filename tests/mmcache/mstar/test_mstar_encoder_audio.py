@@ -10,10 +10,9 @@ import importlib.util
 import pytest
 
 import made_media
-from mstar_encoder_checkpoints import qwen3_omni_encoders, same_parameters, sdpa_encoder_towers
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, install_flashinfer_standin,
-                                   load_audio_16k, preprocess, qwen3_omni_model, qwen3_omni_processors,
-                                   require_mstar, served_node)
+from mstar_encoder_checkpoints import same_parameters
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, load_audio_16k, preprocess,
+                                   qwen3_omni_model, qwen3_omni_on_cpu, require_mstar, served_node)
 
 require_mstar()
 
@@ -28,10 +27,7 @@ def audio(tmp_path_factory):
     """``(make, worker, reference)``: ``make()`` a fresh M* Qwen3-Omni model over the tiny encoders' folder, the
     data worker (its own model, the digest hook installed), the audio tower the folder was written from."""
     mp = pytest.MonkeyPatch()
-    install_flashinfer_standin(mp)
-    sdpa_encoder_towers(mp)
-    weights, towers = qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
-    image_processor, feature_extractor = qwen3_omni_processors()
+    weights, towers, image_processor, feature_extractor = qwen3_omni_on_cpu(mp, tmp_path_factory.mktemp("q3o"))
     model = qwen3_omni_model(image_processor, feature_extractor)
     if importlib.util.find_spec("torchcodec") is None:
         model.load_audio = load_audio_16k

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import made_media
-from mstar_encoder_checkpoints import qwen3_omni_encoders, same_parameters, sdpa_encoder_towers
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, install_flashinfer_standin,
-                                   preprocess, qwen3_omni_model, qwen3_omni_processors, require_mstar, served_node)
+from mstar_encoder_checkpoints import same_parameters
+from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, preprocess, qwen3_omni_model,
+                                   qwen3_omni_on_cpu, require_mstar, served_node)
 
 require_mstar()
 
@@ -31,10 +31,7 @@ def vision(tmp_path_factory):
     """``(make, worker, reference)``: ``make()`` a fresh M* Qwen3-Omni model over the tiny encoders' folder, the
     data worker (its own model, the digest hook installed), the vision tower the folder was written from."""
     mp = pytest.MonkeyPatch()
-    install_flashinfer_standin(mp)
-    sdpa_encoder_towers(mp)
-    weights, towers = qwen3_omni_encoders(tmp_path_factory.mktemp("q3o"))
-    image_processor, feature_extractor = qwen3_omni_processors()
+    weights, towers, image_processor, feature_extractor = qwen3_omni_on_cpu(mp, tmp_path_factory.mktemp("q3o"))
     worker = data_worker(qwen3_omni_model(image_processor, feature_extractor))
     install_digests(worker, {"image": image_processor, "audio": feature_extractor})
     yield (lambda: qwen3_omni_model(image_processor, feature_extractor, weights)), worker, towers["visual"]
