@@ -225,7 +225,7 @@ def _model_report(args, name: str, options, off, on, slo, started: float, mstar:
               f"--pool-pages ({options.pool_pages:,}) KV {'pages' if mstar else 'blocks'} in the engine, cache off "
               f"keeps nothing in them")
         if mstar:
-            rows = [sum(r.result.prompt_tokens - r.result.hit_tokens for r in run.completed) for run in (off, on)]
+            rows = [run.computed_tokens for run in (off, on)]
             print(f"prompt rows computed cache off / on: {rows[0]:,} / {rows[1]:,} of "
                   f"{sum(r.result.prompt_tokens for r in off.completed):,}")
     else:

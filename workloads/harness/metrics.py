@@ -167,6 +167,11 @@ class RunResult:
         return [r for r in self.records if r.ok]
 
     @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the completed requests computed: their prompts less what the cache gave them."""
+        return sum(r.result.prompt_tokens - r.result.hit_tokens for r in self.completed)
+
+    @property
     def makespan_s(self) -> float:
         return max(r.end_s for r in self.records) - min(r.arrival_s for r in self.records) if self.records else 0.0
 
