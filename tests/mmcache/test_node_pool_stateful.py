@@ -19,6 +19,7 @@ from mmcache.errors import OutOfPages
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache
 from conftest import store_key, assert_same_value
+from policy_machines import per_policy
 
 P, NUM_PAGES = 2, 10
 PAGE = (2, P, 2)                                 # float32: 32 bytes per page
@@ -182,15 +183,5 @@ class NodeMachine(RuleBasedStateMachine):
         assert self.pool.num_free == NUM_PAGES
 
 
-class LruNodeMachine(NodeMachine):
-    eviction = "lru"
-
-
-class LfuNodeMachine(NodeMachine):
-    eviction = "lfu"
-
-
-TestNodePool = NodeMachine.TestCase
-TestNodePoolLru = LruNodeMachine.TestCase
-TestNodePoolLfu = LfuNodeMachine.TestCase
-TestNodePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+per_policy(NodeMachine, globals(), "TestNodePool")
+TestNodePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)  # the default's, longer

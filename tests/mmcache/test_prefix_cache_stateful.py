@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
+from policy_machines import per_policy
 
 P, PAGES = 4, 12
 SALTS = [b"", b"tenant"]
@@ -290,26 +291,11 @@ class PageLocalNamesMachine(CacheMachine):
     page_local = True
 
 
-class AdaptiveMachine(CacheMachine):
-    eviction = "adaptive"
-
-
 class LruCollidingNamesMachine(CacheMachine):
     collide, eviction = True, "lru"
 
 
-class LruMachine(CacheMachine):
-    eviction = "lru"
-
-
-class LfuMachine(CacheMachine):
-    eviction = "lfu"
-
-
-TestPrefixCacheStateful = CacheMachine.TestCase
-TestPrefixCacheStatefulAdaptive = AdaptiveMachine.TestCase
+per_policy(CacheMachine, globals(), "TestPrefixCacheStateful")
 TestPrefixCacheForcedCollisionsLru = LruCollidingNamesMachine.TestCase
-TestPrefixCacheStatefulLru = LruMachine.TestCase
-TestPrefixCacheStatefulLfu = LfuMachine.TestCase
 TestPrefixCacheForcedCollisions = CollidingNamesMachine.TestCase
 TestPrefixCachePageLocalNames = PageLocalNamesMachine.TestCase

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.pool import HostPagePool
 from mmcache.tiers import HostTier, TierStack
+from policy_machines import per_policy
 
 P = 2
 
@@ -68,14 +69,4 @@ class DeviceAndHost(RuleBasedStateMachine):
         assert self.host.pool.num_free + len(self.host) == self.host.pool.num_pages
 
 
-class LruDeviceAndHost(DeviceAndHost):
-    eviction = "lru"
-
-
-class LfuDeviceAndHost(DeviceAndHost):
-    eviction = "lfu"
-
-
-TestDeviceAndHost = DeviceAndHost.TestCase
-TestDeviceAndHostLru = LruDeviceAndHost.TestCase
-TestDeviceAndHostLfu = LfuDeviceAndHost.TestCase
+per_policy(DeviceAndHost, globals(), "TestDeviceAndHost")
