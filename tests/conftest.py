@@ -221,3 +221,25 @@ def reference(tiny_llama, prompts):
     with torch.inference_mode():
         return [tiny_llama.generate(torch.tensor([p]), max_new_tokens=ENGINE_NEW, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.fixture
+def lingering_scrape(monkeypatch) -> dict:
+    """What a replay's ``--metrics-linger`` serves after its runs: the exporter's page, scraped over HTTP from another
+    thread while the command lingers (``["text"]`` once the command returned)."""
+    import threading
+    import urllib.request
+
+    from workloads.commands import common
+
+    scraped, linger = {}, common._linger
+
+    def scrape_then_linger(exporter, seconds, port):
+        t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()))
+        t.start()
+        linger(exporter, seconds, port)
+        t.join()
+
+    monkeypatch.setattr(common, "_linger", scrape_then_linger)
+    return scraped

@@ -4,8 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -116,18 +114,8 @@ def test_model_replay_prints_failures_service_time_and_the_pool_note(tmp_path, c
     assert json.loads(out.read_text())["summary"]["on"]["failures"]
 
 
-def test_metrics_linger_serves_the_final_state(tmp_path, capsys, monkeypatch):
-    scraped = {}
-    linger = common._linger
-
-    def scrape_then_linger(exporter, seconds, port):
-        t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()))
-        t.start()
-        linger(exporter, seconds, port)
-        t.join()
-
-    monkeypatch.setattr(common, "_linger", scrape_then_linger)
+def test_metrics_linger_serves_the_final_state(tmp_path, capsys, lingering_scrape):
+    scraped = lingering_scrape
     assert main(["replay", "vlm-chat", "--limit", "2", "--max-new-tokens", "2", "--metrics-port", "0",
                  "--metrics-linger", "0.5", "--no-progress"]) == 0
     assert "serving the final metrics on http://127.0.0.1:" in capsys.readouterr().out

@@ -3,13 +3,10 @@ the TTFT model, the command line takes the tier options for trace replays only, 
 tier series of the replayed caches."""
 
 import json
-import threading
-import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workloads.commands import common
 from workloads.cli import main
 from workloads.registry import embedded_slice
 from workloads.sizing.replay import replay_trace
@@ -51,17 +48,8 @@ def test_the_cli_reports_reuse_per_tier(capsys):
         main(["replay", "--host-tokens", "inf"])
 
 
-def test_a_trace_replay_with_tiers_serves_the_tier_series(tmp_path, capsys, monkeypatch):
-    scraped, linger = {}, common._linger
-
-    def scrape_then_linger(exporter, seconds, port):
-        t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()))
-        t.start()
-        linger(exporter, seconds, port)
-        t.join()
-
-    monkeypatch.setattr(common, "_linger", scrape_then_linger)
+def test_a_trace_replay_with_tiers_serves_the_tier_series(tmp_path, capsys, lingering_scrape):
+    scraped = lingering_scrape
     out = tmp_path / "sweep.json"
     assert main(["replay", "--limit", "300", "--pool-tokens", "64k", "--host-tokens", "1M", "--store-tokens", "4M",
                  "--metrics-port", "0", "--metrics-linger", "0.2", "--json", str(out), "--no-progress"]) == 0
