@@ -60,6 +60,7 @@ SCORE_DECAY = 0.99     # adaptive: a lookup's hit difference weighs this much le
 COUNT_TABLE_PAGES = 4  # lfu, odds: the use-count table holds at most this many names per page of the pool
 GENERATIONS_PER_USE = 2  # lfu, odds: how many pool turnovers each (expected) further lookup buys an entry
 COUNT_CLASSES = 8      # odds: lookup counts past this share one learned return rate
+PRIOR_LOOKUPS = 1      # odds: a class's return rate leans on the rate of all classes by this many lookups' names
 
 
 class EvictionPolicy(Protocol):
@@ -195,12 +196,19 @@ class ReturnOdds:
     """How likely a name looked up ``c`` times is looked up again, learned online per count ``c`` (capped at
     ``COUNT_CLASSES``): of the names that reached ``c`` lookups, the share that reached ``c + 1``, decayed with the
     use-count table. ``odds[c]`` is ``p / (1 - p)``: the expected further lookups if each comes with the same chance.
-    A new name reads as class 1. The table is recomputed every ``REFRESH`` lookups (the rates move slowly)."""
+    A new name reads as class 1. The table is recomputed every ``REFRESH`` lookups (the rates move slowly).
 
-    __slots__ = ("reached", "odds", "table", "_since")
+    Each class's share is shrunk toward the share of all classes together by ``PRIOR_LOOKUPS`` lookups' worth of
+    names (the mean names a lookup counts): the pages of one request reach a count together, so a class reached by one
+    or two requests is one or two observations, not hundreds. Unshrunk, a class that a shared system prompt's few pages
+    had reached read as 9 expected lookups (``p = 0.9``) before any session page reached it, and the keys the
+    session pages took from it then never fell (keys only rise while an entry stays)."""
+
+    __slots__ = ("reached", "odds", "table", "_since", "lookups", "names")
     REFRESH = 16
 
     def __init__(self):
+        self.lookups = self.names = 0.0  # lookups counted and the names they held (decayed with the counts)
         self.reached = [0.0] * (COUNT_CLASSES + 2)  # [c]: names that reached c lookups (the top class: c or more)
         self.odds = np.zeros(COUNT_CLASSES + 2)      # for many names at once
         self.table = [0.0] * (COUNT_CLASSES + 2)     # the same, for one
@@ -210,8 +218,11 @@ class ReturnOdds:
     def add(self, counts: Iterable[int]) -> None:
         """Names looked up once more, with ``counts`` their counts now."""
         r, top = self.reached, COUNT_CLASSES + 1
+        n = 0
         for c in counts:
             r[c if c < top else top] += 1
+            n += 1
+        self.names += n
         self._counted()
 
     def add_chain(self, names: Sequence[int], count: Callable[[int], int]) -> None:
@@ -226,21 +237,27 @@ class ReturnOdds:
             r[c - 1] += above - at_least
             above = at_least
         r[top] += above
+        self.names += len(names)
         self._counted()
 
     def _counted(self) -> None:
+        self.lookups += 1
         self._since += 1
         if self._since >= self.REFRESH:
             self._refresh()
 
     def halve(self) -> None:
         self.reached = [x * 0.5 for x in self.reached]
+        self.lookups *= 0.5
+        self.names *= 0.5
         self._refresh()
 
     def _refresh(self) -> None:
         r, odds = self.reached, self.table
+        prior = PRIOR_LOOKUPS * self.names / max(1.0, self.lookups)  # one (mean) lookup's names
+        pooled = (sum(r[2:]) + 0.5) / (sum(r[1:-1]) + 1.0)
         for c in range(1, COUNT_CLASSES + 1):  # class c: reached c + 1 of reached c
-            p = min(0.99, (r[c + 1] + 0.5) / (r[c] + 1.0))
+            p = min(0.99, (r[c + 1] + 0.5 + prior * pooled) / (r[c] + 1.0 + prior))
             odds[c] = p / (1 - p)
         odds[0], odds[-1] = odds[1], odds[-2]  # never looked up: as new; past the top: the top
         self.odds[:] = odds

@@ -131,6 +131,19 @@ def test_the_default_learns_that_finished_sessions_do_not_return():
     assert policy.returns.of(2) < 0.05 < policy.returns.of(1)  # twice: gone; once: comes back
 
 
+def test_a_class_only_a_shared_prefix_reached_reads_as_the_pool_of_classes():
+    """A system prompt's few pages, under every session, reach lookup counts no session page has reached yet: each
+    request is one observation of those counts, not a page's worth. The default reads such a class near the rate of
+    all classes (here: no session page comes back), not as the 9 further lookups its own pages alone say (p = 0.9),
+    which the keys session pages take from it would then keep (keys never fall while an entry stays). The prompt
+    itself, looked up at every request, stays in the top class, kept longest."""
+    policy = make_policy(DEFAULT_POLICY, 4096, lambda: 0)
+    for session in range(32):  # a 4-page system prompt, then a session's 60 pages, looked up once
+        policy.looked_up(list(range(4)) + [1000 * (session + 1) + j for j in range(60)])
+    assert all(policy.returns.of(c) < 0.2 for c in range(1, 8))  # unshrunk: 9.0 for classes 2-7
+    assert policy.returns.of(8) > 9
+
+
 def test_replay_eviction_option(capsys):
     """``--eviction`` sweeps each policy with the optimum's column; a name it does not know, or a replay it does not
     apply to, is one clear line and exit 2, before anything is replayed."""
