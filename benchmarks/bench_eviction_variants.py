@@ -10,7 +10,14 @@ the recent lookups of the entry's name, as ``lfu``):
   count), ``p`` (P), ``pc`` (P x count);
 - ``base``: ``tick`` (the last use), or ``cold`` for entries looked up once (inserted at the eviction frontier, the
   key of the last entry evicted, so an unproven entry leaves first: LRU insertion, as in adaptive insertion
-  policies), the last use for the others.
+  policies), the last use for the others;
+- ``turn``: a generation measured as the pool's turnover (ticks per page evicted times the pool's pages) instead of
+  how long evicted entries sat unused (``Turnover``).
+
+``gd:K[:noinherit|:blend|:relative|:tick]``: GreedyDual with learned per-class odds (``GreedyDual``; ``tick``: from
+the last use instead of the eviction frontier). ``within:K:H``: ``odds`` whose class rates count a name only once
+``H`` generations passed since it reached its count, and a return only within them (``OddsWithin``: no censoring of
+names that had no time yet to come back).
 
     python benchmarks/bench_eviction_variants.py --traces mooncake --variants lfu:2,lfu:4,log:4,odds:2
     python benchmarks/bench_eviction_variants.py --traces mt-bench --variants odds:2:cold
@@ -45,15 +52,38 @@ from workloads.sizing.replay import replay_trace  # noqa: E402
 COUNT_CLASSES = 8  # counts past this share one learned probability
 
 
+class Turnover:
+    """A generation as the pool's turnover: ticks per page evicted (a running mean over evictions) times the pool's
+    pages, where ``Lifetimes`` takes how long the evicted entries sat unused (which falls as a policy gets better at
+    evicting dead entries early)."""
+
+    def __init__(self, num_pages: int, clock):
+        self.pages, self.clock, self.last, self.per_page = max(1, num_pages), clock, None, None
+
+    @property
+    def mean(self) -> float:
+        return 1.0 if self.per_page is None else max(1.0, self.per_page * self.pages)
+
+    def evicted(self, ticks) -> None:
+        n = sum(1 for _ in ticks)
+        if not n:
+            return
+        now = self.clock()
+        if self.last is not None:
+            dt = (now - self.last) / n
+            self.per_page = dt if self.per_page is None else self.per_page + (dt - self.per_page) * min(1.0, 0.01 * n)
+        self.last = now
+
+
 class Variant:
     """``lfu``'s key with another weight per count and, optionally, cold insertion (see the module docstring)."""
 
     name = "variant"
     monotone = True
 
-    def __init__(self, num_pages: int, clock, weight: str, k: float, cold: bool):
+    def __init__(self, num_pages: int, clock, weight: str, k: float, cold: bool, turnover: bool = False):
         self.uses = eviction.UseCounts(eviction.COUNT_TABLE_PAGES * max(1, num_pages))
-        self.lifetimes = eviction.Lifetimes(clock)
+        self.lifetimes = Turnover(num_pages, clock) if turnover else eviction.Lifetimes(clock)
         self.reached = np.zeros(COUNT_CLASSES + 2)  # names that reached each count (decayed with the table)
         self.frontier, self.weight_name, self.k, self.cold = 0, weight, k, cold
 
@@ -108,8 +138,9 @@ class GreedyDual:
     name = "greedydual"
     monotone = True
 
-    def __init__(self, num_pages: int, clock, k: float, inherit: bool, blend: bool = False, relative: bool = False):
-        self.blend, self.relative = blend or relative, relative
+    def __init__(self, num_pages: int, clock, k: float, inherit: bool, blend: bool = False, relative: bool = False,
+                 tick: bool = False):
+        self.blend, self.relative, self.tick = blend or relative, relative, tick
         self.uses = eviction.UseCounts(eviction.COUNT_TABLE_PAGES * max(1, num_pages))
         self.lifetimes = eviction.Lifetimes(clock)
         self.k, self.inherit, self.frontier = k, inherit, 0
@@ -159,7 +190,7 @@ class GreedyDual:
                 p = min(1.0, p / mean)
             k = int(self.frontier + p * max(0, lfu - self.frontier))
             return k if k > floor else floor
-        k = int(self.frontier + self.k * self.lifetimes.mean * p / (1 - p))
+        k = int((tick if self.tick else self.frontier) + self.k * self.lifetimes.mean * p / (1 - p))
         return k if k > floor else floor
 
     def keys(self, names, ticks, floors, cost=None):
@@ -174,14 +205,88 @@ class GreedyDual:
         self.lifetimes.evicted(ticks)
 
 
+class OddsWithin:
+    """``odds`` with the return rate of a count class learned without censoring: of the names that reached ``c``
+    lookups at least ``H`` generations ago, the share that reached ``c + 1`` within ``H`` generations. ``odds``
+    counts every name that reached ``c`` in the rate's denominator at once, so names that had no time yet to come back
+    read as never coming back (after a burst of new sessions, a class reads as dead until its names return)."""
+
+    name = "odds-within"
+    monotone = True
+
+    def __init__(self, num_pages: int, clock, k: float, horizon: float):
+        self.uses = eviction.UseCounts(eviction.COUNT_TABLE_PAGES * max(1, num_pages))
+        self.lifetimes = eviction.Lifetimes(clock)
+        self.clock, self.k, self.horizon = clock, k, horizon
+        self.first: dict = {}    # name -> tick it reached its current count
+        self.pending = []        # (tick, class) of names whose window is open, oldest first (a deque's order)
+        self.at = 0              # pending[:at] matured
+        self.wins: Counter = Counter()  # (tick, class) -> names of it that reached the next count in the window
+        self.tried = np.zeros(COUNT_CLASSES + 2)
+        self.won = np.zeros(COUNT_CLASSES + 2)
+
+    def window(self) -> float:
+        return self.horizon * self.lifetimes.mean
+
+    def looked_up(self, names) -> None:
+        now = self.clock()
+        before = len(self.uses.counts)
+        counts = self.uses.counts
+        window = self.window()
+        for n in names:
+            c = counts.get(n, 0)
+            t0 = self.first.get(n)
+            if c and t0 is not None and now - t0 <= window:
+                self.wins[(t0, min(c, COUNT_CLASSES))] += 1
+        self.uses.add(names)
+        if len(self.uses.counts) < before:
+            self.tried /= 2
+            self.won /= 2
+            self.first = {n: t for n, t in self.first.items() if n in self.uses.counts}
+        counts = self.uses.counts
+        classes = Counter()
+        for n in names:
+            self.first[n] = now
+            classes[min(counts[n], COUNT_CLASSES)] += 1
+        for c, m in classes.items():
+            self.pending.append((now, c, m))
+        while self.at < len(self.pending) and now - self.pending[self.at][0] > window:
+            t0, c, m = self.pending[self.at]
+            self.tried[c] += m
+            self.won[c] += self.wins.pop((t0, c), 0)
+            self.at += 1
+        if self.at > 4096:
+            del self.pending[:self.at]
+            self.at = 0
+
+    def odds(self, count: int) -> float:
+        c = min(max(count, 1), COUNT_CLASSES)
+        p = min(0.99, (self.won[c] + 0.5) / (self.tried[c] + 1.0))
+        return p / (1 - p)
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        k = int(tick + self.k * self.lifetimes.mean * self.odds(self.uses.counts.get(name, 0)))
+        return k if k > floor else floor
+
+    def keys(self, names, ticks, floors, cost=None):
+        ticks = np.broadcast_to(np.asarray(ticks), names.shape)
+        return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
+                                                                         floors.tolist())], dtype=np.int64)
+
+    def evicted(self, keys, ticks) -> None:
+        self.lifetimes.evicted(ticks)
+
+
 def variant_factory(spec: str):
     """``weight:K[:cold]`` or ``gd:K[:noinherit]`` -> a pool's policy factory (``PagePool`` calls it with its pages
     and clock)."""
     weight, k, *rest = spec.split(":")
+    if weight == "within":
+        return lambda num_pages, clock: OddsWithin(num_pages, clock, float(k), float(rest[0]))
     if weight == "gd":
         return lambda num_pages, clock: GreedyDual(num_pages, clock, float(k), "noinherit" not in rest, "blend" in rest,
-                                                        "relative" in rest)
-    return lambda num_pages, clock: Variant(num_pages, clock, weight, float(k), rest == ["cold"])
+                                                        "relative" in rest, "tick" in rest)
+    return lambda num_pages, clock: Variant(num_pages, clock, weight, float(k), "cold" in rest, "turn" in rest)
 
 
 def simulate(lookups, pages: int, key) -> Counter:
