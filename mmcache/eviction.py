@@ -18,10 +18,10 @@ Policies (``POLICIES``; ``make_policy(name)``):
   the entry's name is expected to get. A generation is how long an unused entry has lately stayed in the pool
   (measured from the evictions, ``Lifetimes``). The expectation is learned online per lookup count (``ReturnOdds``):
   of the names that reached ``c`` lookups, the share that reached ``c + 1`` (shrunk toward the share over every
-  count, ``PRIOR_LOOKUPS``) gives the odds of one more; lookups are
-  counted per name, also after the entry left (``UseCounts``: a ghost history bounded by the pool). Frequency counts
-  where it predicts reuse (an agent's history, re-sent by every call) and nothing where it does not (a finished chat
-  session's pages, looked up as often as a live one's, never return: their count class says so).
+  count, ``PRIOR_LOOKUPS``) gives the odds of one more; lookups are counted per name, also after the entry left
+  (``UseCounts``: a ghost history bounded by the pool). Frequency counts where it predicts reuse (an agent's history,
+  re-sent by every call) and nothing where it does not (a finished chat session's pages, looked up as often as a live
+  one's, never return: their count class says so).
 - ``lfu``: the tick of the last use plus ``GENERATIONS_PER_USE`` generations per recent lookup of the entry's name
   beyond the first (GreedyDual's aging by inflation, in ticks): frequency alone.
 
