@@ -219,7 +219,7 @@ class OddsWithin:
         self.lifetimes = eviction.Lifetimes(clock)
         self.clock, self.k, self.horizon = clock, k, horizon
         self.first: dict = {}    # name -> tick it reached its current count
-        self.pending = []        # (tick, class) of names whose window is open, oldest first (a deque's order)
+        self.pending = []        # (tick, class, names) reaching a class at that tick, oldest first
         self.at = 0              # pending[:at] matured
         self.wins: Counter = Counter()  # (tick, class) -> names of it that reached the next count in the window
         self.tried = np.zeros(COUNT_CLASSES + 2)
