@@ -36,10 +36,14 @@ def load(name: str, data: Path):
     return load_voice_sessions(data)
 
 
+POOLS = {"image-chats": "32k,48k,64k,96k", "voice-sessions": "4k,6k,8k"}  # where lru and the optimum differ
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="image-chats,voice-sessions")
-    ap.add_argument("--pools", default="64k,128k,256k,512k,1M")
+    ap.add_argument("--pools", help="pool sizes for every trace (default: each trace's own, around its knee: "
+                    + "; ".join(f"{t} {p}" for t, p in POOLS.items()) + ")")
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--policies", default="lru,odds,lfu")
     ap.add_argument("--prefill", type=float, default=ServiceModel.prefill_tokens_per_s)
@@ -54,7 +58,7 @@ def main() -> None:
               f"{args.encoder_s:g} s a run")
         print(f"{'pool':>6} | {'policy':>6} | {'prefix hit %':>12} | {'encoder hits (store; prefix)':>28} | "
               f"{'KV saved s':>10} | {'encoder saved s':>15} | {'total s':>8} | {'vs lru':>6}")
-        for size in parse_sizes(args.pools):
+        for size in parse_sizes(args.pools or POOLS[name]):
             runs = {p: replay_replicas(trace, replicas=1, router="random", page_size=args.page_size,
                                        pool_tokens=size, service=service, eviction=p, shared_pool=True)
                     for p in policies}
