@@ -52,6 +52,13 @@ from workloads.sizing.replay import replay_trace  # noqa: E402
 COUNT_CLASSES = 8  # counts past this share one learned probability
 
 
+def keys_one_by_one(key, names, ticks, floors) -> np.ndarray:
+    """A prototype's ``keys``: its ``key`` of each entry (``ticks`` one for all or one each)."""
+    ticks = np.broadcast_to(np.asarray(ticks), names.shape)
+    return np.array([key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(), floors.tolist())],
+                    dtype=np.int64)
+
+
 class Turnover:
     """A generation as the pool's turnover: ticks per page evicted (a running mean over evictions) times the pool's
     pages, where ``Lifetimes`` takes how long the evicted entries sat unused (which falls as a policy gets better at
@@ -109,9 +116,7 @@ class Variant:
         return k if k > floor else floor
 
     def keys(self, names, ticks, floors, cost=None):
-        ticks = np.broadcast_to(np.asarray(ticks), names.shape)
-        return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
-                                                                         floors.tolist())], dtype=np.int64)
+        return keys_one_by_one(self.key, names, ticks, floors)
 
     def looked_up(self, names) -> None:
         before = len(self.uses.counts)
@@ -194,9 +199,7 @@ class GreedyDual:
         return k if k > floor else floor
 
     def keys(self, names, ticks, floors, cost=None):
-        ticks = np.broadcast_to(np.asarray(ticks), names.shape)
-        return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
-                                                                         floors.tolist())], dtype=np.int64)
+        return keys_one_by_one(self.key, names, ticks, floors)
 
     def evicted(self, keys, ticks) -> None:
         keys = list(keys)
@@ -269,9 +272,7 @@ class OddsWithin:
         return k if k > floor else floor
 
     def keys(self, names, ticks, floors, cost=None):
-        ticks = np.broadcast_to(np.asarray(ticks), names.shape)
-        return np.array([self.key(n, int(t), int(f)) for n, t, f in zip(names.tolist(), ticks.tolist(),
-                                                                         floors.tolist())], dtype=np.int64)
+        return keys_one_by_one(self.key, names, ticks, floors)
 
     def evicted(self, keys, ticks) -> None:
         self.lifetimes.evicted(ticks)
