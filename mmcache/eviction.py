@@ -55,10 +55,11 @@ from typing import Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 from mmcache.errors import InvalidConfig
+from mmcache.keep_durations import KeepDurations
 
 SAMPLE = 16            # adaptive: one name in SAMPLE runs through the shadow caches
 SCORE_DECAY = 0.99     # adaptive: a lookup's hit difference weighs this much less at every later lookup
-COUNT_TABLE_PAGES = 4  # lfu, odds: the use-count table holds at most this many names per page of the pool
+COUNT_TABLE_PAGES = 16  # lfu, odds: the use-count table holds at most this many names per page of the pool
 GENERATIONS_PER_USE = 2  # lfu, odds: how many pool turnovers each (expected) further lookup buys an entry
 COUNT_CLASSES = 8      # odds: lookup counts past this share one learned return rate
 PRIOR_LOOKUPS = 1      # odds: a class's return rate leans on the rate of all classes by this many lookups' names
@@ -78,9 +79,11 @@ class EvictionPolicy(Protocol):
         holds). ``cost``: the seconds of recompute the entry saves per page it holds at each hit (None: unknown, as
         an average entry's). Lower keys are evicted first."""
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
         """``key`` of many entries at once (uint64 names, int64 floors; ``ticks`` one for all or one each; one
-        ``cost`` for all)."""
+        ``cost`` for all). ``chain``: the names are one chain in order, so lookup counts never rise along them (a
+        policy may read them by runs)."""
 
     def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
         """Entries with these keys and last-use ticks left the pool at the pool's current tick."""
@@ -98,7 +101,8 @@ class LRU:
     def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         return tick if tick > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
         return np.maximum(floors, ticks)
 
     def looked_up(self, names: Sequence[int]) -> None:
@@ -178,7 +182,8 @@ class LFU:
         k = tick + int((uses * self.costs.relative(cost) - 1) * GENERATIONS_PER_USE * self.lifetimes.mean)
         return k if k > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
         # a Counter answers 0 for a name it lacks
         uses = np.fromiter(map(self.uses.counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
         scale = GENERATIONS_PER_USE * self.lifetimes.mean
@@ -226,20 +231,21 @@ class ReturnOdds:
         self.names += n
         self._counted()
 
-    def add_chain(self, names: Sequence[int], count: Callable[[int], int]) -> None:
-        """The names of one chain looked up once more, ``count(name)`` their counts now. A page is looked up whenever
-        a page below it is, so counts never rise along a chain: where each class begins is a binary search, not a
-        read of every name (a long chain's lookup costs a few dozen reads)."""
+    def add_chain(self, names: Sequence[int], count: Callable[[int], int]) -> list[int]:
+        """The names of one chain looked up once more, ``count(name)`` their counts now; returns ``at_least``:
+        ``at_least[c]`` of the names have counts of ``c`` or more, for ``c`` up to ``COUNT_CLASSES + 1``. A page is
+        looked up whenever a page below it is, so counts never rise along a chain: where each class begins is a
+        binary search, not a read of every name (a long chain's lookup costs a few dozen reads)."""
         r, top = self.reached, COUNT_CLASSES + 1
         down = lambda name: -count(name)  # noqa: E731  (ascending along the chain)
-        above = len(names)  # names counted at least c, for c = 0
+        at_least = [len(names)]  # c = 0
         for c in range(1, top + 1):
-            at_least = bisect.bisect_right(names, -c, key=down)
-            r[c - 1] += above - at_least
-            above = at_least
-        r[top] += above
+            at_least.append(bisect.bisect_right(names, -c, key=down))
+            r[c - 1] += at_least[c - 1] - at_least[c]
+        r[top] += at_least[top]
         self.names += len(names)
         self._counted()
+        return at_least
 
     def _counted(self) -> None:
         self.lookups += 1
@@ -269,10 +275,12 @@ class ReturnOdds:
 
 
 class Odds:
-    """The tick of the last use plus ``GENERATIONS_PER_USE`` generations (``Lifetimes.mean``) per further lookup the
-    entry's name is expected to get (``ReturnOdds`` of its count, ``UseCounts``), times its relative cost
-    (``CostScale``): frequency where it predicts reuse, and none where it does not (a finished session's pages,
-    looked up as often as a live one's, never come back, and its count class says so)."""
+    """The tick of the last use plus the learned keep duration of the entry's lookup-count class
+    (``KeepDurations``) plus ``GENERATIONS_PER_USE`` generations (``Lifetimes.mean``) per further lookup the entry's
+    name is expected to get (``ReturnOdds`` of its count, ``UseCounts``), all times its relative cost
+    (``CostScale``). The durations say how long a class is worth keeping for this pool (a one-off prompt's pages: not
+    at all when the pool is short); the odds rank within them by frequency where it predicts reuse (an agent's
+    history), and not where it does not (a finished session's pages, looked up as often as a live one's)."""
 
     name = "odds"
     monotone = True
@@ -282,31 +290,50 @@ class Odds:
         self.lifetimes = Lifetimes(clock)
         self.costs = CostScale()
         self.returns = ReturnOdds()
+        self.durations = KeepDurations(num_pages, COUNT_CLASSES, clock)
 
     def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
-        expected = self.returns.of(self.uses.counts.get(name, 0))
-        k = tick + int(expected * self.costs.relative(cost) * GENERATIONS_PER_USE * self.lifetimes.mean)
+        c = min(self.uses.counts.get(name, 0), COUNT_CLASSES)
+        bonus = self.durations.ticks[c] + self.returns.table[c] * GENERATIONS_PER_USE * self.lifetimes.mean
+        k = tick + int(bonus * self.costs.relative(cost))
         return k if k > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
-        counts = np.fromiter(map(self.uses.counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
-        scale = self.costs.relative(cost, len(names)) * GENERATIONS_PER_USE * self.lifetimes.mean
-        expected = self.returns.odds[np.minimum(counts, COUNT_CLASSES)]
-        return np.maximum(floors, ticks + (expected * scale).astype(np.int64))
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
+        counts = self.uses.counts
+        if chain and len(names) > 64:  # classes by runs: where each begins is a binary search
+            names = names.tolist()
+            down = lambda name: -counts[name]  # noqa: E731  (ascending along the chain)
+            at_least = [len(names)] + [bisect.bisect_right(names, -c, key=down) for c in range(1, COUNT_CLASSES + 1)]
+            c = np.repeat(np.arange(COUNT_CLASSES, -1, -1), np.diff(at_least[::-1], prepend=0))
+        else:
+            c = np.fromiter(map(counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))
+            c = np.minimum(c, COUNT_CLASSES)
+        bonus = self.durations.ticks[c] + self.returns.odds[c] * (GENERATIONS_PER_USE * self.lifetimes.mean)
+        return np.maximum(floors, ticks + (bonus * self.costs.relative(cost, len(names))).astype(np.int64))
 
     def looked_up(self, names: Sequence[int]) -> None:
-        before = len(self.uses.counts)
-        self.uses.add(names)
-        if len(self.uses.counts) < before:  # the table was halved: its history weighs half
-            self.returns.halve()
-        counts = self.uses.counts
-        if len(names) <= 64:  # few: one by one
-            self.returns.add(map(counts.__getitem__, names))
+        chain = len(names) > 64  # long: by runs (counts never rise along a chain); few: one by one
+        if chain:
+            self.durations.returned_chain(names)
         else:
-            self.returns.add_chain(names, counts.__getitem__)
+            self.durations.returned(names)
+        size = len(self.uses.counts)
+        self.uses.add(names)
+        counts = self.uses.counts
+        if len(counts) < size:  # the table was halved: its history weighs half
+            self.returns.halve()
+            self.durations.halve(counts)
+        if chain:
+            self.durations.visited_chain(names, self.returns.add_chain(names, counts.__getitem__))
+        else:
+            now = np.fromiter(map(counts.__getitem__, names), dtype=np.int64, count=len(names))
+            self.returns.add(now.tolist())
+            self.durations.visited(names, now)
 
     def evicted(self, keys: Iterable[int], ticks: Iterable[int]) -> None:
         self.lifetimes.evicted(ticks)
+
 
 class ShadowCache:
     """A names-only cache of ``capacity`` entries ordered by a policy of its own (``kind``, on its own clock: one tick
@@ -366,7 +393,8 @@ class Adaptive:
             return self.lfu.key(name, tick, floor, cost)
         return tick if tick > floor else floor
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
         return self.lfu.keys(names, ticks, floors, cost) if self.frequency else np.maximum(floors, ticks)
 
     def looked_up(self, names: Sequence[int]) -> None:
@@ -406,7 +434,8 @@ class OfflineOptimal:
         at = bisect.bisect_right(times, self._now)
         return self.NEVER - (times[at] if at < len(times) else self.NEVER)
 
-    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None) -> np.ndarray:
+    def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
         return np.fromiter((self.key(n, 0) for n in names.tolist()), dtype=np.int64, count=len(names))
 
     def looked_up(self, names: Sequence[int]) -> None:

@@ -251,7 +251,7 @@ class PrefixIndex:
             idx = np.asarray(pages, dtype=np.int64)
             self._tick[idx] = tick
             old = self._key[idx]
-            k = policy.keys(self._name[idx], tick, old, self.page_seconds)
+            k = policy.keys(self._name[idx], tick, old, self.page_seconds, chain)
             up = self._parent[idx]
             limit = np.where(up >= 0, self._key[np.maximum(up, 0)], np.iinfo(np.int64).max)
             if chain:  # the first page's parent, then each page's: the keys so far

@@ -1,0 +1,100 @@
+"""Keep durations learned per lookup-count class (``mmcache.keep_durations``), alone and inside the default policy."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmcache.eviction import DEFAULT_POLICY, make_policy
+from mmcache.keep_durations import KeepDurations
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def drive(durations: KeepDurations, clock: Clock, lookups) -> None:
+    """Feed ``(tick, names)`` lookups, counting names as the policy's use-count table would."""
+    counts: dict[int, int] = {}
+    for tick, names in lookups:
+        clock.now = tick
+        durations.returned(names)
+        for n in names:
+            counts[n] = counts.get(n, 0) + 1
+        durations.visited(names, np.array([counts[n] for n in names], dtype=np.int64))
+    durations._solve()
+
+
+def two_turn_chats(sessions: int, gap: int, pages: int = 4):
+    """Each session's first turn at tick ``2 s``, its second (the same pages, then never again) ``gap`` ticks
+    later."""
+    turns = [(2 * s, [100 * s + j for j in range(pages)]) for s in range(sessions)]
+    turns += [(2 * s + gap, [100 * s + j for j in range(pages)]) for s in range(sessions)]
+    return sorted(turns)
+
+
+def test_a_class_that_comes_back_is_kept_past_its_distance_and_one_that_does_not_is_not_kept():
+    """Two-turn chats: every page seen once comes back ``gap`` ticks later, none seen twice comes back. With room,
+    class 1 is kept at least ``gap`` ticks and class 2 not at all."""
+    clock = Clock()
+    durations = KeepDurations(num_pages=4096, classes=8, clock=clock)
+    drive(durations, clock, two_turn_chats(400, gap=300))
+    assert durations.ticks[1] >= 300
+    assert durations.ticks[2] == 0
+    assert durations.ticks[0] == durations.ticks[1]  # never looked up reads as looked up once
+
+
+def test_a_short_pool_drops_one_off_prompts_and_keeps_what_was_seen_twice():
+    """Mooncake's shape: most prompts are one-offs (a tenth come back, late), while a conversation's history, once
+    sent twice, comes back at every turn. A pool too short to hold the one-offs until their return spends nothing on
+    them and keeps the histories past their turn gap (they hold 80 pages; the one-offs would need 3,200)."""
+    lookups, tick = [], 0
+    conversations = [[10_000 * c + j for j in range(8)] for c in range(10)]
+    for step in range(4000):
+        tick += 1
+        lookups.append((tick, [1_000_000 + 16 * step + j for j in range(16)]))  # a one-off prompt
+        if step % 10 == 0 and step >= 200:  # one in ten returns, 200 steps later
+            lookups.append((tick, [1_000_000 + 16 * (step - 200) + j for j in range(16)]))
+        if step % 50 == 0:  # a conversation's turn every 50 steps, round-robin over 10: a gap of 500 ticks
+            lookups.append((tick, conversations[(step // 50) % 10]))
+    clock = Clock()
+    durations = KeepDurations(num_pages=400, classes=8, clock=clock)
+    drive(durations, clock, lookups)
+    assert durations.ticks[1] == 0
+    # class 2 holds the one-offs that came back (never again) beside the conversations' second turns: not worth it
+    assert min(durations.ticks[3:8]) >= 500  # the eighth visit is each conversation's last
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 20), st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True)),
+                min_size=1, max_size=60),
+       st.integers(1, 64), st.integers(1, 64))
+def test_more_pages_never_keep_a_class_shorter(steps, small, extra):
+    """The durations of a bigger pool are at least those of a smaller one, class by class, on the same lookups
+    (the knapsack over concave curves only extends each class as the budget grows)."""
+    lookups = list(zip(itertools.accumulate(dt for dt, _ in steps), (names for _, names in steps)))
+    short, long_ = Clock(), Clock()
+    a, b = KeepDurations(small, 8, short), KeepDurations(small + extra, 8, long_)
+    drive(a, short, lookups)
+    drive(b, long_, lookups)
+    assert np.all(b.ticks >= a.ticks - 1e-9)
+
+
+def test_the_default_keeps_one_tick_per_name_its_count_table_holds():
+    """State bounded by the pool: the durations keep a name's last tick only while the use-count table counts it
+    (pruned when the table halves)."""
+    clock = Clock()
+    policy = make_policy(DEFAULT_POLICY, 64, clock)
+    limit = policy.uses.limit
+    for step in range(200):
+        clock.now = step
+        policy.looked_up([10 * step + j for j in range(10)])
+        assert len(policy.durations._last) <= limit + 10
+        assert set(policy.durations._last) <= set(policy.uses.counts)
