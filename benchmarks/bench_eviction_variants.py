@@ -1,5 +1,5 @@
 """Prototypes of the default eviction policy's alternatives, against ``lru`` and the offline optimum on the same calls:
-the figures behind the choice of ``lfu`` (``mmcache.eviction``), kept so they can be reproduced and extended.
+the figures behind the choice of ``odds`` (``mmcache.eviction``), kept so they can be reproduced and extended.
 
 Every variant keys an entry ``base + K x generation x weight(count)`` (a generation is ``Lifetimes.mean``, the count
 the recent lookups of the entry's name, as ``lfu``):
@@ -17,16 +17,29 @@ the recent lookups of the entry's name, as ``lfu``):
 ``gd:K[:noinherit|:blend|:relative|:tick]``: GreedyDual with learned per-class odds (``GreedyDual``; ``tick``: from
 the last use instead of the eviction frontier). ``within:K:H``: ``odds`` whose class rates count a name only once
 ``H`` generations passed since it reached its count, and a return only within them (``OddsWithin``: no censoring of
-names that had no time yet to come back).
+names that had no time yet to come back). ``sel:S[:inherit]``: ``odds`` before its keep durations, with a name seen
+once given its bonus S times over if its request's new pages were chosen (1 in S, by hash) and none otherwise
+(``Selective``). ``durations``: the default's learned keep durations without its odds (``DurationsOnly``).
 
     python benchmarks/bench_eviction_variants.py --traces mooncake --variants lfu:2,lfu:4,log:4,odds:2
     python benchmarks/bench_eviction_variants.py --traces mt-bench --variants odds:2:cold
     python benchmarks/bench_eviction_variants.py --traces mooncake --why 2000
+    python benchmarks/bench_eviction_variants.py --traces mooncake --bound
 
 ``--why PAGES`` explains instead where the optimum's gain comes from, on the lookups the ceiling records, in a
 simulation of a cache of PAGES pages with no request in flight (each lookup hits its longest cached prefix, then
 holds all its pages): the hits of ``lru``, ``lfu`` and Belady by how often the name was looked up before, and, for
 names seen once, how often they come back by what an online policy could see.
+
+``--bound`` prints, per pool size, what a policy that chooses how long to keep a name after each lookup from what it
+sees at the lookup (a class) can hit at most, in the same lookups' order with no request in flight: time is counted
+in new names (pages no earlier lookup had), a name kept ``T`` after a lookup hits if its next lookup comes within
+``T``, and the pool's pages bound the names held on average (Little's law: the mean of ``min(distance, T)`` over
+lookups, per new name), each class's curve taken by its concave hull (a class may be split at random). Columns: one
+``T`` for every lookup (what ``lru`` does: the model's stand-in for it), one class split at random (keeping a random
+share longer), the lookup count (what ``odds`` sees), the count with each of ``--why``'s features, and the oracle
+(each lookup its own class: Belady without chains). The relaxation is loose where requests in flight hold much of the
+pool (MT-Bench, Mooncake at 512k) and averages the pool over time.
 
 Needs ../shared/data (as ``bench_eviction.py``). The replays are deterministic: one run each.
 """
@@ -115,7 +128,7 @@ class Variant:
         k = int(base + self.k * self.lifetimes.mean * self.weight(count))
         return k if k > floor else floor
 
-    def keys(self, names, ticks, floors, cost=None):
+    def keys(self, names, ticks, floors, cost=None, chain=False):
         return keys_one_by_one(self.key, names, ticks, floors)
 
     def looked_up(self, names) -> None:
@@ -198,7 +211,7 @@ class GreedyDual:
         k = int((tick if self.tick else self.frontier) + self.k * self.lifetimes.mean * p / (1 - p))
         return k if k > floor else floor
 
-    def keys(self, names, ticks, floors, cost=None):
+    def keys(self, names, ticks, floors, cost=None, chain=False):
         return keys_one_by_one(self.key, names, ticks, floors)
 
     def evicted(self, keys, ticks) -> None:
@@ -271,17 +284,78 @@ class OddsWithin:
         k = int(tick + self.k * self.lifetimes.mean * self.odds(self.uses.counts.get(name, 0)))
         return k if k > floor else floor
 
-    def keys(self, names, ticks, floors, cost=None):
+    def keys(self, names, ticks, floors, cost=None, chain=False):
         return keys_one_by_one(self.key, names, ticks, floors)
 
     def evicted(self, keys, ticks) -> None:
         self.lifetimes.evicted(ticks)
 
 
+class Selective(eviction.Odds):
+    """``odds`` as it was before its keep durations, where a name seen once gets its class's bonus only if its
+    request's new pages were chosen (1 in ``share``, by the hash of the first new name: a whole segment together),
+    then ``share`` times over; the others get none. The same expected bonus, spent on a fixed subset: where returns
+    come after more new pages than the pool holds (a loop), ``lru`` keeps every segment too briefly for any to
+    return, and a fixed subset kept longer is hit. ``inherit``: a segment extending a chosen one is chosen too (a
+    session stays chosen)."""
+
+    name = "selective"
+
+    def __init__(self, num_pages: int, clock, share: int, inherit: bool):
+        super().__init__(num_pages, clock)
+        self.share, self.inherit = share, inherit
+        self.chosen: dict = {}  # name seen once -> chosen (bounded with the count table)
+
+    def looked_up(self, names) -> None:
+        counts = self.uses.counts
+        parent = None
+        first_new = next((i for i, n in enumerate(names) if counts.get(n, 0) == 0), None)
+        if first_new is not None:
+            if self.inherit and first_new > 0:
+                parent = self.chosen.get(names[first_new - 1])
+            pick = parent if parent is not None else (names[first_new] * 0x9E3779B97F4A7C15 >> 32) % self.share == 0
+        before = len(counts)
+        super().looked_up(names)
+        if len(self.uses.counts) < before:
+            self.chosen = {n: c for n, c in self.chosen.items() if n in self.uses.counts}
+        if first_new is not None:
+            for n in names[first_new:]:
+                self.chosen[n] = pick
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        count = self.uses.counts.get(name, 0)
+        expected = self.returns.of(count)
+        if count <= 1:
+            expected = expected * self.share if self.chosen.get(name, False) else 0.0
+        k = tick + int(expected * eviction.GENERATIONS_PER_USE * self.lifetimes.mean)
+        return k if k > floor else floor
+
+    def keys(self, names, ticks, floors, cost=None, chain=False):
+        return keys_one_by_one(self.key, names, ticks, floors)
+
+
+class DurationsOnly(eviction.Odds):
+    """The default's key without its odds: the last use plus the learned keep duration of the entry's class alone
+    (``KeepDurations``). What the durations do without frequency to rank within them."""
+
+    name = "durations"
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        k = tick + int(self.durations.ticks[min(self.uses.counts.get(name, 0), COUNT_CLASSES)])
+        return k if k > floor else floor
+
+    def keys(self, names, ticks, floors, cost=None, chain=False):
+        return keys_one_by_one(self.key, names, ticks, floors)
+
+
 def variant_factory(spec: str):
     """``weight:K[:cold]`` or ``gd:K[:noinherit]`` -> a pool's policy factory (``PagePool`` calls it with its pages
     and clock)."""
     weight, k, *rest = spec.split(":")
+    if weight == "durations":
+        return DurationsOnly
+    if weight == "sel":
+        return lambda num_pages, clock: Selective(num_pages, clock, int(k), "inherit" in rest)
     if weight == "within":
         return lambda num_pages, clock: OddsWithin(num_pages, clock, float(k), float(rest[0]))
     if weight == "gd":
@@ -366,12 +440,90 @@ def why(lookups, pages: int) -> None:
         print(f"  {feature}: " + ", ".join(f"{v}: {back[v] / tot[v]:.2f} of {tot[v]}" for v in sorted(tot)))
 
 
+def bound(lookups, page: int, sizes) -> None:
+    """Print ``--bound`` (module docstring)."""
+    never = 1 << 40
+    last, at, distance, features = {}, [], [], []  # per lookup of a name: when, how far to its next, its class
+    count: Counter = Counter()
+    new_names = 0
+    for names in lookups:
+        for n in names:
+            if n in last:
+                distance[last[n]] = new_names - at[last[n]]
+        fresh = sum(1 for n in names if not count[n])
+        extends = 0
+        for n in names:
+            if not count[n]:
+                break
+            extends = count[n]
+        for j, n in enumerate(names):
+            count[n] += 1
+            last[n] = len(at)
+            at.append(new_names)
+            distance.append(never)
+            features.append((min(count[n], COUNT_CLASSES), min(extends, 6) if count[n] == 1 else -1,
+                             min(int(np.log2(max(1, fresh))), 7), 4 * j // len(names),
+                             min(3, 4 * (len(names) - fresh) // len(names))))
+        new_names += fresh
+    distance = np.array(distance)
+
+    def segments(d):  # the concave hull of (names held, lookups hit) over T, as (slope, held, hit) segments
+        d = np.sort(d)
+        back = d[d < never]
+        ts = np.unique(np.concatenate([[0], back]))
+        hit = np.searchsorted(d, ts, side="right")
+        held = np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
+        hull = [(0, 0)]
+        for x, y in zip(held.tolist(), hit.tolist()):
+            while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
+                                      <= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+                hull.pop()
+            hull.append((x, y))
+        return [((y1 - y0) / (x1 - x0) if x1 > x0 else float("inf"), x1 - x0, y1 - y0)
+                for (x0, y0), (x1, y1) in zip(hull, hull[1:])]
+
+    def best(key, budget) -> float:
+        groups: dict = {}
+        for i, f in enumerate(features):
+            groups.setdefault(key(f), []).append(i)
+        hits = 0.0
+        for _, held, hit in sorted((s for g in groups.values() for s in segments(distance[g])), reverse=True):
+            if held > budget:
+                return hits + hit * budget / held
+            hits, budget = hits + hit, budget - held
+        return hits
+
+    def one_t(budget) -> int:  # one T for every lookup, none split: what lru does
+        d = np.sort(distance)
+        back = d[d < never]
+        ts = np.unique(np.concatenate([[0], back]))
+        hit = np.searchsorted(d, ts, side="right")
+        held = np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
+        return hit[np.searchsorted(held, budget, side="right") - 1]
+
+    classes = {"split": lambda f: 0, "count": lambda f: f[0], "+chain": lambda f: f[:2],
+               "+new pages": lambda f: (f[0], f[2]), "+place": lambda f: (f[0], f[3]),
+               "+hit share": lambda f: (f[0], f[4]), "all": lambda f: f}
+    total = len(distance)
+    print(f"\n{total} pages looked up, {new_names} new. Hit share (%) at most, by what the keep time depends on:")
+    print(f"{'pool':>6} | {'one T':>7} | " + " | ".join(f"{c:>10}" for c in classes) + f" | {'oracle':>7}")
+    for size in sizes:
+        budget = size // page * new_names
+        back = np.cumsum(np.sort(distance[distance < never]))
+        oracle = np.searchsorted(back, budget, side="right")
+        print(f"{format_size(size):>6} | {100 * one_t(budget) / total:7.2f} | "
+              + " | ".join(f"{100 * best(k, budget) / total:10.2f}"
+                                                      for k in classes.values())
+              + f" | {100 * oracle / total:7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=",".join(TRACES))
     ap.add_argument("--variants", default="lfu:2,lfu:4,log:4,odds:2,odds:2:cold")
     ap.add_argument("--pools", help="pool sizes (default: each trace's own)")
     ap.add_argument("--why", type=int, metavar="PAGES", help="explain the optimum's gain at PAGES pages instead")
+    ap.add_argument("--bound", action="store_true", help="print what keep times chosen by class can hit at most")
     args = ap.parse_args()
     variants = args.variants.split(",")
     for spec in variants:
@@ -384,6 +536,10 @@ def main() -> None:
         if args.why:
             print(f"\n{trace_name}: {len(recorder.lookups)} lookups")
             why(recorder.lookups, args.why)
+            continue
+        if args.bound:
+            print(f"\n{trace_name}: {len(recorder.lookups)} lookups, page {page}")
+            bound(recorder.lookups, page, parse_sizes(args.pools or pools))
             continue
         print(f"\n{trace_name}: page {page}, order {order} (in parentheses: share of the lru -> optimal gap closed)")
         print(f"{'pool':>6} | {'lru':>7} | " + " | ".join(f"{v:>17}" for v in variants) + f" | {'optimal':>7}")

@@ -14,20 +14,25 @@ Policies (``POLICIES``; ``make_policy(name)``):
 
 - ``lru``: the tick of the last use. Deeper pages first among equal ticks (the caches subtract the depth), so cold
   tails leave from their ends.
-- ``odds`` (the default): the tick of the last use plus ``GENERATIONS_PER_USE`` **generations** per further lookup
-  the entry's name is expected to get. A generation is how long an unused entry has lately stayed in the pool
-  (measured from the evictions, ``Lifetimes``). The expectation is learned online per lookup count (``ReturnOdds``):
-  of the names that reached ``c`` lookups, the share that reached ``c + 1`` (shrunk toward the share over every
-  count, ``PRIOR_LOOKUPS``) gives the odds of one more; lookups are counted per name, also after the entry left
-  (``UseCounts``: a ghost history bounded by the pool). Frequency counts where it predicts reuse (an agent's history,
-  re-sent by every call) and nothing where it does not (a finished chat session's pages, looked up as often as a live
-  one's, never return: their count class says so).
+- ``odds`` (the default): the tick of the last use, plus the **keep duration** learned for the entry's lookup count
+  (``KeepDurations``: per count, how far apart a name's lookups come, and the durations that hit the most lookups
+  the pool's pages can hold), plus ``GENERATIONS_PER_USE`` **generations** per further lookup the entry's name is
+  expected to get. A generation is how long an unused entry has lately stayed in the pool (measured from the
+  evictions, ``Lifetimes``). The expectation is learned online per lookup count (``ReturnOdds``): of the names that
+  reached ``c`` lookups, the share that reached ``c + 1`` (shrunk toward the share over every count,
+  ``PRIOR_LOOKUPS``) gives the odds of one more; lookups are counted per name, also after the entry left
+  (``UseCounts``: a ghost history bounded by the pool). The durations say how long each count is worth keeping on
+  this pool (on a short pool, one-off prompts not at all and a conversation's twice-sent history for several
+  turnovers); the odds rank by frequency where it predicts reuse (an agent's history, re-sent by every call) and not
+  where it does not (a finished chat session's pages, looked up as often as a live one's, never return: their count
+  class says so).
 - ``lfu``: the tick of the last use plus ``GENERATIONS_PER_USE`` generations per recent lookup of the entry's name
   beyond the first (GreedyDual's aging by inflation, in ticks): frequency alone.
 
 Costs, for ``odds`` and ``lfu``: where the caches give them (an encoder output's forward time per page it holds, a KV
-page's prefill time), an entry's expected lookups are weighed by its cost over the pool's running mean
-(GreedyDual-Size-Frequency), so one pool holding both kinds keeps what saves most; with none, every entry is average.
+page's prefill time), an entry's bonus over its last use (``odds``: its keep duration and expected lookups; ``lfu``: its
+lookups) is weighed by its cost over the pool's running mean (GreedyDual-Size-Frequency), so one pool holding both
+kinds keeps what saves most; with none, every entry is average.
 
 - ``adaptive``: ``lru``'s or ``lfu``'s key, whichever of the two is realizing more reuse on this traffic lately.
   Both run as **shadow caches** on a sample of the names looked up (``SAMPLE`` of them, by name, in a pool of the
@@ -40,9 +45,10 @@ page's prefill time), an entry's expected lookups are weighed by its cost over t
   no cost: the optimum of time saved weighs entries, a harder problem).
 
 What the policies cost: ``lru`` is one tick per use. ``lfu`` adds a dict update per name looked up and a dict read per
-key; ``odds`` the same, and per lookup where each count class of the chain begins (a binary search: counts never rise
-along a chain) and, every ``ReturnOdds.REFRESH`` lookups, its table. ``adaptive`` adds, per lookup, one modulo per
-name and the shadow work of the sampled names (1 in ``SAMPLE``), a heap operation each.
+key; ``odds`` the same, a dict write per name looked up (its last lookup's tick), and per lookup where each count
+class of the chain begins and where its last lookups change (binary searches: both never rise along a chain), and
+every ``REFRESH`` lookups its tables. ``adaptive`` adds, per lookup, one modulo per name and the shadow work of the
+sampled names (1 in ``SAMPLE``), a heap operation each.
 """
 
 from __future__ import annotations
