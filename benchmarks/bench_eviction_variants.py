@@ -351,9 +351,9 @@ class DurationsOnly(eviction.Odds):
 def variant_factory(spec: str):
     """``weight:K[:cold]`` or ``gd:K[:noinherit]`` -> a pool's policy factory (``PagePool`` calls it with its pages
     and clock)."""
-    weight, k, *rest = spec.split(":")
-    if weight == "durations":
+    if spec == "durations":
         return DurationsOnly
+    weight, k, *rest = spec.split(":")
     if weight == "sel":
         return lambda num_pages, clock: Selective(num_pages, clock, int(k), "inherit" in rest)
     if weight == "within":
@@ -467,30 +467,34 @@ def bound(lookups, page: int, sizes) -> None:
         new_names += fresh
     distance = np.array(distance)
 
-    def segments(d):  # the concave hull of (names held, lookups hit) over T, as (slope, held, hit) segments
+    def segments(d):  # the concave hull of (names held, lookups hit) over T, as (slope, held, hit, T) segments
         d = np.sort(d)
         back = d[d < never]
         ts = np.unique(np.concatenate([[0], back]))
         hit = np.searchsorted(d, ts, side="right")
         held = np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
-        hull = [(0, 0)]
-        for x, y in zip(held.tolist(), hit.tolist()):
+        hull = [(0, 0, 0)]
+        for x, y, t in zip(held.tolist(), hit.tolist(), ts.tolist()):
             while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
                                       <= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
                 hull.pop()
-            hull.append((x, y))
-        return [((y1 - y0) / (x1 - x0) if x1 > x0 else float("inf"), x1 - x0, y1 - y0)
-                for (x0, y0), (x1, y1) in zip(hull, hull[1:])]
+            hull.append((x, y, t))
+        return [((y1 - y0) / (x1 - x0) if x1 > x0 else float("inf"), x1 - x0, y1 - y0, t1)
+                for (x0, y0, _), (x1, y1, t1) in zip(hull, hull[1:])]
 
-    def best(key, budget) -> float:
+    def best(key, budget, keep=None) -> float:
+        """The most lookups hit for ``budget`` (names held x new names); ``keep``: filled with each class's T."""
         groups: dict = {}
         for i, f in enumerate(features):
             groups.setdefault(key(f), []).append(i)
         hits = 0.0
-        for _, held, hit in sorted((s for g in groups.values() for s in segments(distance[g])), reverse=True):
+        for _, held, hit, t, g in sorted(((*s, g) for g, idx in groups.items() for s in segments(distance[idx])),
+                                         key=lambda s: -s[0]):
             if held > budget:
                 return hits + hit * budget / held
             hits, budget = hits + hit, budget - held
+            if keep is not None:
+                keep[g] = t
         return hits
 
     def one_t(budget) -> int:  # one T for every lookup, none split: what lru does
@@ -507,15 +511,19 @@ def bound(lookups, page: int, sizes) -> None:
     total = len(distance)
     print(f"\n{total} pages looked up, {new_names} new. Hit share (%) at most, by what the keep time depends on:")
     print(f"{'pool':>6} | {'one T':>7} | " + " | ".join(f"{c:>10}" for c in classes) + f" | {'oracle':>7}")
+    kept = {}
     for size in sizes:
         budget = size // page * new_names
         back = np.cumsum(np.sort(distance[distance < never]))
         oracle = np.searchsorted(back, budget, side="right")
+        best(classes["count"], budget, kept.setdefault(size, {}))
         print(f"{format_size(size):>6} | {100 * one_t(budget) / total:7.2f} | "
-              + " | ".join(f"{100 * best(k, budget) / total:10.2f}"
-                                                      for k in classes.values())
+              + " | ".join(f"{100 * best(k, budget) / total:10.2f}" for k in classes.values())
               + f" | {100 * oracle / total:7.2f}")
-
+    print("keep time by lookup count in the 'count' column, in turnovers (the pool's pages of new names):")
+    for size, keep in kept.items():
+        print(f"{format_size(size):>6} | " + ", ".join(f"{c}: {keep.get(c, 0) / (size // page):.1f}"
+                                                  for c in range(1, COUNT_CLASSES + 1)))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -102,7 +102,8 @@ class KeepDurations:
             start, end = (at_least[c + 1] if c < top else 0), at_least[c]
             if end > start:
                 self._visits[c] += end - start
-                self._last.update(zip(names[start:end], repeat((self._at << 4) | c)))
+                run = names if start == 0 and end == len(names) else names[start:end]
+                self._last.update(zip(run, repeat((self._at << 4) | c)))
         self._visited()
 
     def _visited(self) -> None:
