@@ -25,10 +25,11 @@ class KeepDurations:
     while its names are out). Keeping class ``c`` for ``T`` ticks hits the visits whose next lookup comes within
     ``T`` and, by Little's law, holds on average its visits per tick times the mean of ``min(distance, T)`` pages.
     ``ticks`` is the choice of ``T`` per class that hits the most visits for the pool's pages: each class's curve
-    (pages held, visits hit) over ``T`` is taken by its upper concave hull and the hull segments of every class
-    steepest first, a fractional knapsack, exact on concave curves. Only differences between classes order entries
-    (a pool's eviction frontier sets the common part), so live requests' pages, which the budget ignores, shift it
-    and do not bend it.
+    (pages held, visits hit) over ``T`` is taken by its upper concave hull, and the hull segments of every class
+    steepest first while they fit (the fractional knapsack's order; the segment it would split is left out, as a key
+    cannot keep a share of a class longer). More pages never shorten a class's ``T``. Only differences between
+    classes order entries (a pool's eviction frontier sets the common part), so live requests' pages, which the
+    budget ignores, shift it and do not bend it.
 
     Why not frequency alone: where names seen once rarely come back (a chat trace's one-off prompts) the best use of
     a small pool keeps them not at all and the names seen twice for several turnovers; where every class comes back
@@ -52,11 +53,15 @@ class KeepDurations:
         self._at = clock()
         self._since = 0
 
-    def returned(self, names: Sequence[int]) -> None:
-        """``names`` are looked up now (before they are counted): the distances from their last lookups."""
+    def _now(self) -> int:
         now = self._clock()
         self._span += now - self._at
         self._at = now
+        return now
+
+    def returned(self, names: Sequence[int]) -> None:
+        """``names`` are looked up now (before they are counted): the distances from their last lookups."""
+        now = self._now()
         last = np.fromiter(map(self._last.get, names, repeat(-1)), dtype=np.int64, count=len(names))
         self._count_returns(now, last[last >= 0])
 
@@ -64,9 +69,7 @@ class KeepDurations:
         """``returned`` for one chain, by runs. A page is looked up whenever a page below it is, and its count is
         never below theirs, so the last lookups (tick, then class) never rise along a chain: each run of equal ones
         is found by a binary search, a few dozen reads for a long chain."""
-        now = self._clock()
-        self._span += now - self._at
-        self._at = now
+        now = self._now()
         get, start, n = self._last.get, 0, len(names)
         down = lambda name: -get(name, -1)  # noqa: E731  (ascending along the chain)
         while start < n:
@@ -88,10 +91,8 @@ class KeepDurations:
         """``names`` were looked up now and counted: ``counts`` their lookups so far (an int64 array, one each; 0 for
         a name the count table just forgot, which is not kept)."""
         classes = np.minimum(counts, self.classes)
-        self._visits += np.bincount(classes, minlength=self.classes + 1)
-        self._visits[0] = 0
-        self._last.update((n, v) for n, c, v in zip(names, classes.tolist(), ((self._at << 4) | classes).tolist())
-                          if c)
+        self._visits += np.bincount(classes[classes > 0], minlength=self.classes + 1)
+        self._last.update((n, self._at << 4 | c) for n, c in zip(names, classes.tolist()) if c)
         self._visited()
 
     def visited_chain(self, names: Sequence[int], at_least: Sequence[int]) -> None:
