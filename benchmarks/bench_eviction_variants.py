@@ -25,6 +25,7 @@ once given its bonus S times over if its request's new pages were chosen (1 in S
     python benchmarks/bench_eviction_variants.py --traces mt-bench --variants odds:2:cold
     python benchmarks/bench_eviction_variants.py --traces mooncake --why 2000
     python benchmarks/bench_eviction_variants.py --traces mooncake --bound
+    python benchmarks/bench_eviction_variants.py --traces mt-bench --requests 14k
 
 ``--why PAGES`` explains instead where the optimum's gain comes from, on the lookups the ceiling records, in a
 simulation of a cache of PAGES pages with no request in flight (each lookup hits its longest cached prefix, then
@@ -40,6 +41,10 @@ lookups, per new name), each class's curve taken by its concave hull (a class ma
 share longer), the lookup count (what ``odds`` sees), the count with each of ``--why``'s features, and the oracle
 (each lookup its own class: Belady without chains). The relaxation is loose where requests in flight hold much of the
 pool (MT-Bench, Mooncake at 512k) and averages the pool over time.
+
+``--requests POOL`` lists the requests whose matched tokens differ between ``lru``, the default and the optimum at
+one pool size, and for each how many later calls of any session (returns) the default's replay had admitted when the
+request's own previous call finished (when its pages were last keyed): what the policy could have learned by then.
 
 Needs ../shared/data (as ``bench_eviction.py``). The replays are deterministic: one run each.
 """
@@ -525,6 +530,49 @@ def bound(lookups, page: int, sizes) -> None:
         print(f"{format_size(size):>6} | " + ", ".join(f"{c}: {keep.get(c, 0) / (size // page):.1f}"
                                                   for c in range(1, COUNT_CLASSES + 1)))
 
+def differing_requests(trace, page: int, order: str, in_flight: int, size: int, lookups) -> None:
+    """Print ``--requests`` (module docstring)."""
+    from unittest import mock
+
+    from workloads.sizing import replay
+
+    matched: dict = {}
+    events: list = []  # ("admit" | "finish", rid), the default's replay
+    step, finish = replay._Replayer.step, replay._Replayer.finish
+    calls: dict = {}   # session -> its rids in admission order
+
+    def traced_step(self, req):
+        m = step(self, req)
+        matched.setdefault(self.run.eviction, {})[req.rid] = m
+        if self.run.eviction == eviction.DEFAULT_POLICY:
+            events.append(("admit", req.rid))
+            calls.setdefault(req.session, []).append(req.rid)
+        return m
+
+    def traced_finish(self, rid):
+        if self.run.eviction == eviction.DEFAULT_POLICY:
+            events.append(("finish", rid))
+        return finish(self, rid)
+
+    with mock.patch.object(replay._Replayer, "step", traced_step), \
+            mock.patch.object(replay._Replayer, "finish", traced_finish):
+        for policy in ("lru", eviction.DEFAULT_POLICY, "optimal"):
+            replay_trace(trace, page_size=page, pool_tokens=size, order=order, in_flight=in_flight, eviction=policy,
+                         lookups=lookups)
+    first_calls = {rids[0] for rids in calls.values()}
+    previous = {rid: rids[i - 1] for rids in calls.values() for i, rid in enumerate(rids) if i}
+    lru, default, best = (matched[p] for p in ("lru", eviction.DEFAULT_POLICY, "optimal"))
+    print(f"\nrequests whose matched tokens differ at {format_size(size)} (lru / {eviction.DEFAULT_POLICY} / optimal):")
+    for rid in lru:
+        if not lru[rid] == default[rid] == best[rid]:
+            before = ""
+            if rid in previous:
+                done = events.index(("finish", previous[rid]))
+                returns = sum(1 for kind, r in events[:done] if kind == "admit" and r not in first_calls)
+                before = f"; {returns} returns admitted when its previous call finished"
+            print(f"  {rid}: {lru[rid]} / {default[rid]} / {best[rid]}{before}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=",".join(TRACES))
@@ -532,6 +580,7 @@ def main() -> None:
     ap.add_argument("--pools", help="pool sizes (default: each trace's own)")
     ap.add_argument("--why", type=int, metavar="PAGES", help="explain the optimum's gain at PAGES pages instead")
     ap.add_argument("--bound", action="store_true", help="print what keep times chosen by class can hit at most")
+    ap.add_argument("--requests", metavar="POOL", help="list the requests lru, the default and the optimum differ on")
     args = ap.parse_args()
     variants = args.variants.split(",")
     for spec in variants:
@@ -544,6 +593,10 @@ def main() -> None:
         if args.why:
             print(f"\n{trace_name}: {len(recorder.lookups)} lookups")
             why(recorder.lookups, args.why)
+            continue
+        if args.requests:
+            print(f"\n{trace_name}: page {page}")
+            differing_requests(trace, page, order, in_flight, parse_sizes(args.requests)[0], recorder.lookups)
             continue
         if args.bound:
             print(f"\n{trace_name}: {len(recorder.lookups)} lookups, page {page}")
