@@ -472,14 +472,16 @@ def bound(lookups, page: int, sizes) -> None:
         new_names += fresh
     distance = np.array(distance)
 
-    def segments(d):  # the concave hull of (names held, lookups hit) over T, as (slope, held, hit, T) segments
+    def curve(d):  # over T (each distance a lookup came back at, and 0): names held and lookups hit
         d = np.sort(d)
         back = d[d < never]
         ts = np.unique(np.concatenate([[0], back]))
         hit = np.searchsorted(d, ts, side="right")
-        held = np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
+        return ts, hit, np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
+
+    def segments(d):  # the curve's upper concave hull, as (slope, held, hit, T) segments
         hull = [(0, 0, 0)]
-        for x, y, t in zip(held.tolist(), hit.tolist(), ts.tolist()):
+        for t, y, x in zip(*(a.tolist() for a in curve(d))):
             while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
                                       <= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
                 hull.pop()
@@ -503,11 +505,7 @@ def bound(lookups, page: int, sizes) -> None:
         return hits
 
     def one_t(budget) -> int:  # one T for every lookup, none split: what lru does
-        d = np.sort(distance)
-        back = d[d < never]
-        ts = np.unique(np.concatenate([[0], back]))
-        hit = np.searchsorted(d, ts, side="right")
-        held = np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
+        _, hit, held = curve(distance)
         return hit[np.searchsorted(held, budget, side="right") - 1]
 
     classes = {"split": lambda f: 0, "count": lambda f: f[0], "+chain": lambda f: f[:2],

@@ -118,6 +118,14 @@ class LRU:
         pass
 
 
+def chain_at_least(names: Sequence[int], count: Callable[[int], int], top: int) -> list[int]:
+    """``at_least[c]``: how many of the chain's ``names`` have ``count(name) >= c``, for ``c`` from 0 to ``top``. A page
+    is looked up whenever a page below it is, so counts never rise along a chain: where each count begins is a binary
+    search, not a read of every name (a long chain costs a few dozen reads)."""
+    down = lambda name: -count(name)  # noqa: E731  (ascending along the chain)
+    return [len(names)] + [bisect.bisect_right(names, -c, key=down) for c in range(1, top + 1)]
+
+
 class UseCounts:
     """Recent uses per name, kept after the entry left (a ghost history). Bounded: past ``limit`` names, every count
     is halved and the names at zero are dropped, which also ages the counts."""
@@ -238,15 +246,11 @@ class ReturnOdds:
         self._counted()
 
     def add_chain(self, names: Sequence[int], count: Callable[[int], int]) -> list[int]:
-        """The names of one chain looked up once more, ``count(name)`` their counts now; returns ``at_least``:
-        ``at_least[c]`` of the names have counts of ``c`` or more, for ``c`` up to ``COUNT_CLASSES + 1``. A page is
-        looked up whenever a page below it is, so counts never rise along a chain: where each class begins is a
-        binary search, not a read of every name (a long chain's lookup costs a few dozen reads)."""
+        """The names of one chain looked up once more, ``count(name)`` their counts now, read by runs
+        (``chain_at_least``, which it returns)."""
         r, top = self.reached, COUNT_CLASSES + 1
-        down = lambda name: -count(name)  # noqa: E731  (ascending along the chain)
-        at_least = [len(names)]  # c = 0
+        at_least = chain_at_least(names, count, top)
         for c in range(1, top + 1):
-            at_least.append(bisect.bisect_right(names, -c, key=down))
             r[c - 1] += at_least[c - 1] - at_least[c]
         r[top] += at_least[top]
         self.names += len(names)
@@ -307,10 +311,8 @@ class Odds:
     def keys(self, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
              chain: bool = False) -> np.ndarray:
         counts = self.uses.counts
-        if chain and len(names) > 64:  # classes by runs: where each begins is a binary search
-            names = names.tolist()
-            down = lambda name: -counts[name]  # noqa: E731  (ascending along the chain)
-            at_least = [len(names)] + [bisect.bisect_right(names, -c, key=down) for c in range(1, COUNT_CLASSES + 1)]
+        if chain and len(names) > 64:  # classes by runs
+            at_least = chain_at_least(names.tolist(), counts.__getitem__, COUNT_CLASSES)
             c = np.repeat(np.arange(COUNT_CLASSES, -1, -1), np.diff(at_least[::-1], prepend=0))
         else:
             c = np.fromiter(map(counts.__getitem__, names.tolist()), dtype=np.int64, count=len(names))

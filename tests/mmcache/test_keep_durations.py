@@ -98,3 +98,27 @@ def test_the_default_keeps_one_tick_per_name_its_count_table_holds():
         policy.looked_up([10 * step + j for j in range(10)])
         assert len(policy.durations._last) <= limit + 10
         assert set(policy.durations._last) <= set(policy.uses.counts)
+
+
+def test_a_long_chain_read_by_runs_counts_what_reading_every_name_counts():
+    """Lookups of more than 64 names are read by runs (binary searches: counts and last lookups never rise along a
+    chain); the policy's statistics and keys come out as reading every name would give them."""
+    runs, names_by_name = Clock(), Clock()
+    by_runs = make_policy(DEFAULT_POLICY, 4096, runs)
+    one_by_one = make_policy(DEFAULT_POLICY, 4096, names_by_name)
+    chain = list(range(1, 401))
+    for step, depth in enumerate([400, 120, 400, 65, 300, 400, 90, 400] * 4):
+        runs.now = names_by_name.now = 3 * step
+        by_runs.looked_up(chain[:depth])
+        for start in range(0, depth, 50):  # the same lookup as pieces of at most 64 names: read name by name
+            piece = chain[start:min(depth, start + 50)]
+            one_by_one.durations.returned(piece)
+        one_by_one.uses.add(chain[:depth])
+        counts = np.array([one_by_one.uses.counts[n] for n in chain[:depth]], dtype=np.int64)
+        one_by_one.durations.visited(chain[:depth], counts)
+    a, b = by_runs.durations, one_by_one.durations
+    assert a._last == b._last
+    assert np.array_equal(a._visits, b._visits) and np.array_equal(a._returns, b._returns)
+    names = np.array(chain, dtype=np.uint64)
+    floors = np.zeros(len(chain), dtype=np.int64)
+    assert np.array_equal(by_runs.keys(names, 100, floors, chain=True), by_runs.keys(names, 100, floors))
