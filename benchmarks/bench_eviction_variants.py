@@ -21,10 +21,22 @@ names that had no time yet to come back). ``sel:S[:inherit]``: ``odds`` before i
 once given its bonus S times over if its request's new pages were chosen (1 in S, by hash) and none otherwise
 (``Selective``). ``durations``: the default's learned keep durations without its odds (``DurationsOnly``).
 
+The default with its keep durations learned per another class (``ClassedDurations``, read name by name):
+``count`` (the lookup count, as the default: ``CountDurations``), ``chain`` (names seen once by the count of the
+chain they extend: ``ChainDurations``), ``fresh:B`` (the count and B sizes of the request's new pages:
+``FreshDurations``), each with options after a colon: ``relative`` (keys less the longest duration), ``odds`` (the
+expected lookups per class too), ``names`` (time counted in new names looked up, not ticks), ``bare`` (no expected
+lookups: the durations alone), ``decayH`` (the durations' statistics halve every H turnovers). ``split``: the
+default with the hull segment its knapsack stops before taken for a share of the lookups (``SplitDurations``).
+``fixed:COLUMN``: the best keep times of one ``--bound`` column (``count``, ``+new pages``, ``all``, ...) for the
+pool, chosen with the whole trace known, as a policy (``FixedKeepTimes``): what that column is worth in the replay
+to a policy that needs no learning.
+
     python benchmarks/bench_eviction_variants.py --traces mooncake --variants lfu:2,lfu:4,log:4,odds:2
     python benchmarks/bench_eviction_variants.py --traces mt-bench --variants odds:2:cold
     python benchmarks/bench_eviction_variants.py --traces mooncake --why 2000
     python benchmarks/bench_eviction_variants.py --traces mooncake --bound
+    python benchmarks/bench_eviction_variants.py --traces mooncake --variants "fixed:count,fixed:+new pages,fresh:8"
     python benchmarks/bench_eviction_variants.py --traces mt-bench --requests 14k
 
 ``--why PAGES`` explains instead where the optimum's gain comes from, on the lookups the ceiling records, in a
@@ -64,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_eviction import TRACES, load  # noqa: E402
 from mmcache import eviction  # noqa: E402
+from mmcache.keep_durations import KeepDurations  # noqa: E402
 from workloads.sizes import format_size, parse_sizes  # noqa: E402
 from workloads.sizing.replay import replay_trace  # noqa: E402
 
@@ -353,11 +366,139 @@ class DurationsOnly(eviction.Odds):
         return keys_one_by_one(self.key, names, ticks, floors)
 
 
+class ClassedDurations(eviction.Odds):
+    """The default's key with its keep durations learned per a finer class than the lookup count (``classify``, one
+    class per name looked up). ``relative``: each key less the longest duration, so an entry of a class worth keeping
+    for no time is keyed below every entry of the longest-kept class used within that duration (what re-keying the
+    older entries when a duration rises would do); ``class_odds``: the expected further lookups also per class, from
+    the durations' own statistics (the default takes them per count, ``ReturnOdds``)."""
+
+    def __init__(self, num_pages: int, clock, classes: int, relative: bool = False, class_odds: bool = False,
+                 names_clock: bool = False, no_odds: bool = False, decay: float = 0.0):
+        super().__init__(num_pages, clock)
+        self.relative, self.class_odds, self.names_clock, self.no_odds = relative, class_odds, names_clock, no_odds
+        self.half_life = decay * num_pages  # decay: the durations' statistics halve every that many turnovers
+        self.since_halved = 0
+        self.new_names = 0  # names_clock: time counted in new names looked up (the frontier's pace), not ticks
+        self.durations = KeepDurations(num_pages, classes, (lambda: self.new_names) if names_clock else clock)
+
+    def classify(self, names, before: np.ndarray, now: np.ndarray) -> np.ndarray:
+        """The classes (1 to ``durations.classes``) of ``names`` looked up now, from their counts before and after."""
+        raise NotImplementedError
+
+    def looked_up(self, names) -> None:
+        before = np.fromiter(map(self.uses.counts.__getitem__, names), dtype=np.int64, count=len(names))
+        self.durations.returned(names)
+        size = len(self.uses.counts)
+        self.uses.add(names)
+        counts = self.uses.counts
+        if len(counts) < size:
+            self.returns.halve()
+            self.durations.halve(counts)
+        now = np.fromiter(map(counts.__getitem__, names), dtype=np.int64, count=len(names))
+        self.returns.add(now.tolist())
+        self.durations.visited(names, np.where(now > 0, self.classify(names, before, now), 0))
+        fresh = int((before == 0).sum())
+        self.new_names += fresh
+        self.since_halved += fresh
+        if self.half_life and self.since_halved >= self.half_life:
+            self.durations.halve(counts)
+            self.since_halved = 0
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        ticks = self.durations.ticks
+        c = self.durations.last_lookup(name)[1]
+        bonus = ticks[c] - (ticks.max() if self.relative else 0)
+        if not self.no_odds:
+            odds = self.odds_by_class()[c] if self.class_odds else self.returns.of(self.uses.counts.get(name, 0))
+            bonus += odds * eviction.GENERATIONS_PER_USE * self.lifetimes.mean
+        k = (self.new_names if self.names_clock else tick) + int(bonus * self.costs.relative(cost))
+        return k if k > floor else floor
+
+    def odds_by_class(self) -> np.ndarray:
+        visits, back = self.durations.returns_by_class()
+        prior = eviction.PRIOR_LOOKUPS * self.returns.names / max(1.0, self.returns.lookups)
+        pooled = (back[1:].sum() + 0.5) / (visits[1:].sum() + 1.0)
+        p = np.minimum(0.99, (back + 0.5 + prior * pooled) / (visits + 1.0 + prior))
+        odds = p / (1 - p)
+        odds[0] = odds[1]
+        return odds
+
+    def keys(self, names, ticks, floors, cost=None, chain=False):
+        return keys_one_by_one(self.key, names, ticks, floors)
+
+
+class CountDurations(ClassedDurations):
+    """Names classed by their lookup count, as the default: its key with ``ClassedDurations``' options."""
+
+    def __init__(self, num_pages: int, clock, **options):
+        super().__init__(num_pages, clock, COUNT_CLASSES, **options)
+
+    def classify(self, names, before, now):
+        return np.minimum(now, COUNT_CLASSES)
+
+
+class SplitDurations(CountDurations):
+    """The default with the segment its keep durations stop before taken for a share of the lookups (by a hash of
+    the lookup's tick and the class, so a lookup's run of a class is kept or not as one): what the ``--bound`` table
+    allows (a class split at random) and keys otherwise cannot say."""
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        k = super().key(name, tick, floor, cost)
+        c, t1, share = self.durations.split
+        at, last = self.durations.last_lookup(name)
+        if c and last == c and (((at * 16 + c) * 0x9E3779B97F4A7C15) >> 16) % 1024 < share * 1024:
+            k += int((t1 - self.durations.ticks[c]) * self.costs.relative(cost))
+        return k if k > floor else floor
+
+
+class ChainDurations(ClassedDurations):
+    """A name looked up for the first time classed by the count of the deepest earlier-seen page it extends (none,
+    2, 3, 4 or more: a second turn's own new pages extend a chain seen twice, a first turn's none), a name seen before
+    by its count."""
+
+    NEW = 4  # classes of first-seen names
+
+    def __init__(self, num_pages: int, clock, **options):
+        super().__init__(num_pages, clock, COUNT_CLASSES + self.NEW - 1, **options)
+
+    def classify(self, names, before, now):
+        seen = int(np.argmin(before > 0)) if (before == 0).any() else len(names)
+        extends = int(before[seen - 1]) + 1 if seen else 0
+        first = 1 + min(max(extends - 1, 0), self.NEW - 1)  # none: 1; 2: 2; 3: 3; 4 or more: 4
+        return np.where(now == 1, first, np.minimum(now, COUNT_CLASSES) + self.NEW - 1)
+
+
+class FreshDurations(ClassedDurations):
+    """Names classed by their lookup count and one of ``buckets`` sizes of the request's new pages (log2 of them, the
+    last bucket open: a follow-up turn brings a few, a new document many), the feature the ``--bound`` table finds
+    worth most beside the count."""
+
+    def __init__(self, num_pages: int, clock, buckets: int, **options):
+        super().__init__(num_pages, clock, COUNT_CLASSES * buckets, **options)
+        self.buckets = buckets
+
+    def classify(self, names, before, now):
+        bucket = min(int(np.log2(max(1, int((before == 0).sum())))), self.buckets - 1)
+        return (np.minimum(now, COUNT_CLASSES) - 1) * self.buckets + bucket + 1
+
+
 def variant_factory(spec: str):
-    """``weight:K[:cold]`` or ``gd:K[:noinherit]`` -> a pool's policy factory (``PagePool`` calls it with its pages
-    and clock)."""
+    """A variant's spec (the module docstring) -> a pool's policy factory (``PagePool`` calls it with its pages and
+    clock)."""
     if spec == "durations":
         return DurationsOnly
+    if spec == "split":
+        return SplitDurations
+    kind, *rest = spec.split(":")
+    options = {"relative": "relative" in rest, "class_odds": "odds" in rest, "names_clock": "names" in rest,
+               "no_odds": "bare" in rest,
+               "decay": next((float(r[5:]) for r in rest if r.startswith("decay")), 0.0)}
+    if kind in ("chain", "count"):
+        kind = ChainDurations if kind == "chain" else CountDurations
+        return lambda num_pages, clock: kind(num_pages, clock, **options)
+    if kind == "fresh":
+        return lambda num_pages, clock: FreshDurations(num_pages, clock, int(rest[0]), **options)
     weight, k, *rest = spec.split(":")
     if weight == "sel":
         return lambda num_pages, clock: Selective(num_pages, clock, int(k), "inherit" in rest)
@@ -445,43 +586,64 @@ def why(lookups, pages: int) -> None:
         print(f"  {feature}: " + ", ".join(f"{v}: {back[v] / tot[v]:.2f} of {tot[v]}" for v in sorted(tot)))
 
 
-def bound(lookups, page: int, sizes) -> None:
-    """Print ``--bound`` (module docstring)."""
-    never = 1 << 40
-    last, at, distance, features = {}, [], [], []  # per lookup of a name: when, how far to its next, its class
-    count: Counter = Counter()
-    new_names = 0
-    for names in lookups:
-        for n in names:
-            if n in last:
-                distance[last[n]] = new_names - at[last[n]]
-        fresh = sum(1 for n in names if not count[n])
-        extends = 0
-        for n in names:
-            if not count[n]:
-                break
-            extends = count[n]
-        for j, n in enumerate(names):
-            count[n] += 1
-            last[n] = len(at)
-            at.append(new_names)
-            distance.append(never)
-            features.append((min(count[n], COUNT_CLASSES), min(extends, 6) if count[n] == 1 else -1,
-                             min(int(np.log2(max(1, fresh))), 7), 4 * j // len(names),
-                             min(3, 4 * (len(names) - fresh) // len(names))))
-        new_names += fresh
-    distance = np.array(distance)
+def lookup_features(names, count: Counter) -> tuple[int, list[tuple]]:
+    """Count one lookup of ``names`` in ``count``; its new names, and per name what a policy sees at the lookup
+    (``KeepTimeModel``'s features)."""
+    fresh = sum(1 for n in names if not count[n])
+    extends = 0
+    for n in names:
+        if not count[n]:
+            break
+        extends = count[n]
+    count.update(names)
+    return fresh, [(min(count[n], COUNT_CLASSES), min(extends, 6) if count[n] == 1 else -1,
+                    min(int(np.log2(max(1, fresh))), 7), 4 * j // len(names),
+                    min(3, 4 * (len(names) - fresh) // len(names))) for j, n in enumerate(names)]
 
-    def curve(d):  # over T (each distance a lookup came back at, and 0): names held and lookups hit
+
+# --bound's columns: what the keep time depends on (a class of the features)
+COLUMNS = {"split": lambda f: 0, "count": lambda f: f[0], "+chain": lambda f: f[:2],
+           "+new pages": lambda f: (f[0], f[2]), "+place": lambda f: (f[0], f[3]),
+           "+hit share": lambda f: (f[0], f[4]), "all": lambda f: f}
+
+
+class KeepTimeModel:
+    """``--bound``'s relaxed model of the lookups ``lookups`` (module docstring): per lookup of a name, how many new
+    names came before its next lookup (``distance``) and what a policy sees at it (``features``: its count, the count
+    of the chain it extends if seen once, log2 of the request's new pages, its quarter of the chain, the request's
+    hit quarter)."""
+
+    NEVER = 1 << 40
+
+    def __init__(self, lookups):
+        last, at, distance, features = {}, [], [], []
+        count: Counter = Counter()
+        self.new_names = 0
+        for names in lookups:
+            for n in names:
+                if n in last:
+                    distance[last[n]] = self.new_names - at[last[n]]
+            fresh, seen = lookup_features(names, count)
+            for n, f in zip(names, seen):
+                last[n] = len(at)
+                at.append(self.new_names)
+                distance.append(self.NEVER)
+                features.append(f)
+            self.new_names += fresh
+        self.distance, self.features = np.array(distance), features
+
+    def curve(self, d):
+        """Over T (each distance a lookup came back at, and 0): names held and lookups hit."""
         d = np.sort(d)
-        back = d[d < never]
+        back = d[d < self.NEVER]
         ts = np.unique(np.concatenate([[0], back]))
         hit = np.searchsorted(d, ts, side="right")
         return ts, hit, np.concatenate([[0], np.cumsum(back)])[hit] + (len(d) - hit) * ts
 
-    def segments(d):  # the curve's upper concave hull, as (slope, held, hit, T) segments
+    def segments(self, d):
+        """The curve's upper concave hull, as (slope, held, hit, T) segments."""
         hull = [(0, 0, 0)]
-        for t, y, x in zip(*(a.tolist() for a in curve(d))):
+        for t, y, x in zip(*(a.tolist() for a in self.curve(d))):
             while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
                                       <= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
                 hull.pop()
@@ -489,14 +651,19 @@ def bound(lookups, page: int, sizes) -> None:
         return [((y1 - y0) / (x1 - x0) if x1 > x0 else float("inf"), x1 - x0, y1 - y0, t1)
                 for (x0, y0, _), (x1, y1, t1) in zip(hull, hull[1:])]
 
-    def best(key, budget, keep=None) -> float:
-        """The most lookups hit for ``budget`` (names held x new names); ``keep``: filled with each class's T."""
+    def budget(self, pages: int) -> int:
+        """A pool of ``pages`` pages in the model's units (names held x new names)."""
+        return pages * self.new_names
+
+    def best(self, key, budget, keep=None) -> float:
+        """The most lookups hit for ``budget`` by keep times per class ``key(features)``; ``keep``: filled with each
+        class's T (in new names; the class split at random left at the T it had)."""
         groups: dict = {}
-        for i, f in enumerate(features):
+        for i, f in enumerate(self.features):
             groups.setdefault(key(f), []).append(i)
         hits = 0.0
-        for _, held, hit, t, g in sorted(((*s, g) for g, idx in groups.items() for s in segments(distance[idx])),
-                                         key=lambda s: -s[0]):
+        for _, held, hit, t, g in sorted(((*s, g) for g, idx in groups.items()
+                                          for s in self.segments(self.distance[idx])), key=lambda s: -s[0]):
             if held > budget:
                 return hits + hit * budget / held
             hits, budget = hits + hit, budget - held
@@ -504,20 +671,59 @@ def bound(lookups, page: int, sizes) -> None:
                 keep[g] = t
         return hits
 
-    def one_t(budget) -> int:  # one T for every lookup, none split: what lru does
-        _, hit, held = curve(distance)
+    def one_t(self, budget) -> int:
+        """One T for every lookup, none split: what ``lru`` does."""
+        _, hit, held = self.curve(self.distance)
         return hit[np.searchsorted(held, budget, side="right") - 1]
 
-    classes = {"split": lambda f: 0, "count": lambda f: f[0], "+chain": lambda f: f[:2],
-               "+new pages": lambda f: (f[0], f[2]), "+place": lambda f: (f[0], f[3]),
-               "+hit share": lambda f: (f[0], f[4]), "all": lambda f: f}
+
+class FixedKeepTimes:
+    """The model's best keep times for this pool by one of ``--bound``'s columns (``KeepTimeModel.best``, chosen with
+    the whole trace known) as a replay's policy: key = new names seen so far + T of the name's class at its last
+    lookup (a page never looked up, a request's output, as a new name extending nothing). What a column of
+    ``--bound`` is worth in the replay, with its chains and requests in flight, to a policy that knew the best keep
+    times from the start."""
+
+    name = "fixed-keep-times"
+    monotone = True
+
+    def __init__(self, num_pages: int, model: KeepTimeModel, column: str):
+        self.keep: dict = {}
+        self.column = COLUMNS[column]
+        model.best(self.column, model.budget(num_pages), self.keep)
+        self.count: Counter = Counter()
+        self.kept: dict = {}  # name -> T of its class at its last lookup
+        self.unseen = int(self.keep.get(self.column((1, 0, 0, 0, 0)), 0))  # a page never looked up: as a new one
+        self.new_names = 0
+
+    def looked_up(self, names) -> None:
+        fresh, seen = lookup_features(names, self.count)
+        self.new_names += fresh
+        self.kept.update((n, int(self.keep.get(self.column(f), 0))) for n, f in zip(names, seen))
+
+    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        k = self.new_names + self.kept.get(name, self.unseen)
+        return k if k > floor else floor
+
+    def keys(self, names, ticks, floors, cost=None, chain=False):
+        return keys_one_by_one(self.key, names, ticks, floors)
+
+    def evicted(self, keys, ticks) -> None:
+        pass
+
+
+def bound(lookups, page: int, sizes) -> None:
+    """Print ``--bound`` (module docstring)."""
+    model = KeepTimeModel(lookups)
+    distance, best, one_t = model.distance, model.best, model.one_t
+    classes = COLUMNS
     total = len(distance)
-    print(f"\n{total} pages looked up, {new_names} new. Hit share (%) at most, by what the keep time depends on:")
+    print(f"\n{total} pages looked up, {model.new_names} new. Hit share (%) at most, by what the keep time depends on:")
     print(f"{'pool':>6} | {'one T':>7} | " + " | ".join(f"{c:>10}" for c in classes) + f" | {'oracle':>7}")
     kept = {}
     for size in sizes:
-        budget = size // page * new_names
-        back = np.cumsum(np.sort(distance[distance < never]))
+        budget = model.budget(size // page)
+        back = np.cumsum(np.sort(distance[distance < model.NEVER]))
         oracle = np.searchsorted(back, budget, side="right")
         best(classes["count"], budget, kept.setdefault(size, {}))
         print(f"{format_size(size):>6} | {100 * one_t(budget) / total:7.2f} | "
@@ -582,12 +788,18 @@ def main() -> None:
     args = ap.parse_args()
     variants = args.variants.split(",")
     for spec in variants:
-        eviction.POLICIES[spec] = variant_factory(spec)  # this process only: a name the replay's pool can make
+        if not spec.startswith("fixed:"):  # made per trace, from its lookups
+            eviction.POLICIES[spec] = variant_factory(spec)  # this process only: a name the replay's pool can make
     for trace_name in args.traces.split(","):
         _, page, order, in_flight, pools = TRACES[trace_name]
         trace = load(trace_name)
         recorder = eviction.LookupRecorder()
         replay_trace(trace, page_size=page, pool_tokens=None, order=order, in_flight=in_flight, eviction=recorder)
+        fixed = [v for v in variants if v.startswith("fixed:")]
+        model = KeepTimeModel(recorder.lookups) if fixed else None
+        for spec in fixed:
+            column = spec.split(":", 1)[1]
+            eviction.POLICIES[spec] = lambda num_pages, clock, column=column: FixedKeepTimes(num_pages, model, column)
         if args.why:
             print(f"\n{trace_name}: {len(recorder.lookups)} lookups")
             why(recorder.lookups, args.why)

@@ -35,18 +35,22 @@ class KeepDurations:
     a small pool keeps them not at all and the names seen twice for several turnovers; where every class comes back
     alike (an agent's history) the durations are equal and frequency decides.
 
-    State: one tick per name, pruned with the use-count table it rides on (``halve``)."""
+    State: one int per name (its last lookup's tick, shifted past the bits ``classes`` takes, and its class), pruned
+    with the use-count table it rides on (``halve``)."""
 
-    __slots__ = ("budget", "classes", "ticks", "_clock", "_last", "_visits", "_returns", "_span", "_at", "_since")
+    __slots__ = ("budget", "classes", "ticks", "split", "_bits", "_clock", "_last", "_visits", "_returns", "_span",
+                 "_at", "_since")
     REFRESH = 16  # lookups between two solves (the curves move slowly)
 
     def __init__(self, num_pages: int, classes: int, clock: Callable[[], int]):
-        assert 0 < classes < 16, "a name's last lookup keeps its class in 4 bits"
+        assert classes > 0
+        self._bits = classes.bit_length()   # a name's last lookup keeps its class in these low bits
         self.budget = float(max(1, num_pages))
         self.classes = classes
         self.ticks = np.zeros(classes + 1)  # class 0 (never looked up) reads as class 1
+        self.split = (0, 0.0, 0.0)          # the class, T and share of the segment the knapsack stopped before
         self._clock = clock
-        self._last: dict[int, int] = {}     # name -> the tick of its last lookup << 4 | the class it was in
+        self._last: dict[int, int] = {}     # name -> the tick of its last lookup << _bits | the class it was in
         self._visits = np.zeros(classes + 1)
         self._returns = np.zeros((classes + 1) * BINS)  # [class * BINS + bin]: visits whose next lookup came then
         self._span = 0.0                    # ticks the statistics cover (decayed with them)
@@ -71,28 +75,32 @@ class KeepDurations:
         is found by a binary search, a few dozen reads for a long chain."""
         now = self._now()
         get, start, n = self._last.get, 0, len(names)
+        bits = self._bits
+        mask = (1 << bits) - 1
         down = lambda name: -get(name, -1)  # noqa: E731  (ascending along the chain)
         while start < n:
             last = get(names[start], -1)
             if last < 0:  # never looked up, or forgotten: so is every page below
                 break
             end = bisect.bisect_right(names, -last, lo=start, key=down)
-            distance = max(now - (last >> 4), 1)
-            self._returns[(last & 15) * BINS + min(int(2 * math.log2(distance)), BINS - 1)] += end - start
+            distance = max(now - (last >> bits), 1)
+            self._returns[(last & mask) * BINS + min(int(2 * math.log2(distance)), BINS - 1)] += end - start
             start = end
 
     def _count_returns(self, now: int, last: np.ndarray) -> None:
-        if len(last):  # last: tick << 4 | the class it was looked up in (counts halve in between: not from them)
-            distance = np.maximum(now - (last >> 4), 1)
+        if len(last):  # last: tick << _bits | the class it was looked up in (counts halve in between: not from them)
+            distance = np.maximum(now - (last >> self._bits), 1)
             bins = np.minimum((2 * np.log2(distance)).astype(np.int64), BINS - 1)
-            self._returns += np.bincount((last & 15) * BINS + bins, minlength=self._returns.size)
+            classes = last & ((1 << self._bits) - 1)
+            self._returns += np.bincount(classes * BINS + bins, minlength=self._returns.size)
 
     def visited(self, names: Sequence[int], counts: np.ndarray) -> None:
         """``names`` were looked up now and counted: ``counts`` their lookups so far (an int64 array, one each; 0 for
-        a name the count table just forgot, which is not kept)."""
+        a name the count table just forgot, which is not kept), whose class is the count capped at ``classes``."""
         classes = np.minimum(counts, self.classes)
         self._visits += np.bincount(classes[classes > 0], minlength=self.classes + 1)
-        self._last.update((n, self._at << 4 | c) for n, c in zip(names, classes.tolist()) if c)
+        at = self._at << self._bits
+        self._last.update((n, at | c) for n, c in zip(names, classes.tolist()) if c)
         self._visited()
 
     def visited_chain(self, names: Sequence[int], at_least: Sequence[int]) -> None:
@@ -104,13 +112,22 @@ class KeepDurations:
             if end > start:
                 self._visits[c] += end - start
                 run = names if start == 0 and end == len(names) else names[start:end]
-                self._last.update(zip(run, repeat((self._at << 4) | c)))
+                self._last.update(zip(run, repeat((self._at << self._bits) | c)))
         self._visited()
 
     def _visited(self) -> None:
         self._since += 1
         if self._since >= self.REFRESH:
             self._solve()
+
+    def returns_by_class(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per class (decayed with the statistics): its visits, and how many of them came back."""
+        return self._visits.copy(), self._returns.reshape(self.classes + 1, BINS).sum(axis=1)
+
+    def last_lookup(self, name: int) -> tuple[int, int]:
+        """The tick of ``name``'s last lookup and the class it was in then ((-1, 0): none kept for it)."""
+        last = self._last.get(name, -1)
+        return (-1, 0) if last < 0 else (last >> self._bits, last & ((1 << self._bits) - 1))
 
     def halve(self, kept) -> None:
         """The use-count table was halved: the statistics weigh half, and only names in ``kept`` keep a tick."""
@@ -141,8 +158,10 @@ class KeepDurations:
                 segments.append(((y1 - y0) / max(x1 - x0, 1e-12), x1 - x0, c, t0, t1))
         segments.sort(key=lambda s: -s[0])
         ticks, budget = np.zeros(self.classes + 1), self.budget
+        self.split = (0, 0.0, 0.0)
         for _, cost, c, t0, t1 in segments:
             if cost > budget:  # the optimum keeps a share of the class to t1, which keys cannot say: stop at t0
+                self.split = (c, t1, budget / cost)
                 break
             ticks[c] = t1
             budget -= cost

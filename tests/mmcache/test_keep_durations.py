@@ -122,3 +122,22 @@ def test_a_long_chain_read_by_runs_counts_what_reading_every_name_counts():
     names = np.array(chain, dtype=np.uint64)
     floors = np.zeros(len(chain), dtype=np.int64)
     assert np.array_equal(by_runs.keys(names, 100, floors, chain=True), by_runs.keys(names, 100, floors))
+
+
+def test_more_classes_than_four_bits_keep_each_lookup_in_its_own_class():
+    """A name's last lookup keeps its class in as many low bits as ``classes`` takes (the default's 8 take 4; a finer
+    classing, as the prototypes of ``benchmarks/bench_eviction_variants.py`` use, more): every return is counted in
+    the class its name was looked up in, and the tick comes back whole."""
+    clock = Clock()
+    durations = KeepDurations(num_pages=64, classes=64, clock=clock)
+    for c in (1, 15, 16, 17, 40, 64):
+        clock.now = 1000 + c
+        durations.returned([c])
+        durations.visited([c], np.array([c], dtype=np.int64))
+        assert durations.last_lookup(c) == (1000 + c, c)
+    clock.now = 5000
+    durations.returned([1, 15, 16, 17, 40, 64])
+    visits, back = durations.returns_by_class()
+    assert np.array_equal(np.flatnonzero(back), [1, 15, 16, 17, 40, 64])
+    assert np.array_equal(visits, back)  # every visit came back, once
+    assert durations.last_lookup(99) == (-1, 0)
