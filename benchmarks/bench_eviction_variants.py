@@ -38,6 +38,7 @@ to a policy that needs no learning.
     python benchmarks/bench_eviction_variants.py --traces mooncake --bound
     python benchmarks/bench_eviction_variants.py --traces mooncake --variants "fixed:count,fixed:+new pages,fresh:8"
     python benchmarks/bench_eviction_variants.py --traces mt-bench --requests 14k
+    python benchmarks/bench_eviction_variants.py --traces mooncake --quarters 4M --variants fixed:count
 
 ``--why PAGES`` explains instead where the optimum's gain comes from, on the lookups the ceiling records, in a
 simulation of a cache of PAGES pages with no request in flight (each lookup hits its longest cached prefix, then
@@ -53,6 +54,9 @@ lookups, per new name), each class's curve taken by its concave hull (a class ma
 share longer), the lookup count (what ``odds`` sees), the count with each of ``--why``'s features, and the oracle
 (each lookup its own class: Belady without chains). The relaxation is loose where requests in flight hold much of the
 pool (MT-Bench, Mooncake at 512k) and averages the pool over time.
+
+``--quarters POOL`` prints the hit share of ``lru``, the default, each variant and the optimum in each quarter of the
+trace's requests at one pool size: where in the trace a policy gains or loses.
 
 ``--requests POOL`` lists the requests whose matched tokens differ between ``lru``, the default and the optimum at
 one pool size, and for each how many later calls of any session (returns) the default's replay had admitted when the
@@ -777,6 +781,34 @@ def differing_requests(trace, page: int, order: str, in_flight: int, size: int, 
             print(f"  {rid}: {lru[rid]} / {default[rid]} / {best[rid]}{before}")
 
 
+def by_quarter(trace, page: int, order: str, in_flight: int, size: int, lookups, variants) -> None:
+    """Print ``--quarters`` (module docstring)."""
+    from unittest import mock
+
+    from workloads.sizing import replay
+
+    step, rows = replay._Replayer.step, []
+
+    def traced_step(self, req):
+        m = step(self, req)
+        rows.append((req.prompt_len, m or 0))
+        return m
+
+    rates = {}
+    with mock.patch.object(replay._Replayer, "step", traced_step):
+        for policy in ["lru", *variants, "optimal"]:
+            rows.clear()
+            replay_trace(trace, page_size=page, pool_tokens=size, order=order, in_flight=in_flight, eviction=policy,
+                         lookups=lookups)
+            parts = np.array_split(np.array(rows), 4)
+            rates[policy] = [100 * q[:, 1].sum() / q[:, 0].sum() for q in parts]
+    print(f"\nhit share (%) by quarter of the requests at {format_size(size)} (share of the lru -> optimal gap):")
+    for policy, r in rates.items():
+        print(f"{policy:>17} | " + " | ".join(
+            f"{x:6.2f} ({100 * (x - lo) / (hi - lo) if hi - lo > 1e-9 else 0:+4.0f}%)"
+            for x, lo, hi in zip(r, rates["lru"], rates["optimal"])))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=",".join(TRACES))
@@ -785,6 +817,7 @@ def main() -> None:
     ap.add_argument("--why", type=int, metavar="PAGES", help="explain the optimum's gain at PAGES pages instead")
     ap.add_argument("--bound", action="store_true", help="print what keep times chosen by class can hit at most")
     ap.add_argument("--requests", metavar="POOL", help="list the requests lru, the default and the optimum differ on")
+    ap.add_argument("--quarters", metavar="POOL", help="hit share by quarter of the requests at one pool size")
     args = ap.parse_args()
     variants = args.variants.split(",")
     for spec in variants:
@@ -807,6 +840,11 @@ def main() -> None:
         if args.requests:
             print(f"\n{trace_name}: page {page}")
             differing_requests(trace, page, order, in_flight, parse_sizes(args.requests)[0], recorder.lookups)
+            continue
+        if args.quarters:
+            print(f"\n{trace_name}: page {page}")
+            by_quarter(trace, page, order, in_flight, parse_sizes(args.quarters)[0], recorder.lookups,
+                       [eviction.DEFAULT_POLICY, *variants])
             continue
         if args.bound:
             print(f"\n{trace_name}: {len(recorder.lookups)} lookups, page {page}")
