@@ -26,7 +26,9 @@ The default with its keep durations learned per another class (``ClassedDuration
 chain they extend: ``ChainDurations``), ``fresh:B`` (the count and B sizes of the request's new pages:
 ``FreshDurations``), each with options after a colon: ``relative`` (keys less the longest duration), ``odds`` (the
 expected lookups per class too), ``names`` (time counted in new names looked up, not ticks), ``bare`` (no expected
-lookups: the durations alone), ``decayH`` (the durations' statistics halve every H turnovers). ``split``: the
+lookups: the durations alone), ``decayH`` (the durations' statistics halve every H turnovers), ``gated`` (the
+expected lookups only for classes the durations keep), ``goon`` (the knapsack goes on past a segment that does not
+fit: ``GoingOnDurations``). ``split``: the
 default with the hull segment its knapsack stops before taken for a share of the lookups (``SplitDurations``).
 ``fixed:COLUMN``: the best keep times of one ``--bound`` column (``count``, ``+new pages``, ``all``, ...) for the
 pool, chosen with the whole trace known, as a policy (``FixedKeepTimes``): what that column is worth in the replay
@@ -57,6 +59,9 @@ pool (MT-Bench, Mooncake at 512k) and averages the pool over time.
 
 ``--quarters POOL`` prints the hit share of ``lru``, the default, each variant and the optimum in each quarter of the
 trace's requests at one pool size: where in the trace a policy gains or loses.
+
+``--durations POOL`` prints the keep durations the default learned at one pool size, per lookup count: the mean
+over its solves, and the share of solves that kept the class at all.
 
 ``--requests POOL`` lists the requests whose matched tokens differ between ``lru``, the default and the optimum at
 one pool size, and for each how many later calls of any session (returns) the default's replay had admitted when the
@@ -378,13 +383,16 @@ class ClassedDurations(eviction.Odds):
     the durations' own statistics (the default takes them per count, ``ReturnOdds``)."""
 
     def __init__(self, num_pages: int, clock, classes: int, relative: bool = False, class_odds: bool = False,
-                 names_clock: bool = False, no_odds: bool = False, decay: float = 0.0):
+                 names_clock: bool = False, no_odds: bool = False, decay: float = 0.0, gated: bool = False,
+                 going_on: bool = False):
         super().__init__(num_pages, clock)
         self.relative, self.class_odds, self.names_clock, self.no_odds = relative, class_odds, names_clock, no_odds
+        self.gated = gated  # the expected lookups only for classes the durations keep
         self.half_life = decay * num_pages  # decay: the durations' statistics halve every that many turnovers
         self.since_halved = 0
         self.new_names = 0  # names_clock: time counted in new names looked up (the frontier's pace), not ticks
-        self.durations = KeepDurations(num_pages, classes, (lambda: self.new_names) if names_clock else clock)
+        kind = GoingOnDurations if going_on else KeepDurations
+        self.durations = kind(num_pages, classes, (lambda: self.new_names) if names_clock else clock)
 
     def classify(self, names, before: np.ndarray, now: np.ndarray) -> np.ndarray:
         """The classes (1 to ``durations.classes``) of ``names`` looked up now, from their counts before and after."""
@@ -413,7 +421,7 @@ class ClassedDurations(eviction.Odds):
         ticks = self.durations.ticks
         c = self.durations.last_lookup(name)[1]
         bonus = ticks[c] - (ticks.max() if self.relative else 0)
-        if not self.no_odds:
+        if not self.no_odds and not (self.gated and ticks[c] == 0):
             odds = self.odds_by_class()[c] if self.class_odds else self.returns.of(self.uses.counts.get(name, 0))
             bonus += odds * eviction.GENERATIONS_PER_USE * self.lifetimes.mean
         k = (self.new_names if self.names_clock else tick) + int(bonus * self.costs.relative(cost))
@@ -456,6 +464,21 @@ class SplitDurations(CountDurations):
         return k if k > floor else floor
 
 
+class GoingOnDurations(KeepDurations):
+    """The keep durations with a knapsack that, where a segment does not fit, ends only that segment's class and goes
+    on with the other classes' (the default's stops there)."""
+
+    def _choose(self, segments) -> np.ndarray:
+        ticks, budget, ended = np.zeros(self.classes + 1), self.budget, set()
+        for _, cost, c, _, t1 in segments:
+            if c in ended or cost > budget:
+                ended.add(c)
+                continue
+            ticks[c] = t1
+            budget -= cost
+        return ticks
+
+
 class ChainDurations(ClassedDurations):
     """A name looked up for the first time classed by the count of the deepest earlier-seen page it extends (none,
     2, 3, 4 or more: a second turn's own new pages extend a chain seen twice, a first turn's none), a name seen before
@@ -496,7 +519,7 @@ def variant_factory(spec: str):
         return SplitDurations
     kind, *rest = spec.split(":")
     options = {"relative": "relative" in rest, "class_odds": "odds" in rest, "names_clock": "names" in rest,
-               "no_odds": "bare" in rest,
+               "no_odds": "bare" in rest, "gated": "gated" in rest, "going_on": "goon" in rest,
                "decay": next((float(r[5:]) for r in rest if r.startswith("decay")), 0.0)}
     if kind in ("chain", "count"):
         kind = ChainDurations if kind == "chain" else CountDurations
@@ -809,6 +832,26 @@ def by_quarter(trace, page: int, order: str, in_flight: int, size: int, lookups,
             for x, lo, hi in zip(r, rates["lru"], rates["optimal"])))
 
 
+def learned_durations(trace, page: int, order: str, in_flight: int, size: int) -> None:
+    """Print ``--durations`` (module docstring)."""
+    from unittest import mock
+
+    solve, seen = KeepDurations._solve, []
+
+    def recorded_solve(self):
+        solve(self)
+        seen.append(self.ticks[1:].copy())
+
+    with mock.patch.object(KeepDurations, "_solve", recorded_solve):
+        replay_trace(trace, page_size=page, pool_tokens=size, order=order, in_flight=in_flight,
+                     eviction=eviction.DEFAULT_POLICY)
+    ticks = np.array(seen)
+    print(f"\nthe default's keep durations at {format_size(size)} over its {len(ticks)} solves, by lookup count "
+          "(mean ticks; share of solves that kept the class at all):")
+    print("  " + ", ".join(f"{c}: {t:.0f} ({k:.0%})" for c, (t, k) in
+                           enumerate(zip(ticks.mean(axis=0), (ticks > 0).mean(axis=0)), start=1)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default=",".join(TRACES))
@@ -818,6 +861,7 @@ def main() -> None:
     ap.add_argument("--bound", action="store_true", help="print what keep times chosen by class can hit at most")
     ap.add_argument("--requests", metavar="POOL", help="list the requests lru, the default and the optimum differ on")
     ap.add_argument("--quarters", metavar="POOL", help="hit share by quarter of the requests at one pool size")
+    ap.add_argument("--durations", metavar="POOL", help="the default's learned keep durations at one pool size")
     args = ap.parse_args()
     variants = args.variants.split(",")
     for spec in variants:
@@ -840,6 +884,10 @@ def main() -> None:
         if args.requests:
             print(f"\n{trace_name}: page {page}")
             differing_requests(trace, page, order, in_flight, parse_sizes(args.requests)[0], recorder.lookups)
+            continue
+        if args.durations:
+            print(f"\n{trace_name}: page {page}")
+            learned_durations(trace, page, order, in_flight, parse_sizes(args.durations)[0])
             continue
         if args.quarters:
             print(f"\n{trace_name}: page {page}")

@@ -138,9 +138,14 @@ class KeepDurations:
 
     def _solve(self) -> None:
         self._since = 0
-        if self._span <= 0:
-            return
-        segments = []  # (visits hit per page held, pages held, class, T from, T to)
+        if self._span > 0:
+            ticks = self._choose(self._segments())
+            ticks[0] = ticks[1]
+            self.ticks = ticks
+
+    def _segments(self) -> list[tuple[float, float, int, float, float]]:
+        """Every class's hull segments, steepest first: (visits hit per page held, pages held, class, T from, T to)."""
+        segments = []
         returns = self._returns.reshape(self.classes + 1, BINS)
         for c in range(1, self.classes + 1):
             at = np.flatnonzero(returns[c])  # T past a bin no visit came back in only holds more
@@ -157,6 +162,11 @@ class KeepDurations:
             for (x0, y0, t0), (x1, y1, t1) in zip(hull, hull[1:]):
                 segments.append(((y1 - y0) / max(x1 - x0, 1e-12), x1 - x0, c, t0, t1))
         segments.sort(key=lambda s: -s[0])
+        return segments
+
+    def _choose(self, segments) -> np.ndarray:
+        """Each class's T: the segments taken steepest first while they fit the pool's pages, stopping before the
+        first that does not (its class, T and the share of it that would fit: ``split``)."""
         ticks, budget = np.zeros(self.classes + 1), self.budget
         self.split = (0, 0.0, 0.0)
         for _, cost, c, t0, t1 in segments:
@@ -165,5 +175,4 @@ class KeepDurations:
                 break
             ticks[c] = t1
             budget -= cost
-        ticks[0] = ticks[1]
-        self.ticks = ticks
+        return ticks
