@@ -19,7 +19,7 @@ the last use instead of the eviction frontier). ``within:K:H``: ``odds`` whose c
 ``H`` generations passed since it reached its count, and a return only within them (``OddsWithin``: no censoring of
 names that had no time yet to come back). ``sel:S[:inherit]``: ``odds`` before its keep durations, with a name seen
 once given its bonus S times over if its request's new pages were chosen (1 in S, by hash) and none otherwise
-(``Selective``). ``durations``: the default's learned keep durations without its odds (``DurationsOnly``).
+(``Selective``).
 
 The default with its keep durations learned per another class (``ClassedDurations``, read name by name):
 ``count`` (the lookup count, as the default: ``CountDurations``), ``chain`` (names seen once by the count of the
@@ -28,8 +28,8 @@ chain they extend: ``ChainDurations``), ``fresh:B`` (the count and B sizes of th
 expected lookups per class too), ``names`` (time counted in new names looked up, not ticks), ``bare`` (no expected
 lookups: the durations alone), ``decayH`` (the durations' statistics halve every H turnovers), ``gated`` (the
 expected lookups only for classes the durations keep), ``goon`` (the knapsack goes on past a segment that does not
-fit: ``GoingOnDurations``). ``split``: the
-default with the hull segment its knapsack stops before taken for a share of the lookups (``SplitDurations``).
+fit: ``GoingOnDurations``). ``split``: the default with the hull segment its knapsack stops before taken for a share
+of the lookups (``SplitDurations``).
 ``fixed:COLUMN``: the best keep times of one ``--bound`` column (``count``, ``+new pages``, ``all``, ...) for the
 pool, chosen with the whole trace known, as a policy (``FixedKeepTimes``): what that column is worth in the replay
 to a policy that needs no learning.
@@ -361,20 +361,6 @@ class Selective(eviction.Odds):
         return keys_one_by_one(self.key, names, ticks, floors)
 
 
-class DurationsOnly(eviction.Odds):
-    """The default's key without its odds: the last use plus the learned keep duration of the entry's class alone
-    (``KeepDurations``). What the durations do without frequency to rank within them."""
-
-    name = "durations"
-
-    def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
-        k = tick + int(self.durations.ticks[min(self.uses.counts.get(name, 0), COUNT_CLASSES)])
-        return k if k > floor else floor
-
-    def keys(self, names, ticks, floors, cost=None, chain=False):
-        return keys_one_by_one(self.key, names, ticks, floors)
-
-
 class ClassedDurations(eviction.Odds):
     """The default's key with its keep durations learned per a finer class than the lookup count (``classify``, one
     class per name looked up). ``relative``: each key less the longest duration, so an entry of a class worth keeping
@@ -384,14 +370,13 @@ class ClassedDurations(eviction.Odds):
 
     def __init__(self, num_pages: int, clock, classes: int, relative: bool = False, class_odds: bool = False,
                  names_clock: bool = False, no_odds: bool = False, decay: float = 0.0, gated: bool = False,
-                 going_on: bool = False):
+                 kind: type = KeepDurations):
         super().__init__(num_pages, clock)
         self.relative, self.class_odds, self.names_clock, self.no_odds = relative, class_odds, names_clock, no_odds
         self.gated = gated  # the expected lookups only for classes the durations keep
         self.half_life = decay * num_pages  # decay: the durations' statistics halve every that many turnovers
         self.since_halved = 0
         self.new_names = 0  # names_clock: time counted in new names looked up (the frontier's pace), not ticks
-        kind = GoingOnDurations if going_on else KeepDurations
         self.durations = kind(num_pages, classes, (lambda: self.new_names) if names_clock else clock)
 
     def classify(self, names, before: np.ndarray, now: np.ndarray) -> np.ndarray:
@@ -450,10 +435,29 @@ class CountDurations(ClassedDurations):
         return np.minimum(now, COUNT_CLASSES)
 
 
+class SplittingDurations(KeepDurations):
+    """The keep durations that also record the segment their knapsack stops before: its class, its T and the share
+    of it the pool's pages left (``split``)."""
+
+    split = (0, 0.0, 0.0)
+
+    def _choose(self, segments) -> np.ndarray:
+        budget, self.split = self.budget, (0, 0.0, 0.0)
+        for _, cost, c, _, t1 in segments:
+            if cost > budget:
+                self.split = (c, t1, budget / cost)
+                break
+            budget -= cost
+        return super()._choose(segments)
+
+
 class SplitDurations(CountDurations):
     """The default with the segment its keep durations stop before taken for a share of the lookups (by a hash of
     the lookup's tick and the class, so a lookup's run of a class is kept or not as one): what the ``--bound`` table
     allows (a class split at random) and keys otherwise cannot say."""
+
+    def __init__(self, num_pages: int, clock):
+        super().__init__(num_pages, clock, kind=SplittingDurations)
 
     def key(self, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
         k = super().key(name, tick, floor, cost)
@@ -513,13 +517,12 @@ class FreshDurations(ClassedDurations):
 def variant_factory(spec: str):
     """A variant's spec (the module docstring) -> a pool's policy factory (``PagePool`` calls it with its pages and
     clock)."""
-    if spec == "durations":
-        return DurationsOnly
     if spec == "split":
         return SplitDurations
     kind, *rest = spec.split(":")
     options = {"relative": "relative" in rest, "class_odds": "odds" in rest, "names_clock": "names" in rest,
-               "no_odds": "bare" in rest, "gated": "gated" in rest, "going_on": "goon" in rest,
+               "no_odds": "bare" in rest, "gated": "gated" in rest,
+               "kind": GoingOnDurations if "goon" in rest else KeepDurations,
                "decay": next((float(r[5:]) for r in rest if r.startswith("decay")), 0.0)}
     if kind in ("chain", "count"):
         kind = ChainDurations if kind == "chain" else CountDurations

@@ -38,7 +38,7 @@ class KeepDurations:
     State: one int per name (its last lookup's tick, shifted past the bits ``classes`` takes, and its class), pruned
     with the use-count table it rides on (``halve``)."""
 
-    __slots__ = ("budget", "classes", "ticks", "split", "_bits", "_clock", "_last", "_visits", "_returns", "_span",
+    __slots__ = ("budget", "classes", "ticks", "_bits", "_clock", "_last", "_visits", "_returns", "_span",
                  "_at", "_since")
     REFRESH = 16  # lookups between two solves (the curves move slowly)
 
@@ -48,7 +48,6 @@ class KeepDurations:
         self.budget = float(max(1, num_pages))
         self.classes = classes
         self.ticks = np.zeros(classes + 1)  # class 0 (never looked up) reads as class 1
-        self.split = (0, 0.0, 0.0)          # the class, T and share of the segment the knapsack stopped before
         self._clock = clock
         self._last: dict[int, int] = {}     # name -> the tick of its last lookup << _bits | the class it was in
         self._visits = np.zeros(classes + 1)
@@ -166,12 +165,10 @@ class KeepDurations:
 
     def _choose(self, segments) -> np.ndarray:
         """Each class's T: the segments taken steepest first while they fit the pool's pages, stopping before the
-        first that does not (its class, T and the share of it that would fit: ``split``)."""
+        first that does not."""
         ticks, budget = np.zeros(self.classes + 1), self.budget
-        self.split = (0, 0.0, 0.0)
         for _, cost, c, t0, t1 in segments:
             if cost > budget:  # the optimum keeps a share of the class to t1, which keys cannot say: stop at t0
-                self.split = (c, t1, budget / cost)
                 break
             ticks[c] = t1
             budget -= cost
