@@ -223,9 +223,15 @@ class PrefixIndex:
         else:
             self._tick[pages] = self.pool.clock.tick()
 
-    def looked_up(self, names: Sequence[int]) -> None:
-        """A request looked up ``names`` (its matchable chain): told to the pool's policy."""
-        self.pool.policy.looked_up(names)
+    def looked_up(self, names: Sequence[int], hits: int) -> None:
+        """A request looked up ``names`` (its matchable chain) and holds the first ``hits`` pages, then the rest as
+        it computes them, until it releases the chain: told to the pool's policy."""
+        self.pool.policy.looked_up(names, hits, held=True)
+
+    def released(self, names: Sequence[int]) -> None:
+        """A request is done with the chain ``names`` (the positions it indexed or walked): told to the pool's policy
+        (before the chain is touched)."""
+        self.pool.policy.released(names)
 
     def _stamp(self, pages, tick, chain: bool = True) -> None:
         """Indexed ``pages`` used at ``tick`` (one for all; an array of one per page for many pages): their ticks and
@@ -510,7 +516,8 @@ class PrefixIndex:
         if self._spill is not None:
             self._spill(self, np.asarray(pages, dtype=np.int64))
         listed = pages if type(pages) is list else pages.tolist()
-        self.pool.policy.evicted([self._keys[p] for p in listed], [self._ticks[p] for p in listed])
+        self.pool.policy.evicted([self._names[p] for p in listed], [self._keys[p] for p in listed],
+                                 [self._ticks[p] for p in listed])
         counts = self.pool.counts
         freed = sum(counts[p] == 1 for p in listed) if len(listed) <= SCALAR_PAGES else int((counts[pages] == 1).sum())
         self._drop(pages)

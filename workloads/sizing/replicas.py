@@ -54,7 +54,7 @@ from mmcache.events import CacheView, EventLog
 from mmcache.eviction import DEFAULT_POLICY
 from mmcache.shadow import ReplicaSpread
 from workloads.service import ServiceModel
-from workloads.sizing.ordering import schedule
+from workloads.sizing.ordering import Serving, schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
 from workloads.sizing.routers import make_router
 from workloads.sizing.tiers import TierModel
@@ -216,7 +216,7 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
     fp = Fingerprint(model="replay", page_size=page_size)  # the root the replay's caches use
     spread, where = ReplicaSpread(), {}  # where: session -> replica of its live call
     started = time.perf_counter()
-    for s, i in schedule(trace.sessions, "timestamp"):
+    for s, i, _ in schedule(trace.sessions, Serving()):
         req = trace.sessions[s].build(i)
         if req.names is None:
             req = dataclasses.replace(req, names=page_names(fp, req.token_ids, req.marks))
