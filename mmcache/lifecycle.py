@@ -191,11 +191,13 @@ class PrefixLifecycle:
             if pages:  # lists: counted and touched one by one (the scalar paths); a new prompt holds nothing
                 self.pool.retain(pages, distinct=True)
                 self.index.touch(pages, rekey=False)
+            guard = self.index.guard  # a tier that raises is a miss (mmcache.guard)
             lower = (self.tiers is not None and not stopped and len(pages) < limit
-                     and self.tiers.nominates(prompt.names[len(pages)]))
+                     and guard.call("lower tier", self.tiers.nominates, prompt.names[len(pages)], default=False))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
-            pages, fetch = self.tiers.extend(self.index, np.asarray(pages, dtype=np.int64), prompt.names[:limit],
-                                             prompt.tokens, mids, prompt.salt, salt_id, prompt.media)
+            pages, fetch = guard.call("lower tier", self.tiers.extend, self.index, np.asarray(pages, dtype=np.int64),
+                                      prompt.names[:limit], prompt.tokens, mids, prompt.salt, salt_id, prompt.media,
+                                      default=(pages, None))
         if self.agreement is not None:
             agreed, all_ok = self.agreement.agree(len(pages), True)
             if not all_ok:
@@ -348,8 +350,9 @@ class PrefixLifecycle:
                 if self.tiers is not None and new:
                     prompt = claim.prompt
                     seq = np.concatenate((prompt.tokens, w.generated))[:m * P]
-                    self.tiers.publish(self.pool, list(w.pages[:m]), [lo + j for j in new], claim.names[:m], seq,
-                                       media_ids(claim.media, range(m)), prompt.salt)
+                    self.index.guard.call("lower tier", self.tiers.publish, self.pool, list(w.pages[:m]),
+                                          [lo + j for j in new], claim.names[:m], seq,
+                                          media_ids(claim.media, range(m)), prompt.salt)
             return out
 
     def _commit_children(self, children: list, out: list[int]) -> list:

@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from mmcache.checks import as_ids, as_int
+from mmcache.checks import as_ids, as_int, require
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
 from mmcache.eviction import Eviction, make_policy, tier_policy
 
@@ -230,6 +230,16 @@ class PagePool:
             freed = idx[left == 0].tolist()
             self._free.extend(freed)
         return freed
+
+    def check(self) -> None:
+        """``BrokenInvariant`` unless the free list is exactly the pages whose owner count is 0, each once, and no
+        count is negative."""
+        with self.lock:
+            free = list(self._free)
+            counts = self._counts.copy()
+        require(len(free) == len(set(free)), "no page is on the free list twice")
+        require(sorted(free) == np.flatnonzero(counts == 0).tolist(), "the free list is exactly the unowned pages")
+        require((counts >= 0).all(), "no owner count is negative")
 
     def _few(self, pages, distinct: bool) -> list[int] | tuple[int, ...] | None:
         """``pages`` when the scalar path takes them: a list or tuple of at most ``SCALAR_PAGES`` distinct Python ints

@@ -26,7 +26,7 @@ from mmcache.eviction.base import Clock
 from mmcache.eviction.memory import NameWindow
 from mmcache.eviction.turnover import Turnover
 
-RULES = ("lru", "victims", "misses")
+RULES = ("lru", "victims", "misses", "newcomers")
 EPSILON = 32         # one request in EPSILON that a rule would demote is inserted at the top instead
 SAMPLED_PAGES = 512  # a sampled pool holds about this many pages: the sample is one page name in num_pages / this
 HALF_LIFE = 256      # lookups after which a hit weighs half in the score
@@ -86,9 +86,10 @@ class SampledPool:
             held[name] = held.get(name, 0) + 1
         if found < len(sampled):
             down = demotes(self.rule, sampled[found][1] in self._ghosts, self._lottery)
+            ghosts = self._ghosts if self.rule == "newcomers" else ()
             for _, name in sampled[found:]:
                 if name not in keys:
-                    self._pending.setdefault(name, down)
+                    self._pending.setdefault(name, down and name not in ghosts)
             while len(self._pending) > self.capacity:  # releases that never came (a request cut short): forgotten
                 del self._pending[next(iter(self._pending))]
         self._fit()

@@ -153,7 +153,7 @@ class _Matched:
     def __init__(self):
         self.by_rid = {}
 
-    def served(self, request, req, matched):
+    def served(self, request, req, matched, encoder_runs):
         self.by_rid[req.rid] = matched
 
 

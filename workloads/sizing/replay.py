@@ -49,6 +49,7 @@ from mmcache.prefix_index import IndexObserver
 from workloads.harness.progress import progress_bar
 from workloads.service import ServiceModel
 from workloads.sizes import format_size
+from workloads.sizing.encoders import EncoderPlace
 from workloads.sizing.ordering import Serving, schedule
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextRequest, TextTrace
@@ -94,6 +95,11 @@ class ReplayRun:
     host_hit_tokens: int = 0
     store_hit_tokens: int = 0
     ttft_sum_s: float = 0.0
+    # encoder outputs (``encoders``: workloads.sizing.encoders): media items of admitted requests, of which inside
+    # the matched prefix and found in the encoder store (the rest ran)
+    encoder_items: int = 0
+    encoder_in_prefix: int = 0
+    encoder_store_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -125,9 +131,9 @@ class ReplayObserver(Protocol):
     """Told of every call a replay serves, in order (``replay_trace(..., watch=)``): what a prototype or a report
     needs beside the cache's own statistics."""
 
-    def served(self, request: int, req: TextRequest, matched: int | None) -> None:
+    def served(self, request: int, req: TextRequest, matched: int | None, encoder_runs: int) -> None:
         """Call number ``request`` of the order was admitted with ``matched`` tokens from the cache (None: it failed,
-        too large for the pool)."""
+        too large for the pool) and ran the encoder for ``encoder_runs`` of its media items (with ``encoders``)."""
 
 
 class _Replayer:
@@ -136,7 +142,7 @@ class _Replayer:
 
     def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, tiers: TierModel = TierModel(),
                  policy: Eviction = None, observer: IndexObserver | None = None,
-                 serving: Serving = Serving()):
+                 serving: Serving = Serving(), encoders: EncoderPlace | None = None, encoder_observer=None):
         self.trace, self.run, self.service, self.tiers, self.serving = trace, run, service, tiers, serving
         self.pool = PagePool(run.pool_pages, page_shape=(), eviction=run.eviction if policy is None else policy)
         self.begin = getattr(self.pool.policy, "begin", None)  # a replay-aware policy is told each call's position
@@ -144,6 +150,8 @@ class _Replayer:
         self.stack = tiers.build(fp, self.pool, run.page_size)
         self.cache = PrefixCache(self.pool, fp, tiers=self.stack, observer=observer,  # observer: its KV events
                                  page_seconds=run.page_size / service.prefill_tokens_per_s)  # a page hit saves that
+        self.encoders = None if encoders is None else encoders.build(self.pool, service.encoder_s, encoder_observer)
+        self.encoded = 0  # the encoder runs of the request admitted last
         self.live: dict[str, TextRequest] = {}        # every request held: in service or pinned
         self.ends: list[tuple[float, int, str]] = []  # heap of (end, admission seq, rid) of those in service
         self.pinned: dict[str, None] = {}              # rids held after they completed (pin_sessions), oldest first
@@ -255,6 +263,7 @@ class _Replayer:
             self.cache.mark_computed(req.rid, n + out - 1)
         run.stalls += waited
         run.peak_live_requests = max(run.peak_live_requests, len(self.live))
+        self.encoded = 0 if self.encoders is None else self.encoders.serve(req, state.matched_tokens)
         heapq.heappush(self.ends, (self.end_of(req, state.matched_tokens), self.seq, req.rid))
         self.seq += 1
         return state.matched_tokens
@@ -265,6 +274,16 @@ class _Replayer:
         if self.serving.clocked:
             return self.clock + self.service.duration(req.prompt_len - matched, req.output_len)
         return float(self.seq)
+
+    def counted(self) -> ReplayRun:
+        """The run, its cache's counters read in."""
+        run, stats = self.run, self.cache.stats()
+        run.evicted_pages, run.eviction_batches, run.collisions = (stats.evicted_pages, stats.eviction_batches,
+                                                                   stats.collisions)
+        if self.encoders is not None:
+            e = self.encoders
+            run.encoder_items, run.encoder_in_prefix, run.encoder_store_hits = e.items, e.in_prefix, e.store_hits
+        return run
 
     def drain(self) -> None:
         for rid in list(self.live):
@@ -294,10 +313,12 @@ def failing_calls(trace: TextTrace, page_size: int, pages: int, serving: Serving
 def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, serving: Serving = Serving(),
                  service: ServiceModel = ServiceModel(), progress: bool = False, tiers: TierModel = TierModel(),
                  observer: CacheObserver | None = None, eviction: Eviction = DEFAULT_POLICY,
-                 lookups: list[list[int]] | None = None, watch: ReplayObserver | None = None) -> ReplayRun:
+                 lookups: list[list[int]] | None = None, watch: ReplayObserver | None = None,
+                 encoders: EncoderPlace | None = None) -> ReplayRun:
     """Replay every call of ``trace`` as ``serving`` says through a fresh cache of ``pool_tokens`` (None: unbounded)
     with ``tiers`` (host tier and store; the unbounded pool never evicts, so it gets none), sampled by ``observer``
-    and watched call by call by ``watch``, evicting by ``eviction``: a policy's name (``mmcache.eviction``), or
+    and watched call by call by ``watch``, serving media items' encoder outputs from ``encoders`` (None: media only
+    named in the chain), evicting by ``eviction``: a policy's name (``mmcache.eviction``), or
     ``"optimal"`` with ``lookups``, the chains each call of a replay of the same calls looked up (``LookupRecorder``),
     a factory or a policy."""
     pages = pool_pages_for(trace, page_size, pool_tokens)
@@ -318,7 +339,7 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, s
         tiers = TierModel(host_bytes_per_s=tiers.host_bytes_per_s, store_bytes_per_s=tiers.store_bytes_per_s,
                           kv_bytes_per_token=tiers.kv_bytes_per_token)
     run.host_tokens, run.store_tokens = tiers.host_tokens, tiers.store_tokens
-    r = _Replayer(trace, run, service, tiers, policy, serving=serving)
+    r = _Replayer(trace, run, service, tiers, policy, serving=serving, encoders=encoders)
     if observer is not None:
         observer.new_caches()
         observer.sample(r.cache_stats())
@@ -329,7 +350,7 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, s
         req = session.build(i)
         matched = r.step(req, arrival if serving.order == "closed" else None, i + 1 < len(session.calls))
         if watch is not None:
-            watch.served(k, req, matched)
+            watch.served(k, req, matched, r.encoded if matched is not None else 0)
         bar.update(1)
         if observer is not None and time.perf_counter() - sampled >= SAMPLE_S:
             observer.sample(r.cache_stats())
@@ -338,8 +359,6 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, s
     bar.close()
     if observer is not None:
         observer.sample(r.cache_stats())
-    stats = r.cache.stats().to_dict()
-    run.evicted_pages, run.eviction_batches = stats["evicted_pages"], stats["eviction_batches"]
-    run.collisions = stats["collisions"]
+    r.counted()
     run.elapsed_s = time.perf_counter() - started
     return run
