@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 from mmcache.encoder_key import EncoderKey
-from mmcache.encoder_store import StoredBytes, entry_layout
+from mmcache.encoder_layout import StoredBytes, entry_layout
 from mmcache.tiers.store import _MAC_BYTES, mac, unseal
 
 _MAGIC = b"MMCE1\0"
@@ -122,7 +122,7 @@ def _checksum(body: memoryview) -> int:
 
 
 def _tree_bytes(tree, out: list) -> bool:
-    """Append the byte form of a tree spec (``mmcache.encoder_store._flatten``'s) to ``out``; False if it has none."""
+    """Append the byte form of a tree spec (``mmcache.encoder_layout.flatten``'s) to ``out``; False if it has none."""
     if tree is None:
         out.append(b"T")
         return True
