@@ -283,11 +283,11 @@ class ReuseKVManager(KVManager):
 
     def shadow_index(self, label: str) -> ShadowIndex:
         """``label``'s shadow table (made on first use)."""
-        return self._mm.shadow_index(label)
+        return self._mm.shadow.index(label)
 
     def shadow_stats(self, label: str) -> ShadowStats:
         """What reuse would have matched on ``label`` so far (``ShadowIndex.stats``)."""
-        return self._mm.shadow_stats(label)
+        return self._mm.shadow.stats(label)
 
     def stored(self, rid: str, label: str) -> int:
         """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""

@@ -16,7 +16,7 @@ A (request, label) stream is in one of these states:
   matched (``_match``): the verified prefix becomes the stream's first pages and ``stored_len``, the returned count is
   what the caller cuts off the step's input, and the stream is named from then on. A stream filled another way before
   its first feed (a retrieve, a fork) is never named; neither is a label not reused (``shadowed`` labels are only
-  looked up in a ``ShadowIndex``: nothing is cut, shared or indexed).
+  looked up in a ``ShadowIndex``, by ``shadow``, a ``ShadowFeeds``: nothing is cut, shared or indexed).
 - **Named** (``_Named``): ``named`` leading positions are covered by names (the prompt's ids, then those fed after
   it: ``generated``, int32, plus ``chunks`` as fed and not yet joined, plus ``in_flight`` ids still on their way to
   the host); ``pending`` is the feed announced for the step in flight, ``(start, ids, n)``; ``due`` is the next
@@ -70,11 +70,10 @@ import torch
 from mmcache.errors import InvalidRequest
 from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
 from mmcache.mstar.row_outputs import RowParts, SideRows
+from mmcache.mstar.shadow_feeds import ShadowFeeds
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import IndexObserver
-from mmcache.shadow import ShadowIndex
-from mmcache.stats import ShadowStats
 from mmcache.tp import TPAgreement
 
 # A step cut to one row for every request looks like a decode step to M*'s attention resource (it picks its decode
@@ -224,13 +223,13 @@ class ReuseState:
     - ``tiers(fingerprint, pool)``, ``observer(fingerprint, pool)``: a label's ``LowerTier`` and ``IndexObserver``
       (``PrefixReuse``), or None.
     - ``side``: the pages' row outputs (``PrefixReuse.row_outputs``), or None; ``evict_batch``: least pages one
-      eviction frees; ``reused``: labels whose pages are shared; ``shadowed``: labels measured in shadow;
-      ``agreement``: the TP group's, or None.
+      eviction frees; ``reused``: labels whose pages are shared; ``shadowed``: labels measured in shadow
+      (``shadow``, ``mmcache.mstar.shadow_feeds``); ``agreement``: the TP group's, or None.
     """
 
     __slots__ = ("pool", "page_size", "lock", "streams", "new_stream", "release", "root", "tiers", "observer", "side",
-                 "evict_batch", "reused", "shadowed", "agreement", "fresh_rows", "watched", "lifecycles", "named",
-                 "due", "due_rows", "rows_waited", "to_host", "landing", "shadows", "shadow_fed", "observers")
+                 "evict_batch", "reused", "shadow", "agreement", "fresh_rows", "watched", "lifecycles", "named",
+                 "due", "due_rows", "rows_waited", "to_host", "landing", "observers")
 
     def __init__(self, pool: PagePool, page_size: int, streams: dict, *, root: Fingerprint | None,
                  new_stream: Callable[[], object] = Stream, release: Callable[[list], None] | None = None,
@@ -243,7 +242,8 @@ class ReuseState:
         self.streams, self.new_stream = streams, new_stream
         self.release = release if release is not None else pool.release
         self.root, self.tiers, self.observer = root, tiers, observer
-        self.side, self.evict_batch, self.reused, self.shadowed = side, evict_batch, reused, shadowed
+        self.side, self.evict_batch, self.reused = side, evict_batch, reused
+        self.shadow = ShadowFeeds(shadowed, self.fingerprint, self._ensure, self.stored, self.lock, _ROWS_LEFT)
         self.agreement = agreement
         self.fresh_rows: RowParts | None = None  # the last watched forward's rows, until its step commits
         self.watched: set = set()  # ids of the submodules whose forward records row outputs
@@ -255,13 +255,10 @@ class ReuseState:
         self.rows_waited = 0  # commits ``due_rows`` has waited through
         self.to_host = to_host
         self.landing: collections.deque = collections.deque()  # _Landing, oldest first
-        self.shadows: dict = {}  # label -> ShadowIndex
-        # (rid, label) -> (prompt length, position -> ids fed there; None after a walk no ids describe)
-        self.shadow_fed: dict = {}
 
     def reuses(self, label: str) -> bool:
         """Whether ``label``'s steps are fed here (reused, or measured in shadow)."""
-        return label in self.reused or label in self.shadowed
+        return label in self.reused or label in self.shadow.labels
 
     def fingerprint(self, label: str) -> Fingerprint:
         """What roots ``label``'s page names: ``root`` with the label."""
@@ -307,7 +304,7 @@ class ReuseState:
         ``held_rows`` then reads those of the rows cut), and not at all without ``PrefixReuse.row_outputs``.
         ``whole``: the step is computed in full (``PrefixReuse.needs_every_row``): named and indexed, never cut."""
         if label not in self.reused:
-            return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self.shadowed else 0
+            return self.shadow.feed(rid, label, token_ids, media, salt, length) if label in self.shadow.labels else 0
         if self.due_rows:  # what decode steps filled is indexed before anything is looked up
             with self.lock:
                 self._commit_due()
@@ -411,59 +408,6 @@ class ReuseState:
                 for named in due:
                     self.due_rows[named] = None  # a page fills in this step: a commit indexes it
         return left
-
-    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
-        """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex`` (named outside the
-        pool's lock; a walk of embeddings by its marks, as ``feed`` names it); later feeds are kept by the position
-        they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
-        key = (rid, label)
-        seen = self.shadow_fed.get(key)
-        if seen is None:
-            if token_ids is None:
-                if not media or not length:
-                    return 0  # embeddings no marks describe: nothing of this stream is measured
-                token_ids = np.zeros(int(length), dtype=np.int32)
-            with self.lock:
-                held = self._ensure(rid, label).stored_len
-            if held:
-                return 0  # a stream filled another way
-            ids = as_tokens(token_ids)
-            self.shadow_index(label).admit(rid, ids, media, salt)
-            self.shadow_fed[key] = (int(ids.size), {})
-            return 0
-        prompt_len, fed = seen
-        held = self.streams[rid][label].stored_len
-        if fed is None or held < prompt_len:
-            return 0  # after an unnamed walk, or a retried prefill
-        if token_ids is None:
-            self.shadow_fed[key] = (prompt_len, None)
-        else:
-            fed[held] = as_tokens(token_ids)
-        return 0
-
-    def shadow_index(self, label: str) -> ShadowIndex:
-        """``label``'s shadow table (made on first use)."""
-        shadow = self.shadows.get(label)
-        if shadow is None:
-            shadow = self.shadows[label] = ShadowIndex(self.fingerprint(label), rows_left=_ROWS_LEFT)
-        return shadow
-
-    def shadow_stats(self, label: str) -> ShadowStats:
-        """What reuse would have matched on ``label`` so far (``ShadowIndex.stats``)."""
-        return self.shadow_index(label).stats()
-
-    def _end_shadow(self, rid: str, finished: bool) -> None:
-        """``rid`` left (``finished``: its pages of prompt + what was fed after it go into the table) or was reset."""
-        for key in [k for k in self.shadow_fed if k[0] == rid]:
-            (at, fed), shadow = self.shadow_fed.pop(key), self.shadows[key[1]]
-            if not finished:
-                shadow.abort(rid)
-                continue
-            out = []
-            while fed and at in fed:
-                out.append(fed[at])
-                at += out[-1].size
-            shadow.finish(rid, np.concatenate(out) if out else ())
 
     def _servable(self, rows_needed: bool, whole: bool = False):
         """What a feed may be served: any verified page (None), pages whose row outputs are all held (a check), or,
@@ -718,8 +662,7 @@ class ReuseState:
     def forget(self, rid: str, finished: bool) -> None:
         """``rid``'s streams are named no more; their chains are touched (done with them now)."""
         with self.lock:
-            if self.shadow_fed:
-                self._end_shadow(rid, finished)
+            self.shadow.end(rid, finished)
             if self.due_rows or self.landing:  # the request's last pages: indexed while it holds them (those
                 self._commit_due()  # still on their way to the host, as a rule landed already, are left)
             for of_label in self.named.values():
