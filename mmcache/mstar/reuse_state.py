@@ -37,7 +37,7 @@ A (request, label) stream is in one of these states:
   full pages indexed in one ``PrefixLifecycle.commit_many`` per label; ``due`` moves to the next page end. Pages that
   decode steps filled (``feed_rows``) wait in ``due_rows`` for a few steps' worth (``_ROWS_BATCH``, ``_ROWS_WAIT``),
   and no longer than the next lookup, read of the index or request leaving. Ids on a
-  CUDA device (a decode step's sampled tokens) are never read with a blocking copy: they are parked (``_Landing``,
+  CUDA device (a decode step's sampled tokens) are never read with a blocking copy: they are parked (``Landing``,
   copied to pinned host memory behind an event, ``ids_to_host``) and their pages indexed at the first commit after
   the copy landed.
 - **Stopped**: a fed id that is no token id cuts the names back to the prompt (``_stop_naming``): nothing past it
@@ -53,8 +53,8 @@ stream's standing in the index until ``forget``. Streams, ``due``, ``landing`` a
 (``life.match``, ``extend_match``) run outside it.
 
 How ids reach the host is the host's to say: ``feed_rows(join=)`` turns a step's one-id feeds into ints
-(``_step_ids``), ``ReuseState(to_host=)`` starts the copy of device ids (``ids_to_host``); ``ReuseKVManager`` passes
-the names of its own module, where M*'s tests stand them in.
+(``step_ids``), ``ReuseState(to_host=)`` starts the copy of device ids (``ids_to_host``; both in
+``mmcache.mstar.fed_ids``); ``ReuseKVManager`` passes the names of its own module, where M*'s tests stand them in.
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from mmcache.errors import InvalidRequest
 from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
+from mmcache.mstar.fed_ids import Landing, append_generated, ids_to_host, joined_tokens, step_ids
 from mmcache.mstar.row_outputs import RowParts, SideRows
 from mmcache.mstar.shadow_feeds import ShadowFeeds
 from mmcache.names import Fingerprint, as_tokens
@@ -87,93 +87,6 @@ _ROWS_LEFT = 2
 # this many streams wait, or for this many steps, or until anything reads the index (a feed's lookup, ``lifecycle``)
 # or a request leaves. A page waits only while the stream that wrote it holds it (nothing else may match it yet).
 _ROWS_BATCH, _ROWS_WAIT = 256, 16
-
-
-def _joined_tokens(chunks: list) -> np.ndarray:
-    """The ids of ``chunks`` (what consecutive feeds fed: ints (``feed_rows``' one id a step), tensors, arrays or lists,
-    one step's ids each) as one int32 array; ``InvalidRequest`` when one is not a flat sequence of token ids. Chunks
-    of one kind are joined by one call of their library (one device copy for tensors), mixed ones id by id."""
-    first = chunks[0]
-    try:
-        if type(first) is int:
-            return as_tokens(chunks)
-        if isinstance(first, torch.Tensor):
-            return as_tokens(torch.cat(chunks))
-        if isinstance(first, np.ndarray):
-            return as_tokens(np.concatenate(chunks))
-    except (InvalidRequest, RuntimeError, TypeError, ValueError):  # mixed chunks: the general path says what is wrong
-        pass
-    return as_tokens([i for c in chunks
-                      for i in ((c,) if type(c) is int else c.tolist() if hasattr(c, "tolist") else c)])
-
-
-_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
-
-
-def _one_tensor(tensors: list) -> torch.Tensor | None:
-    """``tensors`` joined by one ``torch.cat`` (on their device, without reading them) into one flat tensor; None
-    when one call does not join them so (the caller's general path then says what is wrong)."""
-    try:
-        joined = torch.cat(tensors)
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return joined if joined.dim() == 1 else None
-
-
-def _step_ids(ids: list) -> list[int] | None:
-    """A decode step's fed ids (one one-element tensor per request, as M* hands them) as ints, joined by one call:
-    a stream then keeps an int a step, not a tensor, and the pages that fill are named from ints. None for ids on a
-    CUDA device (reading them here would wait for the forward just launched: they go through ``ids_to_host``) and
-    for anything one call does not join into one integer id a request (kept as fed, checked where joined)."""
-    first = ids[0]
-    if not isinstance(first, torch.Tensor) or first.device.type == "cuda":
-        return None
-    joined = _one_tensor(ids)
-    if joined is None or joined.numel() != len(ids) or joined.dtype not in _INT_DTYPES:
-        return None
-    return joined.tolist()
-
-
-def _append_generated(named: _Named, ids: np.ndarray) -> None:
-    """``named.generated`` += ``ids``, in room that doubles (a stream's generated ids are copied O(log n) times, not
-    at every page that fills). ``generated`` stays a view of its first ids: a view taken earlier still reads what it
-    read, since the room is only ever written past it."""
-    n, k = named.generated.size, ids.size
-    room = named.spare
-    if n + k > room.size:
-        room = np.empty(max(2 * room.size, n + k), dtype=np.int32)
-        room[:n] = named.generated
-        named.spare = room
-    room[n:n + k] = ids
-    named.generated = room[:n + k]
-
-
-def ids_to_host(chunks: list[list]) -> tuple[torch.Tensor, object] | None:
-    """Fed id tensors on a CUDA device (a decode step's sampled tokens, fed back; ``chunks``: each stream's, in
-    order), joined there and copied to pinned host memory without waiting: ``(host tensor, the copy's event)``. M*'s
-    GPU thread commits a step right after launching its forward, so a blocking copy there would wait for that forward.
-    None for anything else (ids on the host are joined where they are, at once)."""
-    first = chunks[0][0]
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
-        return None
-    ids = _one_tensor([chunk for stream in chunks for chunk in stream])
-    if ids is None:
-        return None
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    host.copy_(ids, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
-
-
-class _Landing(NamedTuple):
-    """Pages that filled in a step whose fed ids are on their way to the host (``ids_to_host``): the streams, how
-    many of the ids each fed, the host tensor and the copy's event."""
-
-    streams: list
-    sizes: list[int]
-    host: torch.Tensor
-    event: object
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -206,7 +119,7 @@ class _Named:
     pending: tuple | None = None
     continued: tuple | None = None  # (start, rows cut, rows fed) of the last feed a continued match cut
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
-    in_flight: int = 0  # fed ids on their way to the host (``_Landing``), not yet in ``generated``
+    in_flight: int = 0  # fed ids on their way to the host (``Landing``), not yet in ``generated``
     live: bool = True  # False once the request's stream is forgotten: a landing then indexes nothing of it
 
 
@@ -254,7 +167,7 @@ class ReuseState:
         self.due_rows: dict = {}  # the same, announced by ``feed_rows``: indexed a few steps' worth at once
         self.rows_waited = 0  # commits ``due_rows`` has waited through
         self.to_host = to_host
-        self.landing: collections.deque = collections.deque()  # _Landing, oldest first
+        self.landing: collections.deque = collections.deque()  # Landing, oldest first
 
     def reuses(self, label: str) -> bool:
         """Whether ``label``'s steps are fed here (reused, or measured in shadow)."""
@@ -372,11 +285,11 @@ class ReuseState:
     def _marks_taken(named: _Named) -> bool:
         return named.stream.stored_len < named.media_upto
 
-    def feed_rows(self, label: str, rows: dict, join=_step_ids) -> list:
+    def feed_rows(self, label: str, rows: dict, join=step_ids) -> list:
         """The one-row feeds of a step at once (a decode step's): for each ``rid -> ids`` (one id) what
         ``feed(rid, label, ids)`` does for a stream already named, where a one-row feed is never cut (``_ROWS_LEFT``)
         and carries no media. The step's ids are joined into ints at once where they are on the host (``join``,
-        ``_step_ids``: one ``torch.cat`` a step, where keeping each request's tensor until its page fills costs a join
+        ``step_ids``: one ``torch.cat`` a step, where keeping each request's tensor until its page fills costs a join
         of a page of one-element views per stream). Returns the rids left to ``feed`` (a stream not named yet, a label
         in shadow)."""
         if label not in self.reused:
@@ -579,7 +492,7 @@ class ReuseState:
         """Start the host copy of ``streams``' chunks when they are device tensors (``to_host``); their pages are
         indexed when it lands, and each is due at its next page end meanwhile. False (nothing changed) otherwise."""
         first = next((named.chunks[0] for named in streams if named.chunks), None)
-        if first is None or type(first) is int:  # ids joined when fed (``_step_ids``) are on the host
+        if first is None or type(first) is int:  # ids joined when fed (``step_ids``) are on the host
             return False
         started = self.to_host([named.chunks for named in streams if named.chunks])
         if started is None:
@@ -591,7 +504,7 @@ class ReuseState:
         for named, size in zip(streams, sizes):
             named.chunks, named.in_flight = [], named.in_flight + size
             named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
-        self.landing.append(_Landing(streams, sizes, *started))
+        self.landing.append(Landing(streams, sizes, *started))
         return True
 
     def _land(self, wait: bool) -> None:
@@ -614,7 +527,7 @@ class ReuseState:
                     ok = named.live and named.named >= named.prompt_len + named.generated.size + size
                     if ok:
                         try:
-                            _append_generated(named, as_tokens(part))
+                            append_generated(named, as_tokens(part))
                         except InvalidRequest:
                             ok = self._stop_naming(named)
                     joined.append(ok)
@@ -631,13 +544,13 @@ class ReuseState:
         if len(todo) > 1:
             sizes = [named.named - named.prompt_len - named.generated.size for named in todo]
             try:
-                joined = _joined_tokens(list(itertools.chain.from_iterable(named.chunks for named in todo)))
+                joined = joined_tokens(list(itertools.chain.from_iterable(named.chunks for named in todo)))
             except InvalidRequest:
                 joined = None
             if joined is not None and joined.size == sum(sizes):
                 at = 0
                 for named, size in zip(todo, sizes):
-                    _append_generated(named, joined[at:at + size])
+                    append_generated(named, joined[at:at + size])
                     named.chunks, at = [], at + size
                 return [True] * len(streams)
         out = []
@@ -645,7 +558,7 @@ class ReuseState:
             chunks, named.chunks = named.chunks, []
             if chunks:
                 try:
-                    _append_generated(named, _joined_tokens(chunks))
+                    append_generated(named, joined_tokens(chunks))
                 except InvalidRequest:
                     out.append(self._stop_naming(named))
                     continue
