@@ -138,7 +138,8 @@ def tier_cost(repeats: int) -> None:
     from mmcache.histogram import WaitHistogram
     from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack
     from mmcache.tiers.lineage import RequestLineage, root_lineage
-    from mmcache.tiers.store import WAIT_BOUNDS, Expected
+    from mmcache.tiers.page_format import Expected
+    from mmcache.tiers.store import WAIT_BOUNDS
 
     print(f"\ntier series: median [min-max] over {repeats} repeats of best-of timings")
     P, pages = 16, 16

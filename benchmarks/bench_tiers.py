@@ -50,7 +50,7 @@ from mmcache.reclaim import make_room  # noqa: E402
 from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack, mooncake  # noqa: E402
 from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
 from mmcache.tiers.stack import _copy_up  # noqa: E402
-from mmcache.tiers.store import Expected  # noqa: E402
+from mmcache.tiers.page_format import Expected  # noqa: E402
 from mooncake_master import MooncakeMaster  # noqa: E402
 
 P = 128

@@ -18,7 +18,8 @@ import torch
 import digests
 from digests.media import media_bytes
 from mmcache.encoder_key import EncoderKey, stable_bytes
-from mmcache.encoder_store import EncoderStore, Lookup
+from mmcache.encoder_pin import Lookup
+from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia, InvalidRequest
 
 

@@ -11,7 +11,8 @@ here). Beside them, imported on their own: ``mmcache.reclaim`` (what a pool evic
 """
 
 from mmcache.encoder_key import EncoderKey
-from mmcache.encoder_store import EncoderPin, EncoderStore, Lookup
+from mmcache.encoder_pin import EncoderPin, Lookup
+from mmcache.encoder_store import EncoderStore
 from mmcache.errors import AllocationFailed, OutOfPages
 from mmcache.names import Fingerprint, page_names
 from mmcache.lifecycle import GroupAgreement, LowerTier, PrefixLifecycle

@@ -4,18 +4,15 @@ An output (a tensor, or a tuple/list/dict of tensors) is laid out as bytes over 
 pool and gathered back into fresh tensors on a hit, so no tensor a caller holds ever aliases stored bytes
 (sglang-omni #258: encoder state leaking between requests).
 
-Page shape: the store views any pool's pages as bytes, so KV pages and encoder outputs share one pool (one pool per
-node). A page is ``page_bytes`` = the bytes of one page of the pool's tensor, whatever its ``page_shape`` and dtype
-(a KV page of shape (2, page_size, heads, head_dim) in bf16 is 4·page_size·heads·head_dim bytes), and an entry spans
-ceil(nbytes / page_bytes) of them viewed as uint8. ``page_data``/``page_dim`` serve a tensor whose pages lie in
-another dimension (M*'s KV tensor ``[layers, pages, 2, page_size, heads, head_dim]``, page in dim 1): a page's bytes
-are then its slices in every layer, in layer order, moved with one indexed copy and no per-page loop.
+Page shape: the store views any pool's pages as bytes (``mmcache.encoder_layout``), so KV pages and encoder outputs
+share one pool (one pool per node); ``page_data``/``page_dim`` serve a tensor whose pages lie in another dimension
+(M*'s KV tensor, page in dim 1).
 
 Ownership: the store holds one owner on each indexed entry's pages, a pin one more, a hit one more while it copies
 out. The pool frees a page when its count reaches 0; this module never frees pages any other way. Eviction
 (``mmcache.reclaim``) runs only when an owner of the pool needs pages (a put here, a live request's growth in a prefix
 cache on the same pool), takes only entries whose pages the store alone owns (count 1), whole entries, and orders them
-with the prefix indexes' pages by the key the pool's policy gave each at its last put, hit or pin (``_Entry.rank``,
+with the prefix indexes' pages by the key the pool's policy gave each at its last put, hit or pin (``StoredEntry.rank``,
 ``mmcache.eviction``). The lowest come off a heap (``_cold``: ``(key when pushed, serial, entry)``, one per stored
 entry with pages, pushed when it is stored): a key only grows, so an entry whose key grew is pushed again at its key
 when it reaches the top, and the top entry with a current key is the one to go; no pass over the entries per
@@ -40,17 +37,19 @@ import dataclasses
 import heapq
 import itertools
 import logging
-import math
 import threading
 import time
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from mmcache.checks import as_int
 from mmcache.encoder_key import EncoderKey
-from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages, PageOwnershipError
+from mmcache.encoder_layout import PageBytes, StoredBytes, entry_bytes, entry_layout, flatten, tensor_views, unflatten
+from mmcache.encoder_pin import EncoderPin, Lookup, StoredEntry
+from mmcache.encoder_protocols import EncoderLowerTier, EncoderObserver
+from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages
 from mmcache.eviction import entry_name
 from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key, take
@@ -58,7 +57,6 @@ from mmcache.stats import EncoderCounters, EncoderStoreStats
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 16  # byte offset of each tensor within an entry: every dtype view of the gathered bytes is aligned
 _ZERO = {f.name: f.default for f in dataclasses.fields(EncoderCounters)}
 
 
@@ -66,134 +64,6 @@ def _check_key(key) -> None:
     if not isinstance(key, EncoderKey):
         raise InvalidRequest(f"the encoder store is keyed by EncoderKey(digest, fingerprint, modality, ...), got "
                              f"{type(key).__name__}")
-
-
-def _flatten(value, leaves: list) -> Any:
-    """The tree spec of ``value`` (None for a tensor, else (container type, dict keys, children)); appends its
-    tensors to ``leaves`` in order."""
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.device.type == "meta":
-            raise EncoderOutputError(f"encoder outputs must be dense tensors with data, got {value.layout} on "
-                                     f"{value.device}")
-        leaves.append(value)
-        return None
-    if isinstance(value, (tuple, list)):
-        return (list if isinstance(value, list) else tuple), None, tuple(_flatten(v, leaves) for v in value)
-    if isinstance(value, dict):
-        return dict, tuple(value), tuple(_flatten(v, leaves) for v in value.values())
-    raise EncoderOutputError(f"encoder outputs must be tensors or tuples/lists/dicts of tensors, "
-                             f"got {type(value).__name__}")
-
-
-def _unflatten(tree, leaves: Iterator[torch.Tensor]):
-    """Inverse of ``_flatten``; containers come back as plain tuple/list/dict."""
-    if tree is None:
-        return next(leaves)
-    kind, keys, children = tree
-    items = [_unflatten(child, leaves) for child in children]
-    return dict(zip(keys, items)) if kind is dict else kind(items)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 view of ``t``'s elements in row-major order (a copy only when ``t`` is not contiguous)."""
-    return t.detach().contiguous().view(-1).view(torch.uint8)
-
-
-def _blob(leaves: list[torch.Tensor], layout: tuple, size: int, device) -> torch.Tensor:
-    """The entry's bytes in its aligned ``layout``, zero-padded to ``size``, as a 1-D uint8 tensor on ``device`` (the
-    one tensor's own bytes, not a copy, when it is alone, on ``device`` and exactly ``size`` bytes)."""
-    if len(leaves) == 1 and leaves[0].numel() * leaves[0].element_size() == size:
-        return _as_bytes(leaves[0]).to(device)
-    blob = torch.zeros(size, dtype=torch.uint8, device=device)
-    for t, (_, _, off) in zip(leaves, layout):
-        blob[off:off + t.numel() * t.element_size()].copy_(_as_bytes(t))
-    return blob
-
-
-def _tensors(buf: torch.Tensor, layout: tuple) -> Iterator[torch.Tensor]:
-    """The tensors of ``layout`` as views of ``buf`` (uint8, the aligned layout)."""
-    return (buf[off:off + dtype.itemsize * math.prod(shape)].view(dtype).view(shape) for shape, dtype, off in layout)
-
-
-def entry_layout(specs) -> tuple[tuple, int]:
-    """``((shape, dtype, byte offset) per tensor, total bytes)`` of an entry whose tensors have ``specs`` (shape,
-    dtype): each tensor starts at a multiple of ``_ALIGN`` bytes, in order, so the layout is a function of the specs
-    alone (what a tier checks an entry read back against)."""
-    layout, nbytes = [], 0
-    for shape, dtype in specs:
-        nbytes = -(-nbytes // _ALIGN) * _ALIGN
-        layout.append((tuple(shape), dtype, nbytes))
-        nbytes += math.prod(shape) * dtype.itemsize
-    return tuple(layout), nbytes
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StoredBytes:
-    """One entry as bytes, what an ``EncoderLowerTier`` keeps and hands back: ``key``, the tree spec and ``layout``
-    of its tensors (``entry_layout``), ``nbytes``, the encoder seconds it cost (``compute_s``) and ``data``, a 1-D
-    uint8 tensor of exactly ``nbytes`` in the aligned layout."""
-
-    key: EncoderKey
-    tree: Any
-    layout: tuple
-    nbytes: int
-    compute_s: float
-    data: torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TierRead:
-    """What ``EncoderLowerTier.fetch`` found for one key: a verified ``entry`` and the tier it came from
-    (``source``: ``"host"`` or ``"shared"``), or neither; ``counts``: the tier counters it advanced (names of
-    ``mmcache.stats.EncoderCounters`` fields: ``host_hits``, ``store_rejected``, ...)."""
-
-    entry: StoredBytes | None = None
-    source: str | None = None
-    counts: dict = dataclasses.field(default_factory=dict)
-
-
-class EncoderObserver(Protocol):
-    """Hears which outputs the store holds (``mmcache.kv_events.KVEventPublisher``: events for external routers).
-    Called under the pool's ``cache_lock``: it must only queue what it hears, never block."""
-
-    def encoder_stored(self, key: EncoderKey, nbytes: int) -> None:
-        """An output of ``nbytes`` bytes was stored under ``key`` (a put, or a tier's copy stored again)."""
-
-    def encoder_removed(self, keys: list[EncoderKey]) -> None:
-        """The outputs stored under ``keys`` left the store (evicted, replaced or cleared)."""
-
-
-class EncoderLowerTier(Protocol):
-    """Storage below an ``EncoderStore``'s pool (``mmcache.tiers.EncoderTiers``). A tier's failure is a miss:
-    nothing raises into a lookup, and nothing blocks past the tier's own deadline."""
-
-    def spill(self, entries: list[StoredBytes]) -> list[bool]:
-        """The store is evicting ``entries`` (called under the pool's ``cache_lock``): keep what the tier keeps;
-        whether each was written."""
-
-    def publish(self, entry: StoredBytes) -> None:
-        """``entry`` was just stored (no lock held): share it (queued, off the request's path)."""
-
-    def fetch(self, keys: list[EncoderKey], accept: Callable[[EncoderKey, tuple], bool]) -> list[TierRead]:
-        """A ``TierRead`` per key (no lock held, one bounded wait for the whole call): an entry verified against its
-        key in full and by ``accept(key, layout)`` before it is returned."""
-
-    def stats(self) -> dict:
-        """The tiers' counters that are not per modality (``mmcache.stats.EncoderStoreStats`` fields: ``host``,
-        ``store``, ``host_*``, ``store_*``)."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    key: EncoderKey
-    pages: list[int]
-    index: torch.Tensor  # ``pages`` as int64 on the pool's device, built once for index_select
-    tree: Any
-    layout: tuple  # (shape, dtype, byte offset) per tensor
-    nbytes: int
-    compute_s: float  # encoder time of the miss that stored it: what each hit saves
-    tick: int = 0     # the pool clock at its last put, hit or pin
-    rank: int = 0     # the pool policy's eviction key at that use (never lowered while stored)
 
 
 @dataclasses.dataclass(eq=False)
@@ -204,85 +74,6 @@ class _Flight:
     error: BaseException | None = None
     tree: Any = None
     leaves: list | None = None  # a private copy of the leader's value; each joiner clones it again
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Lookup:
-    """One ``get_or_compute`` (or one key of ``get_or_compute_many``): a private copy of the value, and where it came
-    from: ``"store"`` (a hit), ``"host"`` or ``"shared"`` (a hit in the store's host tier or the store shared by
-    instances, stored on the device again), ``"joined"`` (another caller's concurrent miss on the same key computed
-    it) or ``"computed"`` (``fn`` ran for this caller)."""
-
-    value: Any
-    source: str
-    pin: EncoderPin | None = None  # ``get_or_compute_many(..., pin=True)``: an owner on the entry, the caller's
-
-    @property
-    def hit(self) -> bool:
-        """The encoder did not run for this caller (a stored value, or a joined concurrent miss)."""
-        return self.source != "computed"
-
-
-class EncoderPin:
-    """One owner on one entry's pages: they are neither evicted nor reused until ``release`` (or the ``with`` ends).
-
-    The pin holds the entry it found, so a later put or ``clear`` for its key leaves the pinned bytes intact.
-    """
-
-    def __init__(self, store: EncoderStore, entry: _Entry):
-        self._store, self._entry, self._held = store, entry, True
-
-    @property
-    def key(self) -> EncoderKey:
-        return self._entry.key
-
-    @property
-    def pages(self) -> tuple[int, ...]:
-        return tuple(self._entry.pages)
-
-    @property
-    def value(self):
-        """A fresh copy of the pinned value."""
-        if not self._held:
-            raise PageOwnershipError("read through a released pin")
-        return self._store._read(self._entry)
-
-    def release(self) -> None:
-        """Drop the pin's owner; a second call does nothing."""
-        with self._store._lock:
-            held, self._held = self._held, False
-        if held:
-            self._store.pool.release(self._entry.pages)
-
-    def __enter__(self) -> EncoderPin:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class _PageBytes:
-    """Pages of a tensor viewed as bytes: ``data`` as ``(A, num_pages, B)`` uint8 with the page in the middle, so
-    ``page_bytes = A·B`` (A = 1 when pages lie in dim 0). ``write``/``read`` move whole pages with one indexed copy."""
-
-    def __init__(self, data: torch.Tensor, page_dim: int, num_pages: int):
-        if not data.is_contiguous() or data.dim() <= page_dim or data.shape[page_dim] != num_pages:
-            raise InvalidRequest(f"page data {tuple(data.shape)} must be contiguous with the pool's {num_pages} "
-                                 f"pages in dim {page_dim}")
-        a = math.prod(data.shape[:page_dim])
-        self.view = data.view(-1).view(torch.uint8).view(a, num_pages, -1)
-        self.device = data.device
-        self.page_bytes = a * self.view.shape[2]
-
-    def write(self, index: torch.Tensor, blob: torch.Tensor) -> None:
-        """Pages ``index`` := ``blob`` (``len(index) * page_bytes`` bytes)."""
-        a, b = self.view.shape[0], self.view.shape[2]
-        self.view.index_copy_(1, index, blob.view(len(index), a, b).transpose(0, 1))
-
-    def read(self, index: torch.Tensor) -> torch.Tensor:
-        """A fresh 1-D copy of pages ``index`` in order (never aliases a page)."""
-        rows = self.view.index_select(1, index)
-        return (rows if rows.shape[0] == 1 else rows.transpose(0, 1).contiguous()).view(-1)
 
 
 class EncoderStore:
@@ -328,7 +119,7 @@ class EncoderStore:
             if pool.data is None:
                 raise InvalidRequest(f"an encoder store needs a pool with data (or page_data), got {pool!r}")
             page_data, page_dim = pool.data, 0
-        self._bytes = _PageBytes(page_data, as_int(page_dim, "page_dim"), pool.num_pages)
+        self._bytes = PageBytes(page_data, as_int(page_dim, "page_dim"), pool.num_pages)
         self.pool = pool
         self.page_bytes = self._bytes.page_bytes
         self.capacity_bytes = pool.num_pages * self.page_bytes
@@ -336,9 +127,9 @@ class EncoderStore:
         self.tiers = tiers
         self.observer = observer
         self._lock = pool.cache_lock
-        self._entries: dict[tuple, _Entry] = {}
-        self._holder: dict[int, _Entry] = {}  # page -> the stored entry holding it
-        self._cold: list[tuple[int, int, _Entry]] = []  # see the module docstring (Ownership)
+        self._entries: dict[tuple, StoredEntry] = {}
+        self._holder: dict[int, StoredEntry] = {}  # page -> the stored entry holding it
+        self._cold: list[tuple[int, int, StoredEntry]] = []  # see the module docstring (Ownership)
         self._serial = itertools.count()  # ties between equal ticks: the earlier push first; entries never compared
         self._flights: dict[tuple, _Flight] = {}
         self._totals = dict(_ZERO)
@@ -369,7 +160,7 @@ class EncoderStore:
             pin = None if found is None else self.pin(key)
             return None if pin is None else (found[0], pin)
         try:
-            return self._read(entry), EncoderPin(self, entry)
+            return self._read(entry), EncoderPin(entry, self.pool, self._read)
         except BaseException:
             self.pool.release(entry.pages)
             raise
@@ -389,7 +180,7 @@ class EncoderStore:
     def _put(self, key: EncoderKey, value, compute_s: float, publish: bool) -> bool:
         """``put`` of a checked key; ``publish``: hand the stored value to the tiers (not for a value a tier gave)."""
         leaves: list[torch.Tensor] = []
-        tree = _flatten(value, leaves)
+        tree = flatten(value, leaves)
         if self.expect is not None:
             self._check_expect(key, [(tuple(t.shape), t.dtype) for t in leaves])
         layout, nbytes = entry_layout((t.shape, t.dtype) for t in leaves)
@@ -407,7 +198,7 @@ class EncoderStore:
                 self._count(key.modality, bypasses=1)
                 return False
         try:  # the pages are ours alone and not yet indexed: no lock needed to fill them
-            entry = _Entry(key, pages, self._write(pages, leaves, layout), tree, layout, nbytes, float(compute_s))
+            entry = StoredEntry(key, pages, self._write(pages, leaves, layout), tree, layout, nbytes, float(compute_s))
             with self._lock:
                 self._check_replace(key, tree, layout)  # a concurrent put of this key may have published meanwhile
                 self._remove(key.name)
@@ -422,7 +213,7 @@ class EncoderStore:
             raise
         if publish and self.tiers is not None:
             self.tiers.publish(StoredBytes(key, tree, layout, nbytes, float(compute_s),
-                                           _blob(leaves, layout, nbytes, torch.device("cpu"))))
+                                           entry_bytes(leaves, layout, nbytes, torch.device("cpu"))))
         return True
 
     def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]) -> Lookup:
@@ -482,7 +273,7 @@ class EncoderStore:
                     flight.done.wait()
                     if flight.error is not None:
                         raise flight.error
-                    found[i] = (_unflatten(flight.tree, (t.clone() for t in flight.leaves)), "joined")
+                    found[i] = (unflatten(flight.tree, (t.clone() for t in flight.leaves)), "joined")
             return self._hand_out(keys, firsts, found, pins, pin)
         except BaseException:
             for p in pins.values():
@@ -497,7 +288,7 @@ class EncoderStore:
             found[i] = (self._read(unread[i]), "store")
             entry = unread.pop(i)
             if pin:
-                pins[i] = EncoderPin(self, entry)
+                pins[i] = EncoderPin(entry, self.pool, self._read)
             else:
                 self.pool.release(entry.pages)
 
@@ -537,7 +328,7 @@ class EncoderStore:
                 if flight is None:
                     continue
                 if flight.joiners and i in found:  # their copy is taken before our caller can mutate the value
-                    flight.tree = _flatten(found[i][0], leaves := [])
+                    flight.tree = flatten(found[i][0], leaves := [])
                     flight.leaves = [t.detach().clone() for t in leaves]
                 flight.done.set()
 
@@ -549,7 +340,7 @@ class EncoderStore:
             first = firsts[(key.name, key.verify_ids)]
             value, source = found[first]
             if first in used:
-                value = _unflatten(_flatten(value, leaves := []), (t.clone() for t in leaves))
+                value = unflatten(flatten(value, leaves := []), (t.clone() for t in leaves))
                 if source == "computed":
                     source = "joined"
                     with self._lock:
@@ -576,7 +367,7 @@ class EncoderStore:
                 return None
             self._used(entry)
             self.pool.retain(entry.pages, distinct=True)
-            return EncoderPin(self, entry)
+            return EncoderPin(entry, self.pool, self._read)
 
     def clear(self) -> None:
         """Drop every entry's store owner; pinned pages stay with their pins. Counters other than bytes_stored stay."""
@@ -622,7 +413,7 @@ class EncoderStore:
             got = None
             if read.entry is not None:
                 e = read.entry
-                value = _unflatten(e.tree, _tensors(e.data.to(self._bytes.device), e.layout))
+                value = unflatten(e.tree, tensor_views(e.data.to(self._bytes.device), e.layout))
                 try:
                     self._put(key, value, e.compute_s, publish=False)
                 except EncoderOutputError:  # a concurrent put stored another layout for this key: serve, keep it
@@ -649,7 +440,7 @@ class EncoderStore:
             self._totals[name] += delta
             per[name] += delta
 
-    def _match(self, key: EncoderKey) -> _Entry | None:
+    def _match(self, key: EncoderKey) -> StoredEntry | None:
         """The entry named like ``key`` if its verifying ids agree; a disagreement counts a collision."""
         entry = self._entries.get(key.name)
         if entry is not None and entry.key.verify_ids != key.verify_ids:
@@ -657,7 +448,7 @@ class EncoderStore:
             return None
         return entry
 
-    def _lookup(self, key: EncoderKey) -> _Entry | None:
+    def _lookup(self, key: EncoderKey) -> StoredEntry | None:
         """``_match`` counted as a query (and as a use by the pool's policy); a hit is marked recently used and
         retained until ``_gather`` releases it."""
         entry = self._match(key)
@@ -708,7 +499,7 @@ class EncoderStore:
                 ranks += [e.rank] * len(e.pages)
         return np.asarray(pages, dtype=np.int64), eviction_key(self.pool, ranks)
 
-    def _enqueue(self, entry: _Entry) -> None:
+    def _enqueue(self, entry: StoredEntry) -> None:
         """A heap entry for ``entry``, just stored with its tick set (none for an entry without pages: it frees
         nothing). The heap is rebuilt from the stored entries when those gone since outnumber them, so it holds at
         most twice the entries plus ``4 * SCALAR_PAGES``."""
@@ -741,7 +532,7 @@ class EncoderStore:
         W = self.pool.num_pages + 1  # eviction_key of depth 0
         return [p for _, _, e in chosen for p in e.pages], [t * W for t, _, e in chosen for _ in e.pages]
 
-    def _used(self, entry: _Entry) -> None:
+    def _used(self, entry: StoredEntry) -> None:
         """``entry`` is stored or used now: its tick and its policy key (the pool's policy counts the use); a policy
         whose keys may fall gets a fresh heap item."""
         policy = self.pool.policy
@@ -766,7 +557,7 @@ class EncoderStore:
         if (entry := self._entries.get(name)) is not None:
             self._drop([entry])
 
-    def _drop(self, entries: list[_Entry], evicted: bool = False) -> None:
+    def _drop(self, entries: list[StoredEntry], evicted: bool = False) -> None:
         """Unindex ``entries`` and release the store's owner on all their pages in one call; evicted ones are spilled
         to the tiers first, while their bytes are intact."""
         spilled = [False] * len(entries)
@@ -788,28 +579,16 @@ class EncoderStore:
 
     def _write(self, pages: list[int], leaves: list[torch.Tensor], layout: tuple) -> torch.Tensor:
         """Copy ``leaves`` into ``pages`` (no lock held; the caller owns the pages alone); returns the page index."""
-        device, pb = self._bytes.device, self.page_bytes
-        index = torch.tensor(pages, dtype=torch.int64, device=device)
-        if len(leaves) == 1:  # whole pages straight from the tensor's bytes, only a partial last page staged
-            blob = _as_bytes(leaves[0]).to(device)
-            full = blob.numel() // pb
-            if full:
-                self._bytes.write(index[:full], blob[:full * pb])
-            if blob.numel() > full * pb:
-                last = torch.zeros(pb, dtype=torch.uint8, device=device)
-                last[:blob.numel() - full * pb] = blob[full * pb:]
-                self._bytes.write(index[full:], last)
-            return index
-        if pages:
-            self._bytes.write(index, _blob(leaves, layout, len(pages) * pb, device))  # whole pages
+        index = torch.tensor(pages, dtype=torch.int64, device=self._bytes.device)
+        self._bytes.write_entry(index, leaves, layout)
         return index
 
-    def _read(self, entry: _Entry):
+    def _read(self, entry: StoredEntry):
         """A fresh copy of ``entry``'s value (no lock held; the caller holds an owner on its pages)."""
         buf = self._bytes.read(entry.index)  # new memory: never aliases a page
-        return _unflatten(entry.tree, _tensors(buf, entry.layout))
+        return unflatten(entry.tree, tensor_views(buf, entry.layout))
 
-    def _gather(self, entry: _Entry):
+    def _gather(self, entry: StoredEntry):
         """``_read``, then drop the owner ``_lookup`` added (no lock held)."""
         try:
             return self._read(entry)

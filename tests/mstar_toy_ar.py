@@ -30,7 +30,7 @@ from mstar.engine.resources.base import EngineResourceInfo, build_resource  # no
 from mstar.engine.resources.kv.transfer import TransferEngineInfo  # noqa: E402
 from mstar.model.submodule_base import ARNodeInputs  # noqa: E402
 
-from mmcache.mstar import kv_resource  # noqa: E402
+from mmcache.mstar import fed_ids, kv_resource  # noqa: E402
 from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVSpec  # noqa: E402
 from mmcache.mstar.switch import name_what_is_fed  # noqa: E402
 
@@ -240,18 +240,18 @@ class PendingCopy:
 
 @contextlib.contextmanager
 def ids_as_from_a_device(copies: list):
-    """The CPU ids of the toy node handled as ids on a CUDA device are: not joined when fed (``_step_ids`` refuses
+    """The CPU ids of the toy node handled as ids on a CUDA device are: not joined when fed (``step_ids`` refuses
     them), and joined and copied to the host by ``ids_to_host``, the copy done only when its ``PendingCopy``
     (appended to ``copies``) says so; None where the real one refuses."""
     def start(streams):
         chunks = [chunk for stream in streams for chunk in stream]
-        ids = kv_resource._one_tensor(chunks) if all(isinstance(c, torch.Tensor) for c in chunks) else None
+        ids = fed_ids.one_tensor(chunks) if all(isinstance(c, torch.Tensor) for c in chunks) else None
         if ids is None:
             return None
         copies.append(PendingCopy())
         return ids.clone(), copies[-1]
     with mock.patch.object(kv_resource, "ids_to_host", start), \
-            mock.patch.object(kv_resource, "_step_ids", lambda ids: None):
+            mock.patch.object(kv_resource, "step_ids", lambda ids: None):
         yield
 
 

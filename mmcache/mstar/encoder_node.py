@@ -36,7 +36,8 @@ import os
 from typing import Any, Callable, Protocol, Sequence
 
 from mmcache.encoder_key import EncoderKey
-from mmcache.encoder_store import EncoderPin, EncoderStore
+from mmcache.encoder_pin import EncoderPin
+from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import check_policy
 from mmcache.mstar.requirement import require_mstar

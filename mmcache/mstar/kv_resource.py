@@ -17,7 +17,7 @@ tensor, planning, ``write_kv``/``read_kv``, forks, transfers, offload. What diff
   ``commit`` of a step then indexes the pages that filled (``ReuseState.commit``); ``remove_request`` and
   ``reset_request`` forget the request's names. M*'s GPU thread commits right after it launches the step's forward,
   so fed ids on a CUDA device (a decode step's sampled tokens) are never read there with a blocking copy: they are
-  copied to pinned host memory behind an event (``ids_to_host``, looked up here at each commit, as ``_step_ids`` at
+  copied to pinned host memory behind an event (``ids_to_host``, looked up here at each commit, as ``step_ids`` at
   each ``feed_rows``: M*'s tests stand them in on this module), and their pages are indexed at the first commit after
   the copy landed.
 - Row outputs (``PrefixReuse.row_outputs``, ``mmcache.mstar.row_outputs``): a ``SideRows`` beside the arena, indexed
@@ -46,9 +46,9 @@ from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.eviction import DEFAULT_POLICY, check_policy
 from mmcache.lifecycle import LowerTier, PrefixLifecycle
 from mmcache.mstar.requirement import require_mstar
-# ``ids_to_host`` and ``_step_ids`` are looked up here when called (M*'s tests stand them in on this module);
-# ``_one_tensor`` is imported for those tests
-from mmcache.mstar.reuse_state import ReuseState, _one_tensor, _step_ids, ids_to_host  # noqa: F401
+# ``ids_to_host`` and ``step_ids`` are looked up here when called (M*'s tests stand them in on this module)
+from mmcache.mstar.fed_ids import ids_to_host, step_ids
+from mmcache.mstar.reuse_state import ReuseState
 from mmcache.mstar.row_outputs import RowOutputs, RowParts, SideRows
 from mmcache.names import Fingerprint
 from mmcache.pool import PagePool
@@ -278,16 +278,16 @@ class ReuseKVManager(KVManager):
 
     def feed_rows(self, label: str, rows: dict) -> list:
         """The one-row feeds of a step at once (``ReuseState.feed_rows``, the ids joined by this module's
-        ``_step_ids``); returns the rids left to ``feed``."""
-        return self._mm.feed_rows(label, rows, _step_ids)
+        ``step_ids``); returns the rids left to ``feed``."""
+        return self._mm.feed_rows(label, rows, step_ids)
 
     def shadow_index(self, label: str) -> ShadowIndex:
         """``label``'s shadow table (made on first use)."""
-        return self._mm.shadow_index(label)
+        return self._mm.shadow.index(label)
 
     def shadow_stats(self, label: str) -> ShadowStats:
         """What reuse would have matched on ``label`` so far (``ShadowIndex.stats``)."""
-        return self._mm.shadow_stats(label)
+        return self._mm.shadow.stats(label)
 
     def stored(self, rid: str, label: str) -> int:
         """Tokens (``rid``, ``label``)'s stream holds: after a cut, where its next position is."""

@@ -16,7 +16,7 @@ A (request, label) stream is in one of these states:
   matched (``_match``): the verified prefix becomes the stream's first pages and ``stored_len``, the returned count is
   what the caller cuts off the step's input, and the stream is named from then on. A stream filled another way before
   its first feed (a retrieve, a fork) is never named; neither is a label not reused (``shadowed`` labels are only
-  looked up in a ``ShadowIndex``: nothing is cut, shared or indexed).
+  looked up in a ``ShadowIndex``, by ``shadow``, a ``ShadowFeeds``: nothing is cut, shared or indexed).
 - **Named** (``_Named``): ``named`` leading positions are covered by names (the prompt's ids, then those fed after
   it: ``generated``, int32, plus ``chunks`` as fed and not yet joined, plus ``in_flight`` ids still on their way to
   the host); ``pending`` is the feed announced for the step in flight, ``(start, ids, n)``; ``due`` is the next
@@ -37,7 +37,7 @@ A (request, label) stream is in one of these states:
   full pages indexed in one ``PrefixLifecycle.commit_many`` per label; ``due`` moves to the next page end. Pages that
   decode steps filled (``feed_rows``) wait in ``due_rows`` for a few steps' worth (``_ROWS_BATCH``, ``_ROWS_WAIT``),
   and no longer than the next lookup, read of the index or request leaving. Ids on a
-  CUDA device (a decode step's sampled tokens) are never read with a blocking copy: they are parked (``_Landing``,
+  CUDA device (a decode step's sampled tokens) are never read with a blocking copy: they are parked (``Landing``,
   copied to pinned host memory behind an event, ``ids_to_host``) and their pages indexed at the first commit after
   the copy landed.
 - **Stopped**: a fed id that is no token id cuts the names back to the prompt (``_stop_naming``): nothing past it
@@ -53,8 +53,8 @@ stream's standing in the index until ``forget``. Streams, ``due``, ``landing`` a
 (``life.match``, ``extend_match``) run outside it.
 
 How ids reach the host is the host's to say: ``feed_rows(join=)`` turns a step's one-id feeds into ints
-(``_step_ids``), ``ReuseState(to_host=)`` starts the copy of device ids (``ids_to_host``); ``ReuseKVManager`` passes
-the names of its own module, where M*'s tests stand them in.
+(``step_ids``), ``ReuseState(to_host=)`` starts the copy of device ids (``ids_to_host``; both in
+``mmcache.mstar.fed_ids``); ``ReuseKVManager`` passes the names of its own module, where M*'s tests stand them in.
 """
 
 from __future__ import annotations
@@ -62,19 +62,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 from mmcache.errors import InvalidRequest
 from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
+from mmcache.mstar.fed_ids import Landing, append_generated, ids_to_host, joined_tokens, step_ids
 from mmcache.mstar.row_outputs import RowParts, SideRows
+from mmcache.mstar.shadow_feeds import ShadowFeeds
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.prefix_index import IndexObserver
-from mmcache.shadow import ShadowIndex
-from mmcache.stats import ShadowStats
 from mmcache.tp import TPAgreement
 
 # A step cut to one row for every request looks like a decode step to M*'s attention resource (it picks its decode
@@ -88,93 +87,6 @@ _ROWS_LEFT = 2
 # this many streams wait, or for this many steps, or until anything reads the index (a feed's lookup, ``lifecycle``)
 # or a request leaves. A page waits only while the stream that wrote it holds it (nothing else may match it yet).
 _ROWS_BATCH, _ROWS_WAIT = 256, 16
-
-
-def _joined_tokens(chunks: list) -> np.ndarray:
-    """The ids of ``chunks`` (what consecutive feeds fed: ints (``feed_rows``' one id a step), tensors, arrays or lists,
-    one step's ids each) as one int32 array; ``InvalidRequest`` when one is not a flat sequence of token ids. Chunks
-    of one kind are joined by one call of their library (one device copy for tensors), mixed ones id by id."""
-    first = chunks[0]
-    try:
-        if type(first) is int:
-            return as_tokens(chunks)
-        if isinstance(first, torch.Tensor):
-            return as_tokens(torch.cat(chunks))
-        if isinstance(first, np.ndarray):
-            return as_tokens(np.concatenate(chunks))
-    except (InvalidRequest, RuntimeError, TypeError, ValueError):  # mixed chunks: the general path says what is wrong
-        pass
-    return as_tokens([i for c in chunks
-                      for i in ((c,) if type(c) is int else c.tolist() if hasattr(c, "tolist") else c)])
-
-
-_INT_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
-
-
-def _one_tensor(tensors: list) -> torch.Tensor | None:
-    """``tensors`` joined by one ``torch.cat`` (on their device, without reading them) into one flat tensor; None
-    when one call does not join them so (the caller's general path then says what is wrong)."""
-    try:
-        joined = torch.cat(tensors)
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return joined if joined.dim() == 1 else None
-
-
-def _step_ids(ids: list) -> list[int] | None:
-    """A decode step's fed ids (one one-element tensor per request, as M* hands them) as ints, joined by one call:
-    a stream then keeps an int a step, not a tensor, and the pages that fill are named from ints. None for ids on a
-    CUDA device (reading them here would wait for the forward just launched: they go through ``ids_to_host``) and
-    for anything one call does not join into one integer id a request (kept as fed, checked where joined)."""
-    first = ids[0]
-    if not isinstance(first, torch.Tensor) or first.device.type == "cuda":
-        return None
-    joined = _one_tensor(ids)
-    if joined is None or joined.numel() != len(ids) or joined.dtype not in _INT_DTYPES:
-        return None
-    return joined.tolist()
-
-
-def _append_generated(named: _Named, ids: np.ndarray) -> None:
-    """``named.generated`` += ``ids``, in room that doubles (a stream's generated ids are copied O(log n) times, not
-    at every page that fills). ``generated`` stays a view of its first ids: a view taken earlier still reads what it
-    read, since the room is only ever written past it."""
-    n, k = named.generated.size, ids.size
-    room = named.spare
-    if n + k > room.size:
-        room = np.empty(max(2 * room.size, n + k), dtype=np.int32)
-        room[:n] = named.generated
-        named.spare = room
-    room[n:n + k] = ids
-    named.generated = room[:n + k]
-
-
-def ids_to_host(chunks: list[list]) -> tuple[torch.Tensor, object] | None:
-    """Fed id tensors on a CUDA device (a decode step's sampled tokens, fed back; ``chunks``: each stream's, in
-    order), joined there and copied to pinned host memory without waiting: ``(host tensor, the copy's event)``. M*'s
-    GPU thread commits a step right after launching its forward, so a blocking copy there would wait for that forward.
-    None for anything else (ids on the host are joined where they are, at once)."""
-    first = chunks[0][0]
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
-        return None
-    ids = _one_tensor([chunk for stream in chunks for chunk in stream])
-    if ids is None:
-        return None
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    host.copy_(ids, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
-
-
-class _Landing(NamedTuple):
-    """Pages that filled in a step whose fed ids are on their way to the host (``ids_to_host``): the streams, how
-    many of the ids each fed, the host tensor and the copy's event."""
-
-    streams: list
-    sizes: list[int]
-    host: torch.Tensor
-    event: object
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -207,7 +119,7 @@ class _Named:
     pending: tuple | None = None
     continued: tuple | None = None  # (start, rows cut, rows fed) of the last feed a continued match cut
     covered: bool = True  # False once a position was written that no feed named: nothing after it is indexed
-    in_flight: int = 0  # fed ids on their way to the host (``_Landing``), not yet in ``generated``
+    in_flight: int = 0  # fed ids on their way to the host (``Landing``), not yet in ``generated``
     live: bool = True  # False once the request's stream is forgotten: a landing then indexes nothing of it
 
 
@@ -224,13 +136,13 @@ class ReuseState:
     - ``tiers(fingerprint, pool)``, ``observer(fingerprint, pool)``: a label's ``LowerTier`` and ``IndexObserver``
       (``PrefixReuse``), or None.
     - ``side``: the pages' row outputs (``PrefixReuse.row_outputs``), or None; ``evict_batch``: least pages one
-      eviction frees; ``reused``: labels whose pages are shared; ``shadowed``: labels measured in shadow;
-      ``agreement``: the TP group's, or None.
+      eviction frees; ``reused``: labels whose pages are shared; ``shadowed``: labels measured in shadow
+      (``shadow``, ``mmcache.mstar.shadow_feeds``); ``agreement``: the TP group's, or None.
     """
 
     __slots__ = ("pool", "page_size", "lock", "streams", "new_stream", "release", "root", "tiers", "observer", "side",
-                 "evict_batch", "reused", "shadowed", "agreement", "fresh_rows", "watched", "lifecycles", "named",
-                 "due", "due_rows", "rows_waited", "to_host", "landing", "shadows", "shadow_fed", "observers")
+                 "evict_batch", "reused", "shadow", "agreement", "fresh_rows", "watched", "lifecycles", "named",
+                 "due", "due_rows", "rows_waited", "to_host", "landing", "observers")
 
     def __init__(self, pool: PagePool, page_size: int, streams: dict, *, root: Fingerprint | None,
                  new_stream: Callable[[], object] = Stream, release: Callable[[list], None] | None = None,
@@ -243,7 +155,8 @@ class ReuseState:
         self.streams, self.new_stream = streams, new_stream
         self.release = release if release is not None else pool.release
         self.root, self.tiers, self.observer = root, tiers, observer
-        self.side, self.evict_batch, self.reused, self.shadowed = side, evict_batch, reused, shadowed
+        self.side, self.evict_batch, self.reused = side, evict_batch, reused
+        self.shadow = ShadowFeeds(shadowed, self.fingerprint, self._ensure, self.stored, self.lock, _ROWS_LEFT)
         self.agreement = agreement
         self.fresh_rows: RowParts | None = None  # the last watched forward's rows, until its step commits
         self.watched: set = set()  # ids of the submodules whose forward records row outputs
@@ -254,14 +167,11 @@ class ReuseState:
         self.due_rows: dict = {}  # the same, announced by ``feed_rows``: indexed a few steps' worth at once
         self.rows_waited = 0  # commits ``due_rows`` has waited through
         self.to_host = to_host
-        self.landing: collections.deque = collections.deque()  # _Landing, oldest first
-        self.shadows: dict = {}  # label -> ShadowIndex
-        # (rid, label) -> (prompt length, position -> ids fed there; None after a walk no ids describe)
-        self.shadow_fed: dict = {}
+        self.landing: collections.deque = collections.deque()  # Landing, oldest first
 
     def reuses(self, label: str) -> bool:
         """Whether ``label``'s steps are fed here (reused, or measured in shadow)."""
-        return label in self.reused or label in self.shadowed
+        return label in self.reused or label in self.shadow.labels
 
     def fingerprint(self, label: str) -> Fingerprint:
         """What roots ``label``'s page names: ``root`` with the label."""
@@ -307,7 +217,7 @@ class ReuseState:
         ``held_rows`` then reads those of the rows cut), and not at all without ``PrefixReuse.row_outputs``.
         ``whole``: the step is computed in full (``PrefixReuse.needs_every_row``): named and indexed, never cut."""
         if label not in self.reused:
-            return self._shadow_feed(rid, label, token_ids, media, salt, length) if label in self.shadowed else 0
+            return self.shadow.feed(rid, label, token_ids, media, salt, length) if label in self.shadow.labels else 0
         if self.due_rows:  # what decode steps filled is indexed before anything is looked up
             with self.lock:
                 self._commit_due()
@@ -375,11 +285,11 @@ class ReuseState:
     def _marks_taken(named: _Named) -> bool:
         return named.stream.stored_len < named.media_upto
 
-    def feed_rows(self, label: str, rows: dict, join=_step_ids) -> list:
+    def feed_rows(self, label: str, rows: dict, join=step_ids) -> list:
         """The one-row feeds of a step at once (a decode step's): for each ``rid -> ids`` (one id) what
         ``feed(rid, label, ids)`` does for a stream already named, where a one-row feed is never cut (``_ROWS_LEFT``)
         and carries no media. The step's ids are joined into ints at once where they are on the host (``join``,
-        ``_step_ids``: one ``torch.cat`` a step, where keeping each request's tensor until its page fills costs a join
+        ``step_ids``: one ``torch.cat`` a step, where keeping each request's tensor until its page fills costs a join
         of a page of one-element views per stream). Returns the rids left to ``feed`` (a stream not named yet, a label
         in shadow)."""
         if label not in self.reused:
@@ -411,59 +321,6 @@ class ReuseState:
                 for named in due:
                     self.due_rows[named] = None  # a page fills in this step: a commit indexes it
         return left
-
-    def _shadow_feed(self, rid: str, label: str, token_ids, media: Sequence, salt: bytes, length: int | None) -> int:
-        """Shadow mode: the first feed of a stream is looked up in the label's ``ShadowIndex`` (named outside the
-        pool's lock; a walk of embeddings by its marks, as ``feed`` names it); later feeds are kept by the position
-        they write (a retried step overwrites its own) until a walk no ids describe. Cuts nothing."""
-        key = (rid, label)
-        seen = self.shadow_fed.get(key)
-        if seen is None:
-            if token_ids is None:
-                if not media or not length:
-                    return 0  # embeddings no marks describe: nothing of this stream is measured
-                token_ids = np.zeros(int(length), dtype=np.int32)
-            with self.lock:
-                held = self._ensure(rid, label).stored_len
-            if held:
-                return 0  # a stream filled another way
-            ids = as_tokens(token_ids)
-            self.shadow_index(label).admit(rid, ids, media, salt)
-            self.shadow_fed[key] = (int(ids.size), {})
-            return 0
-        prompt_len, fed = seen
-        held = self.streams[rid][label].stored_len
-        if fed is None or held < prompt_len:
-            return 0  # after an unnamed walk, or a retried prefill
-        if token_ids is None:
-            self.shadow_fed[key] = (prompt_len, None)
-        else:
-            fed[held] = as_tokens(token_ids)
-        return 0
-
-    def shadow_index(self, label: str) -> ShadowIndex:
-        """``label``'s shadow table (made on first use)."""
-        shadow = self.shadows.get(label)
-        if shadow is None:
-            shadow = self.shadows[label] = ShadowIndex(self.fingerprint(label), rows_left=_ROWS_LEFT)
-        return shadow
-
-    def shadow_stats(self, label: str) -> ShadowStats:
-        """What reuse would have matched on ``label`` so far (``ShadowIndex.stats``)."""
-        return self.shadow_index(label).stats()
-
-    def _end_shadow(self, rid: str, finished: bool) -> None:
-        """``rid`` left (``finished``: its pages of prompt + what was fed after it go into the table) or was reset."""
-        for key in [k for k in self.shadow_fed if k[0] == rid]:
-            (at, fed), shadow = self.shadow_fed.pop(key), self.shadows[key[1]]
-            if not finished:
-                shadow.abort(rid)
-                continue
-            out = []
-            while fed and at in fed:
-                out.append(fed[at])
-                at += out[-1].size
-            shadow.finish(rid, np.concatenate(out) if out else ())
 
     def _servable(self, rows_needed: bool, whole: bool = False):
         """What a feed may be served: any verified page (None), pages whose row outputs are all held (a check), or,
@@ -635,7 +492,7 @@ class ReuseState:
         """Start the host copy of ``streams``' chunks when they are device tensors (``to_host``); their pages are
         indexed when it lands, and each is due at its next page end meanwhile. False (nothing changed) otherwise."""
         first = next((named.chunks[0] for named in streams if named.chunks), None)
-        if first is None or type(first) is int:  # ids joined when fed (``_step_ids``) are on the host
+        if first is None or type(first) is int:  # ids joined when fed (``step_ids``) are on the host
             return False
         started = self.to_host([named.chunks for named in streams if named.chunks])
         if started is None:
@@ -647,7 +504,7 @@ class ReuseState:
         for named, size in zip(streams, sizes):
             named.chunks, named.in_flight = [], named.in_flight + size
             named.due = (min(named.stream.stored_len, named.named) // P + 1) * P
-        self.landing.append(_Landing(streams, sizes, *started))
+        self.landing.append(Landing(streams, sizes, *started))
         return True
 
     def _land(self, wait: bool) -> None:
@@ -670,7 +527,7 @@ class ReuseState:
                     ok = named.live and named.named >= named.prompt_len + named.generated.size + size
                     if ok:
                         try:
-                            _append_generated(named, as_tokens(part))
+                            append_generated(named, as_tokens(part))
                         except InvalidRequest:
                             ok = self._stop_naming(named)
                     joined.append(ok)
@@ -687,13 +544,13 @@ class ReuseState:
         if len(todo) > 1:
             sizes = [named.named - named.prompt_len - named.generated.size for named in todo]
             try:
-                joined = _joined_tokens(list(itertools.chain.from_iterable(named.chunks for named in todo)))
+                joined = joined_tokens(list(itertools.chain.from_iterable(named.chunks for named in todo)))
             except InvalidRequest:
                 joined = None
             if joined is not None and joined.size == sum(sizes):
                 at = 0
                 for named, size in zip(todo, sizes):
-                    _append_generated(named, joined[at:at + size])
+                    append_generated(named, joined[at:at + size])
                     named.chunks, at = [], at + size
                 return [True] * len(streams)
         out = []
@@ -701,7 +558,7 @@ class ReuseState:
             chunks, named.chunks = named.chunks, []
             if chunks:
                 try:
-                    _append_generated(named, _joined_tokens(chunks))
+                    append_generated(named, joined_tokens(chunks))
                 except InvalidRequest:
                     out.append(self._stop_naming(named))
                     continue
@@ -718,8 +575,7 @@ class ReuseState:
     def forget(self, rid: str, finished: bool) -> None:
         """``rid``'s streams are named no more; their chains are touched (done with them now)."""
         with self.lock:
-            if self.shadow_fed:
-                self._end_shadow(rid, finished)
+            self.shadow.end(rid, finished)
             if self.due_rows or self.landing:  # the request's last pages: indexed while it holds them (those
                 self._commit_due()  # still on their way to the host, as a rule landed already, are left)
             for of_label in self.named.values():

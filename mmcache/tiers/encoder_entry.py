@@ -13,7 +13,8 @@ hash of the stable name: a nomination only.
 verifying ids equal the requesting key's, the tree and layout parse exactly, every dtype is one of ``DTYPES``, the
 offsets are the ones ``entry_layout`` gives for those shapes and dtypes, the byte length matches and the checksum of
 the body is the one stored; anything else is a miss. The checksum catches corruption, not a writer who recomputes it:
-against writers outside the trust domain the MAC does (``mmcache.tiers.store``: the same key, the same trust model).
+against writers outside the trust domain the MAC does (``mmcache.tiers.page_format``: the same key, the same trust
+model).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 import xxhash
 
 from mmcache.encoder_key import EncoderKey
-from mmcache.encoder_store import StoredBytes, entry_layout
-from mmcache.tiers.store import _MAC_BYTES, mac, unseal
+from mmcache.encoder_layout import StoredBytes, entry_layout
+from mmcache.tiers.page_format import MAC_BYTES, mac, unseal
 
 _MAGIC = b"MMCE1\0"
 _MAGIC_KEYED = b"MMCF1\0"  # the payload ends in a keyed MAC
@@ -66,7 +67,7 @@ def encode(entry: StoredBytes, mac_key: bytes | None = None) -> bytearray | None
                         len(name), -1 if ids is None else len(ids), len(tree), len(layout)),
              name, ids or b"", tree, layout, data)
     size = sum(map(len, parts))
-    payload = bytearray(size + (0 if mac_key is None else _MAC_BYTES))  # the data is copied once, into it
+    payload = bytearray(size + (0 if mac_key is None else MAC_BYTES))  # the data is copied once, into it
     view, at = memoryview(payload), 0
     for part in parts:
         view[at:at + len(part)] = part
@@ -122,7 +123,7 @@ def _checksum(body: memoryview) -> int:
 
 
 def _tree_bytes(tree, out: list) -> bool:
-    """Append the byte form of a tree spec (``mmcache.encoder_store._flatten``'s) to ``out``; False if it has none."""
+    """Append the byte form of a tree spec (``mmcache.encoder_layout.flatten``'s) to ``out``; False if it has none."""
     if tree is None:
         out.append(b"T")
         return True

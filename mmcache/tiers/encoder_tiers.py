@@ -22,7 +22,8 @@ import dataclasses
 from typing import Callable
 
 from mmcache.encoder_key import EncoderKey
-from mmcache.encoder_store import StoredBytes, TierRead
+from mmcache.encoder_layout import StoredBytes
+from mmcache.encoder_protocols import TierRead
 from mmcache.tiers import encoder_entry
 from mmcache.tiers.encoder_host import EncoderHostTier
 from mmcache.tiers.store import PUBLISHED, StoreTier

@@ -27,7 +27,8 @@ from mmcache.reclaim import make_room
 from mmcache.stats import TierStats
 from mmcache.tiers.host import HostTier
 from mmcache.tiers.lineage import RequestLineage, root_lineage
-from mmcache.tiers.store import PUBLISHED, Expected, StoreTier, encode_page, page_key
+from mmcache.tiers.page_format import Expected, encode_page, page_key
+from mmcache.tiers.store import PUBLISHED, StoreTier
 
 KIND = "kv"  # the kind of entry a TierStack puts in a ``StoreTier`` (``KINDS``)
 

@@ -2,8 +2,9 @@
 
 A page goes to the store under its chain name with a self-describing payload: the process fingerprint and the salt
 in clear, the page's depth, token ids, 128-bit media id, the lineage of its parent (``mmcache.tiers.lineage``), the
-page layout (dtype and shape) and a checksum of its bytes. A get is a nomination only: every field is compared with
-what the requesting instance expects before one byte is used, so a cross-instance hit is as exact as a device hit.
+page layout (dtype and shape) and a checksum of its bytes (``mmcache.tiers.page_format``). A get is a nomination
+only: every field is compared with what the requesting instance expects before one byte is used, so a cross-instance
+hit is as exact as a device hit.
 
 Never a stall: a lookup reads the nominated chain in batches (``get_many``, Mooncake's ``get_batch``) on the tier's
 reader thread and waits for them at most ``deadline_s`` in all (one deadline for the whole lookup, not a timeout per
@@ -38,27 +39,19 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import hashlib
-import hmac
 import queue
-import struct
 import threading
 import time
 from typing import Protocol
 
 import numpy as np
-import xxhash
 
 from mmcache.errors import InvalidRequest
 from mmcache.histogram import WaitHistogram
-from mmcache.names import Fingerprint
 from mmcache.stats import KINDS  # what an entry is: a KV page (``TierStack``) or an encoder output (``EncoderTiers``)
 from mmcache.tiers.lineage import RequestLineage
+from mmcache.tiers.page_format import Expected, check_key, page_key, unseal, verify_page
 
-_MAGIC = b"MMCP1\0"
-_MAGIC_KEYED = b"MMCA1\0"  # the payload ends in a keyed MAC
-_MAC_BYTES = 32
-_HEAD = struct.Struct("<6sQIIIII16s16sQ")  # magic, name, depth, page_size, fp, salt, layout lengths, plin, media, sum
 WAIT_BOUNDS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -105,83 +98,6 @@ class MemoryStore:
 
     def remove(self, key: str) -> bool | None:
         return True if self._data.pop(key, None) is not None else None
-
-
-def page_key(name: int) -> str:
-    return f"mmcache/{int(name):016x}"
-
-
-def layout_of(page_shape, dtype) -> bytes:
-    return f"{str(dtype).removeprefix('torch.')}{tuple(page_shape)}".encode()
-
-
-def check_key(key: bytes | None) -> bytes | None:
-    """A deployment key for the MAC: None, or 16 to 64 bytes (BLAKE2b's key range, a floor against guessable keys)."""
-    if key is None:
-        return None
-    if not isinstance(key, (bytes, bytearray)) or not 16 <= len(key) <= 64:
-        raise InvalidRequest("a store key must be 16 to 64 bytes")
-    return bytes(key)
-
-
-def mac(key: bytes, body) -> bytes:
-    return hashlib.blake2b(body, key=key, digest_size=_MAC_BYTES).digest()
-
-
-def encode_page(fp_bytes: bytes, salt: bytes, layout: bytes, name: int, depth: int, tokens: np.ndarray,
-                media: np.ndarray, parent_lineage: bytes, data: bytes, key: bytes | None = None) -> bytes:
-    """One page's payload: header, fingerprint, salt, layout, token ids (int32), the page bytes, then with ``key``
-    a keyed MAC over all of that."""
-    head = _HEAD.pack(_MAGIC if key is None else _MAGIC_KEYED, int(name), depth, tokens.size, len(fp_bytes),
-                      len(salt), len(layout), parent_lineage, media.astype(np.uint64).tobytes(),
-                      xxhash.xxh3_64_intdigest(data))
-    body = b"".join((head, fp_bytes, salt, layout, tokens.astype(np.int32).tobytes(), data))
-    return body if key is None else body + mac(key, body)
-
-
-def unseal(payload: bytes, key: bytes) -> memoryview | None:
-    """The body of a keyed ``payload`` if its MAC is the key's (compared in constant time), else None."""
-    if len(payload) < _HEAD.size + _MAC_BYTES:
-        return None
-    view = memoryview(payload)
-    body = view[:-_MAC_BYTES]
-    return body if hmac.compare_digest(mac(key, body), view[-_MAC_BYTES:]) else None
-
-
-class Expected:
-    """What an instance expects of every page it reads: its fingerprint, salt, layout and page bytes."""
-
-    def __init__(self, fingerprint: Fingerprint, salt: bytes, page_shape, dtype, page_bytes: int):
-        self.fp_bytes = repr(fingerprint).encode()
-        self.salt, self.layout, self.page_bytes = bytes(salt), layout_of(page_shape, dtype), page_bytes
-        self.page_size = fingerprint.page_size
-
-
-def verify_page(payload, want: Expected, name: int, depth: int, tokens: np.ndarray, media: np.ndarray,
-                parent_lineage: bytes, keyed: bool = False) -> memoryview | None:
-    """The page bytes of ``payload`` (a keyed entry's body once ``unseal`` passed it: ``keyed``) if every verifying
-    field equals the request's, else None (a miss)."""
-    if len(payload) < _HEAD.size:
-        return None
-    magic, pname, pdepth, psize, nfp, nsalt, nlay, plin, pmedia, checksum = _HEAD.unpack_from(payload)
-    if (magic != (_MAGIC_KEYED if keyed else _MAGIC) or pname != int(name) or pdepth != depth
-            or psize != want.page_size or plin != parent_lineage or pmedia != media.astype(np.uint64).tobytes()):
-        return None
-    view = memoryview(payload)
-    a = _HEAD.size
-    parts = []
-    for n in (nfp, nsalt, nlay, psize * 4):
-        parts.append(view[a:a + n])
-        a += n
-    fp, salt, layout, toks = parts
-    data = view[a:]
-    if (bytes(fp) != want.fp_bytes or bytes(salt) != want.salt or bytes(layout) != want.layout
-            or len(data) != want.page_bytes or bytes(toks) != tokens.astype(np.int32).tobytes()
-            or xxhash.xxh3_64_intdigest(data) != checksum):
-        return None
-    return data
-
-
 
 
 class FailureWindow:

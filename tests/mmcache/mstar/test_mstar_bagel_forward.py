@@ -197,16 +197,14 @@ def test_batched_walks_with_a_cut_and_an_uncut_request_equal_reuse_off(repo, sam
 def test_a_request_removed_after_a_hit_on_its_last_walk_leaves_nothing_in_the_seam(repo, sampled):
     """A hit on a request's last walk (here its only one: a prompt answered by the prefill's token, no decode) keeps
     where that walk started for a retry; M*'s ``remove_request`` (``cleanup_request`` on every submodule) drops it."""
-    import inspect
-
     on = b.bagel_engine(repo, reuse=reuse())
     prompt = [(b.TEXT_WALK, ids(13, seed=30))]
     serve(on, sampled, "a", prompt, new=0)
     serve(on, sampled, "b", prompt, new=0, keep=True)
-    kept = inspect.getclosurevars(on.sub.cleanup_request).nonlocals
-    assert on.fed["b"] == 5 and "b" in kept["walk_starts"]
+    seam = on.sub.cleanup_request.__self__  # the node's NodeSeam
+    assert on.fed["b"] == 5 and seam.requests["b"].walk_start is not None
     on.engine.remove_request("b")
-    assert all("b" not in kept[name] for name in ("walk_starts", "full_prompts", "advances"))
+    assert "b" not in seam.requests
 
 
 def stream_kv(be, rid: str, label: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from mmcache.errors import InvalidRequest
 from mmcache.pool import HostPagePool
 from mmcache.tiers import EncoderHostTier, EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack
 from mmcache.tiers import encoder_entry
-from mmcache.tiers.store import _MAC_BYTES
+from mmcache.tiers.page_format import MAC_BYTES
 
 PB = 256  # device page bytes
 KEY = b"deployment-key-0123456789abcdef"
@@ -209,7 +209,7 @@ def test_a_corrupted_store_entry_or_one_filed_under_another_key_is_a_counted_mis
 def forge(payload: bytes, keyed: bool) -> bytes:
     """Change the entry's data and recompute the plain checksum, as a writer without the key can (an old MAC
     stays)."""
-    tail = _MAC_BYTES if keyed else 0
+    tail = MAC_BYTES if keyed else 0
     body, mac = bytearray(payload[:len(payload) - tail]), payload[len(payload) - tail:]
     body[-4:] = b"\xff\xff\xff\x7f"
     at = encoder_entry._SUM_AT

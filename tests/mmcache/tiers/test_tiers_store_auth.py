@@ -9,7 +9,7 @@ import xxhash
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.tiers import MemoryStore, StoreTier, TierStack
-from mmcache.tiers.store import _HEAD, _MAC_BYTES
+from mmcache.tiers.page_format import HEAD, MAC_BYTES
 
 P = 4
 KEY = b"deployment-key-0123456789abcdef"
@@ -34,13 +34,13 @@ def publish(shared, key):
 
 def forge(payload: bytes, keyed: bool) -> bytes:
     """Change the page bytes and recompute the plain checksum, as a writer without the key can (an old MAC stays)."""
-    tail = _MAC_BYTES if keyed else 0
+    tail = MAC_BYTES if keyed else 0
     body, mac = payload[:len(payload) - tail], payload[len(payload) - tail:]
     data = np.full(P, 666.0, dtype=np.float32).tobytes()
     body = body[:len(body) - len(data)] + data
-    head = list(_HEAD.unpack_from(body))
+    head = list(HEAD.unpack_from(body))
     head[-1] = xxhash.xxh3_64_intdigest(data)
-    return _HEAD.pack(*head) + body[_HEAD.size:] + mac
+    return HEAD.pack(*head) + body[HEAD.size:] + mac
 
 
 def read(shared, key):

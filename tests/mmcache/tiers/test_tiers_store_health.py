@@ -16,7 +16,7 @@ from tier_traffic import complete
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.names import page_names
 from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
-from mmcache.tiers.store import page_key
+from mmcache.tiers.page_format import page_key
 
 P = 4
 WHY = mooncake.available()
