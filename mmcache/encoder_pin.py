@@ -1,10 +1,11 @@
 """What a caller of an ``EncoderStore`` (``mmcache.encoder_store``) holds: a ``Lookup`` (a private copy of a value and
 where it came from) and an ``EncoderPin`` (one owner on a stored entry's pages), over the store's record of one stored
-output (``StoredEntry``)."""
+output (``StoredEntry``); and ``Lent``, the store's account of the owners it lent out."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -53,9 +54,11 @@ class EncoderPin:
     The pin holds the entry it found, so a later put or ``clear`` for its key leaves the pinned bytes intact.
     """
 
-    def __init__(self, entry: StoredEntry, pool: PagePool, read: Callable[[StoredEntry], Any]):
-        """``read``: a fresh copy of an entry's value (the store's gather; the pin's owner keeps its pages intact)."""
-        self._entry, self._pool, self._read, self._held = entry, pool, read, True
+    def __init__(self, entry: StoredEntry, lock, read: Callable[[StoredEntry], Any],
+                 give_back: Callable[[list[int]], None]):
+        """``read``: a fresh copy of an entry's value (the store's gather; the pin's owner keeps its pages intact);
+        ``give_back``: hands the pin's owner back to the store; ``lock``: the store's (its pool's ``cache_lock``)."""
+        self._entry, self._lock, self._read, self._give_back, self._held = entry, lock, read, give_back, True
 
     @property
     def key(self) -> EncoderKey:
@@ -74,13 +77,43 @@ class EncoderPin:
 
     def release(self) -> None:
         """Drop the pin's owner; a second call does nothing."""
-        with self._pool.cache_lock:
+        with self._lock:
             held, self._held = self._held, False
-        if held:
-            self._pool.release(self._entry.pages)
+            if held:
+                self._give_back(self._entry.pages)
 
     def __enter__(self) -> EncoderPin:
         return self
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class Lent:
+    """The owners a store lends on its entries' pages, to hits copying out and to pins, counted per page until each is
+    given back, so the store can say every owner it is answerable for (``EncoderStore.owners``). ``lock``: the store's
+    (its pool's ``cache_lock``)."""
+
+    def __init__(self, pool: PagePool, lock):
+        self.pool, self.lock = pool, lock
+        self.pages: Counter[int] = Counter()
+
+    def lend(self, entry: StoredEntry) -> None:
+        """One owner more on ``entry``'s pages (the caller holds the lock)."""
+        self.pool.retain(entry.pages, distinct=True)  # an entry's pages never repeat
+        self.pages.update(entry.pages)
+
+    def give_back(self, pages: list[int]) -> None:
+        """Drop owners ``lend`` took (one per page listed)."""
+        with self.lock:
+            lent = self.pages
+            for p in pages:
+                if lent[p] == 1:
+                    del lent[p]
+                else:
+                    lent[p] -= 1
+            self.pool.release(pages)
+
+    def pin(self, entry: StoredEntry, read: Callable[[StoredEntry], Any]) -> EncoderPin:
+        """A pin holding an owner ``lend`` took on ``entry``."""
+        return EncoderPin(entry, self.lock, read, self.give_back)

@@ -18,62 +18,47 @@ entry with pages, pushed when it is stored): a key only grows, so an entry whose
 when it reaches the top, and the top entry with a current key is the one to go; no pass over the entries per
 eviction.
 
-Tiers: with ``tiers`` (an ``EncoderLowerTier``, ``mmcache.tiers.EncoderTiers``) an entry the pool evicts is handed to
-the tier with its bytes while they are intact (``spill``: write-back to a host tier), every stored value is handed to
-it after the put (``publish``: write-through to a store shared by instances), and a lookup that misses on the device
-asks it (``fetch``: host, then the shared store, outside the lock, one bounded wait per call) before the encoder runs;
-a tier hit is stored on the device again. The tier verifies every entry it hands back against the full key, and the
-store checks ``expect`` on it too; whatever fails, is slow or is down is a miss, never an error.
+Tiers (an ``EncoderLowerTier``, ``mmcache.encoder_protocols``): an evicted entry is spilled with its bytes intact, a
+stored value published after the put, and a device miss fetched (outside the lock, one bounded wait) before the
+encoder runs, a tier hit stored on the device again. The tier verifies what it hands back against the full key and the
+store checks ``expect`` on it; whatever fails, is slow, down or raises is a miss, never an error (``mmcache.guard``).
 
-Locking: the pool's ``cache_lock`` (shared with every other cache on the pool, so eviction across kinds is atomic)
-guards the index, the in-flight table and the counters; it is taken before the pool's page lock, never after. Byte
-copies run outside it: a put writes into pages it alone owns and nobody can see, then publishes them; a hit retains its
-entry's pages under the lock and gathers without it.
+Locking: the pool's ``cache_lock`` (shared with every cache on the pool: eviction across kinds is atomic) guards the
+index, the in-flight table and the counters, taken before the pool's page lock, never after. Byte copies run outside
+it: a put fills pages it alone owns, then publishes them; a hit retains its entry's pages under it, gathers without.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import logging
-import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from mmcache.checks import as_int
+from mmcache.checks import as_cost, as_int, require
+from mmcache.encoder_flights import Flights
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_layout import PageBytes, StoredBytes, entry_bytes, entry_layout, flatten, tensor_views, unflatten
-from mmcache.encoder_pin import EncoderPin, Lookup, StoredEntry
+from mmcache.encoder_pin import EncoderPin, Lent, Lookup, StoredEntry
 from mmcache.encoder_protocols import EncoderLowerTier, EncoderObserver
 from mmcache.errors import EncoderOutputError, InvalidRequest, OutOfPages
 from mmcache.eviction import entry_name
+from mmcache.guard import Guard
 from mmcache.pool import SCALAR_PAGES, PagePool
-from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key, take
-from mmcache.stats import EncoderCounters, EncoderStoreStats
+from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key, heap_covers, take
+from mmcache.stats import EncoderCounters, EncoderStoreStats, EncoderTally
 
 logger = logging.getLogger(__name__)
-
-_ZERO = {f.name: f.default for f in dataclasses.fields(EncoderCounters)}
 
 
 def _check_key(key) -> None:
     if not isinstance(key, EncoderKey):
         raise InvalidRequest(f"the encoder store is keyed by EncoderKey(digest, fingerprint, modality, ...), got "
                              f"{type(key).__name__}")
-
-
-@dataclasses.dataclass(eq=False)
-class _Flight:
-    verify_ids: bytes | None
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    joiners: int = 0
-    error: BaseException | None = None
-    tree: Any = None
-    leaves: list | None = None  # a private copy of the leader's value; each joiner clones it again
 
 
 class EncoderStore:
@@ -85,7 +70,7 @@ class EncoderStore:
       all have count 1, never takes a pinned entry or one being read;
     - ``bytes_stored`` is the sum of the indexed entries' bytes, in total and per modality;
     - concurrent misses on one key (name and verifying ids), through ``get_or_compute`` or ``get_or_compute_many``,
-      compute once (``_flights``, the one in-flight table);
+      compute once (``_flights``, the one in-flight table: ``mmcache.encoder_flights``);
     - values go in and come out as copies: nothing returned aliases the pool, nothing passed in is kept.
 
     ``pool``: a pool with data (any page shape and dtype) or, with ``page_data``, a metadata-only pool whose page ids
@@ -131,9 +116,12 @@ class EncoderStore:
         self._holder: dict[int, StoredEntry] = {}  # page -> the stored entry holding it
         self._cold: list[tuple[int, int, StoredEntry]] = []  # see the module docstring (Ownership)
         self._serial = itertools.count()  # ties between equal ticks: the earlier push first; entries never compared
-        self._flights: dict[tuple, _Flight] = {}
-        self._totals = dict(_ZERO)
-        self._by_modality: dict[str, dict] = {}
+        self._flights = Flights()
+        self._lent = Lent(pool, self._lock)  # owners lent to hits copying out and to pins
+        self._errors = {"listener_errors": 0}
+        self.guard = Guard(self._errors)
+        self._tally = EncoderTally()
+        self._count = self._tally.count
         pool.register(self)
 
     # -- public API ---------------------------------------------------------------------------------------------------
@@ -160,9 +148,9 @@ class EncoderStore:
             pin = None if found is None else self.pin(key)
             return None if pin is None else (found[0], pin)
         try:
-            return self._read(entry), EncoderPin(entry, self.pool, self._read)
+            return self._read(entry), self._lent.pin(entry, self._read)
         except BaseException:
-            self.pool.release(entry.pages)
+            self._lent.give_back(entry.pages)
             raise
 
     def put(self, key: EncoderKey, value, compute_s: float = 0.0) -> bool:
@@ -175,7 +163,7 @@ class EncoderStore:
         handed to the tiers (``publish``) after the put.
         """
         self._check(key)
-        return self._put(key, value, compute_s, publish=True)
+        return self._put(key, value, as_cost(compute_s, "compute_s"), publish=True)
 
     def _put(self, key: EncoderKey, value, compute_s: float, publish: bool) -> bool:
         """``put`` of a checked key; ``publish``: hand the stored value to the tiers (not for a value a tier gave)."""
@@ -207,13 +195,14 @@ class EncoderStore:
                 self._enqueue(entry)
                 self._count(key.modality, bytes_stored=nbytes)
                 if self.observer is not None:
-                    self.observer.encoder_stored(key, nbytes)
+                    self.guard.call("observer", self.observer.encoder_stored, key, nbytes)
         except BaseException:
             self.pool.release(pages)
             raise
         if publish and self.tiers is not None:
-            self.tiers.publish(StoredBytes(key, tree, layout, nbytes, float(compute_s),
-                                           entry_bytes(leaves, layout, nbytes, torch.device("cpu"))))
+            stored = StoredBytes(key, tree, layout, nbytes, float(compute_s),
+                                 entry_bytes(leaves, layout, nbytes, torch.device("cpu")))
+            self.guard.call("tier", self.tiers.publish, stored)
         return True
 
     def get_or_compute(self, key: EncoderKey, fn: Callable[[], Any]) -> Lookup:
@@ -253,15 +242,9 @@ class EncoderStore:
                 firsts[ident] = i
                 entry, flight, lead = self._lookup(key), None, False
                 if entry is None:
-                    flight = self._flights.get(key.name)
-                    if flight is None:
-                        flight, lead = self._flights.setdefault(key.name, _Flight(key.verify_ids)), True
-                    elif flight.verify_ids == key.verify_ids:
-                        flight.joiners += 1
-                        self._count(key.modality, joins=1)
-                    else:  # another input with this name is in flight: compute on our own, uncoordinated
-                        self._count(key.modality, collisions=1)
-                        flight, lead = None, True
+                    flight, lead = self._flights.take(key)
+                    if not lead or flight is None:
+                        self._count(key.modality, **({"joins": 1} if flight is not None else {"collisions": 1}))
                 plan.append((i, entry, flight, lead))
         found, pins = {}, {}  # index of first use -> (value, source); -> its pin
         unread = {i: entry for i, entry, _, _ in plan if entry is not None}  # hits still holding their lookup's owner
@@ -270,15 +253,12 @@ class EncoderStore:
             self._serve_hits(unread, found, pins, pin)
             for i, entry, flight, lead in plan:
                 if flight is not None and not lead:
-                    flight.done.wait()
-                    if flight.error is not None:
-                        raise flight.error
-                    found[i] = (unflatten(flight.tree, (t.clone() for t in flight.leaves)), "joined")
+                    found[i] = (flight.result(), "joined")
             return self._hand_out(keys, firsts, found, pins, pin)
         except BaseException:
             for p in pins.values():
                 p.release()
-            self.pool.release([p for entry in unread.values() for p in entry.pages])
+            self._lent.give_back([p for entry in unread.values() for p in entry.pages])
             raise
 
     def _serve_hits(self, unread: dict, found: dict, pins: dict, pin: bool) -> None:
@@ -288,9 +268,9 @@ class EncoderStore:
             found[i] = (self._read(unread[i]), "store")
             entry = unread.pop(i)
             if pin:
-                pins[i] = EncoderPin(entry, self.pool, self._read)
+                pins[i] = self._lent.pin(entry, self._read)
             else:
-                self.pool.release(entry.pages)
+                self._lent.give_back(entry.pages)
 
     def _compute_led(self, keys: list, plan: list, compute_missing: Callable, found: dict) -> None:
         """Resolve the misses this call leads: from the tiers first (one fetch for all of them), then the rest by
@@ -320,17 +300,13 @@ class EncoderStore:
                     flight.error = exc
             raise
         finally:
-            with self._lock:  # joiners register only while a flight is listed: after this their count is final
+            with self._lock:
                 for i, flight in led:
-                    if flight is not None and self._flights.get(keys[i].name) is flight:
-                        del self._flights[keys[i].name]
+                    if flight is not None:
+                        self._flights.close(keys[i], flight)
             for i, flight in led:
-                if flight is None:
-                    continue
-                if flight.joiners and i in found:  # their copy is taken before our caller can mutate the value
-                    flight.tree = flatten(found[i][0], leaves := [])
-                    flight.leaves = [t.detach().clone() for t in leaves]
-                flight.done.set()
+                if flight is not None:
+                    flight.land(*(found[i][0], True) if i in found else ())
 
     def _hand_out(self, keys: list, firsts: dict, found: dict, pins: dict, pin: bool) -> list[Lookup]:
         """A Lookup per key: the first use of a key takes its value (and its hit's pin), each later use a clone
@@ -366,8 +342,8 @@ class EncoderStore:
             if entry is None:
                 return None
             self._used(entry)
-            self.pool.retain(entry.pages, distinct=True)
-            return EncoderPin(entry, self.pool, self._read)
+            self._lent.lend(entry)
+            return self._lent.pin(entry, self._read)
 
     def clear(self) -> None:
         """Drop every entry's store owner; pinned pages stay with their pins. Counters other than bytes_stored stay."""
@@ -378,9 +354,33 @@ class EncoderStore:
     def stats(self) -> EncoderStoreStats:
         """Counter ``totals``, ``entries`` and ``capacity_bytes``, and ``by_modality: {modality: counters}``."""
         with self._lock:
-            return EncoderStoreStats(EncoderCounters(**self._totals), len(self._entries), self.capacity_bytes,
-                                     {m: EncoderCounters(**c) for m, c in self._by_modality.items()},
-                                     **(self.tiers.stats() if self.tiers is not None else {}))
+            return EncoderStoreStats(EncoderCounters(**self._tally.totals), len(self._entries), self.capacity_bytes,
+                                     {m: EncoderCounters(**c) for m, c in self._tally.by_modality.items()},
+                                     **(self.tiers.stats() if self.tiers is not None else {}),
+                                     listener_errors=self._errors["listener_errors"])
+
+    def owners(self) -> np.ndarray:
+        """Owners per page of the pool (int32): the store's on its entries' pages, and those lent to hits and pins."""
+        with self._lock:
+            held = np.zeros(self.pool.num_pages, dtype=np.int32)
+            held[list(self._holder)] = 1
+            np.add.at(held, list(self._lent.pages.elements()), 1)
+            return held
+
+    def check(self) -> None:
+        """``BrokenInvariant`` naming the first rule of the class docstring that does not hold (each entry's pages its
+        own, counted by the pool; ``bytes_stored`` the entries'; the heap holds every entry at no more than its key)."""
+        with self._lock:
+            pages = [p for e in self._entries.values() for p in e.pages]
+            require(len(pages) == len(set(pages)) == len(self._holder) and set(pages) == set(self._holder),
+                    "each page of a stored entry is that entry's alone")
+            require(all(self.pool.owners(p) >= 1 + self._lent.pages[p] for p in pages),
+                    "the pool counts every stored entry's owners")
+            require(sum(e.nbytes for e in self._entries.values()) == self._tally.totals["bytes_stored"],
+                    "bytes_stored is the stored entries' bytes")
+            covered = heap_covers(self._cold, self._current, lambda item: id(item[2]))
+            require({id(e) for e in self._entries.values() if e.pages} <= covered,
+                    "the heap holds every stored entry at no more than its key")
 
     def __contains__(self, key: EncoderKey) -> bool:
         _check_key(key)
@@ -392,7 +392,7 @@ class EncoderStore:
         return len(self._entries)
 
     def __repr__(self) -> str:
-        return f"EncoderStore({len(self)} entries, {self._totals['bytes_stored']} bytes in {self.pool!r})"
+        return f"EncoderStore({len(self)} entries, {self._tally.totals['bytes_stored']} bytes in {self.pool!r})"
 
     # -- internals (``_lock`` held unless stated) ---------------------------------------------------------------------
 
@@ -407,7 +407,9 @@ class EncoderStore:
         None (no tier, a miss in every tier, a rejection, a tier down or late). No lock held; counted."""
         if self.tiers is None:
             return [None] * len(keys)
-        reads = self.tiers.fetch(keys, self._accepts)
+        reads = self.guard.call("tier", self.tiers.fetch, keys, self._accepts)  # a tier that raises: a miss
+        if reads is None:
+            return [None] * len(keys)
         out = []
         for key, read in zip(keys, reads):
             got = None
@@ -434,12 +436,6 @@ class EncoderStore:
             return False
         return True
 
-    def _count(self, modality: str, **deltas) -> None:
-        per = self._by_modality.setdefault(modality, dict(_ZERO))
-        for name, delta in deltas.items():
-            self._totals[name] += delta
-            per[name] += delta
-
     def _match(self, key: EncoderKey) -> StoredEntry | None:
         """The entry named like ``key`` if its verifying ids agree; a disagreement counts a collision."""
         entry = self._entries.get(key.name)
@@ -452,14 +448,16 @@ class EncoderStore:
         """``_match`` counted as a query (and as a use by the pool's policy); a hit is marked recently used and
         retained until ``_gather`` releases it."""
         entry = self._match(key)
-        self.pool.policy.looked_up((entry_name(key.name),), int(entry is not None))
+        self.guard.call("eviction policy", self.pool.policy.looked_up, (entry_name(key.name),), int(entry is not None))
         if entry is None:
             self._count(key.modality, queries=1, misses=1)
             return None
         self._used(entry)
-        self.pool.retain(entry.pages, distinct=True)  # an entry's pages never repeat
+        self._lent.lend(entry)
         self._count(key.modality, queries=1, hits=1, time_saved_s=entry.compute_s)
         return entry
+
+
 
     def _check_expect(self, key: EncoderKey, got: list[tuple]) -> None:
         """``EncoderOutputError`` unless tensors of ``got`` ((shape, dtype) each) are what ``expect`` allows."""
@@ -519,18 +517,19 @@ class EncoderStore:
         an entry gone is dropped, one whose tick grew is pushed again at its tick, one pinned or being read is set
         aside and put back; the pass over the entries (``eviction_candidates``) when more than ``SCALAR_PAGES`` such
         are colder than what is asked."""
-        entries, owners = self._entries, self.pool.owners
-
-        def current(item):  # gone: evicted, removed or replaced since
-            e = item[2]
-            return e.rank if entries.get(e.key.name) is e else None
-
-        chosen = coldest_off_heap(self._cold, n, current, lambda item: all(owners(p) == 1 for p in item[2].pages),
+        owners = self.pool.owners
+        chosen = coldest_off_heap(self._cold, n, self._current,
+                                  lambda item: all(owners(p) == 1 for p in item[2].pages),
                                   lambda item: len(item[2].pages))
         if chosen is None:
             return coldest_of(self.eviction_candidates(), n)
         W = self.pool.num_pages + 1  # eviction_key of depth 0
         return [p for _, _, e in chosen for p in e.pages], [t * W for t, _, e in chosen for _ in e.pages]
+
+    def _current(self, item: tuple) -> int | None:
+        """The key now of a heap item's entry; None when the entry is gone (evicted, removed or replaced since)."""
+        e = item[2]
+        return e.rank if self._entries.get(e.key.name) is e else None
 
     def _used(self, entry: StoredEntry) -> None:
         """``entry`` is stored or used now: its tick and its policy key (the pool's policy counts the use); a policy
@@ -538,7 +537,11 @@ class EncoderStore:
         policy = self.pool.policy
         entry.tick = self.pool.clock.tick()
         cost = entry.compute_s / len(entry.pages) if entry.pages and entry.compute_s > 0 else None  # saved per page
-        entry.rank = policy.key(entry_name(entry.key.name), entry.tick, entry.rank, cost)
+        try:
+            entry.rank = policy.key(entry_name(entry.key.name), entry.tick, entry.rank, cost)
+        except Exception:  # the LRU key (mmcache.guard)
+            self.guard.failed("eviction policy")
+            entry.rank = max(entry.rank, entry.tick)
         if not policy.monotone and entry.pages and self._entries.get(entry.key.name) is entry:
             heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
 
@@ -549,9 +552,9 @@ class EncoderStore:
                   if (e := holder.get(p)) is not None}
         if chosen:
             gone = list(chosen.values())
-            self.pool.policy.evicted([entry_name(e.key.name) for e in gone], [e.rank for e in gone],
-                                     [e.tick for e in gone])
             self._drop(gone, evicted=True)
+            self.guard.call("eviction policy", self.pool.policy.evicted, [entry_name(e.key.name) for e in gone],
+                            [e.rank for e in gone], [e.tick for e in gone])
 
     def _remove(self, name: tuple) -> None:
         if (entry := self._entries.get(name)) is not None:
@@ -561,16 +564,17 @@ class EncoderStore:
         """Unindex ``entries`` and release the store's owner on all their pages in one call; evicted ones are spilled
         to the tiers first, while their bytes are intact."""
         spilled = [False] * len(entries)
-        if evicted and self.tiers is not None and entries:
-            spilled = self.tiers.spill([StoredBytes(e.key, e.tree, e.layout, e.nbytes, e.compute_s,
-                                                    self._bytes.read(e.index)[:e.nbytes]) for e in entries])
+        if evicted and self.tiers is not None and entries:  # a tier that raises keeps nothing
+            spilled = self.guard.call("tier", self.tiers.spill, [
+                StoredBytes(e.key, e.tree, e.layout, e.nbytes, e.compute_s, self._bytes.read(e.index)[:e.nbytes])
+                for e in entries], default=spilled)
         for e in entries:
             del self._entries[e.key.name]
             for p in e.pages:
                 del self._holder[p]
-        if self.observer is not None and entries:
-            self.observer.encoder_removed([e.key for e in entries])
         freed = set(self.pool.release([p for e in entries for p in e.pages]))
+        if self.observer is not None and entries:
+            self.guard.call("observer", self.observer.encoder_removed, [e.key for e in entries])
         for e, spill in zip(entries, spilled):
             self._count(e.key.modality, bytes_stored=-e.nbytes, evictions=int(evicted),
                         evicted_bytes=e.nbytes if evicted else 0, host_spilled=int(spill),
@@ -593,4 +597,4 @@ class EncoderStore:
         try:
             return self._read(entry)
         finally:
-            self.pool.release(entry.pages)
+            self._lent.give_back(entry.pages)

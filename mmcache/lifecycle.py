@@ -29,10 +29,12 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from mmcache.checks import as_cost
 from mmcache.errors import InvalidRequest, RefusedByGroup
+from mmcache.index_types import ChainRun, IndexObserver
 from mmcache.names import Fingerprint, NamedPrompt, chain, chain_children, media_by_page, media_ids, token_bytes
 from mmcache.pool import PagePool
-from mmcache.prefix_index import ChainRun, IndexObserver, PrefixIndex
+from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import take
 from mmcache.stats import PrefixCacheStats
 
@@ -153,6 +155,7 @@ class PrefixLifecycle:
                  vocab_size: int | None = None, tiers: LowerTier | None = None,
                  agreement: GroupAgreement | None = None, observer: IndexObserver | None = None,
                  page_seconds: float | None = None):
+        page_seconds = as_cost(page_seconds, "page_seconds")  # before the index joins the pool
         self.pool = pool
         self.fingerprint = fingerprint
         self.page_size = fingerprint.page_size

@@ -24,8 +24,8 @@ import numpy as np
 
 from mmcache.checks import as_int, require
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, RefusedByGroup, UnknownRequest
+from mmcache.index_types import IndexObserver
 from mmcache.lifecycle import Claim, GroupAgreement, LowerTier, PrefixLifecycle, Readiness, Written
-from mmcache.prefix_index import IndexObserver
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
 from mmcache.stats import PrefixCacheStats

@@ -26,59 +26,19 @@ from __future__ import annotations
 import array
 import heapq
 from itertools import repeat
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from mmcache.checks import require
 from mmcache.guard import Guard
+from mmcache.index_types import ChainRun, IndexObserver, Inserted, TierView
 from mmcache.names import token_bytes
 from mmcache.pool import SCALAR_PAGES, PagePool
-from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key
+from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key, heap_covers
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "freed_pages", "eviction_batches",
             "shortfall_pages", "stalls", "collisions", "listener_errors")
-
-
-class IndexObserver(Protocol):
-    """Hears what the index stores and drops (``mmcache.kv_events.KVEventPublisher``: events for external routers).
-    Called under the pool's ``cache_lock`` on a request's path: it must only queue what it hears, never block."""
-
-    def stored(self, names: list[int], parent: int | None, tokens: np.ndarray, media: list[bytes], salt: bytes,
-               depth: int) -> None:
-        """Pages named ``names`` (a run of chain positions from ``depth``, each the child of the one before, the first
-        a child of ``parent``; None at depth 0) were indexed: their token ids ``tokens`` [len(names), page_size],
-        each page's media blob (offset ‖ digest of the media whose first placeholder it holds; b"" for none) and the
-        chain's salt."""
-
-    def removed(self, names: list[int]) -> None:
-        """Pages named ``names`` left the index (evicted or discarded)."""
-
-    def cleared(self) -> None:
-        """Every page left the index."""
-
-
-class ChainRun(NamedTuple):
-    """Chain positions ``depth, depth+1, ...`` of one request to index (``PrefixIndex.insert_runs``): ``pages[j]``
-    named ``names[j]``, its verifying ids ``rows[j]`` (token ids) and ``mids[j]`` (128-bit media id), under the
-    indexed page ``parent`` (-1 at depth 0), the chain's salt id, and its media blobs by position for the observer."""
-
-    pages: Sequence[int]
-    names: Sequence[int]
-    rows: np.ndarray
-    mids: np.ndarray
-    salt_id: int
-    depth: int = 0
-    parent: int = -1
-    media: dict[int, bytes] | None = None
-
-
-class Inserted(NamedTuple):
-    """What ``insert_runs`` did with one run: the positions adopted, the chain pages walked, whether it may go on."""
-
-    new: list[int]
-    chain: list[int]
-    ok: bool
 
 
 class PrefixIndex:
@@ -501,17 +461,19 @@ class PrefixIndex:
         ``SCALAR_PAGES`` held pages are colder than what is asked (a pool whose cold pages are mostly live)."""
         if n > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
-        W, flags, serials, keys, depths, owners = (self.pool.num_pages + 1, self._flags, self._serials, self._keys,
-                                                   self._depths, self.pool.owners)
-
-        def current(item):  # gone: unindexed, or indexed again (that indexing has its own item)
-            _, page, serial = item
-            return keys[page] * W - depths[page] if flags[page] and serials[page] == serial else None
-
-        chosen = coldest_off_heap(self._cold, n, current, lambda item: owners(item[1]) == 1)
+        owners = self.pool.owners
+        chosen = coldest_off_heap(self._cold, n, self._current, lambda item: owners(item[1]) == 1)
         if chosen is None:
             return coldest_of(self.eviction_candidates(), n)
         return [item[1] for item in chosen], [item[0] for item in chosen]
+
+    def _current(self, item: tuple) -> int | None:
+        """The ``eviction_key`` now of a heap item's page; None when it is gone (unindexed, or indexed again: that
+        indexing has its own item)."""
+        _, page, serial = item
+        if not self._flags[page] or self._serials[page] != serial:
+            return None
+        return self._keys[page] * (self.pool.num_pages + 1) - self._depths[page]
 
     def eviction_candidates(self) -> tuple[np.ndarray, np.ndarray]:
         """Pages only the index holds (count 1) and their ``eviction_key``s: coldest first, deeper first among equal
@@ -625,33 +587,11 @@ class PrefixIndex:
         require((self._tick[up] >= self._tick[child]).all(), "ticks never rise from a page to its child")
         require((self._key[up] >= self._key[child]).all(), "keys never rise from a page to its child")
         require((self.pool.counts[idx] >= 1).all(), "the pool counts the index's owner on every indexed page")
-        lowest: dict[int, int] = {}
-        for k, p, s in self._cold:
-            if self._flags[p] and self._serials[p] == s and k < lowest.get(p, k + 1):
-                lowest[p] = k
-        keys = eviction_key(self.pool, self._key[idx], self._depth[idx])
-        require(all(lowest.get(p, k + 1) <= k for p, k in zip(idx.tolist(), keys.tolist())),
+        require(set(idx.tolist()) <= heap_covers(self._cold, self._current, lambda item: item[1]),
                 "the heap holds every indexed page at no more than its key")
 
     # ----------------------------------------------------------------- read access for the tiers (mmcache.tiers)
-    def tier_view(self) -> "TierView":
+    def tier_view(self) -> TierView:
         """Read-only access to the verifying ids of indexed pages, by page id (valid where ``indexed``)."""
-        return TierView(self)
-
-
-class TierView:
-    """The arrays a tier reads when pages leave the index: ``name``, ``tokens``, ``media_lo``/``media_hi`` (the
-    128-bit media id's halves; ``media`` gives pairs), ``parent`` (page id, -1 at depth 0), ``salt`` (salt id;
-    ``salt_bytes`` maps it back) and ``depth``."""
-
-    def __init__(self, index: PrefixIndex):
-        self.name, self.tokens, self.parent = index._name, index._tokens, index._parent
-        self.salt, self.depth = index._salt, index._depth
-        self.media_lo, self.media_hi = index._media_lo, index._media_hi
-        self._salts = index._salt_ids
-
-    def media(self, pages) -> np.ndarray:
-        return np.stack((self.media_lo[pages], self.media_hi[pages]), axis=-1)
-
-    def salt_bytes(self, salt_id: int) -> bytes:
-        return next(s for s, i in self._salts.items() if i == salt_id)
+        return TierView(self._name, self._tokens, self._parent, self._salt, self._depth, self._media_lo,
+                        self._media_hi, self._salts)

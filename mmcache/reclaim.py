@@ -94,6 +94,13 @@ def coldest_off_heap(heap: list, n: int, current: Callable[[tuple], int | None],
     return None if len(held) > limit else chosen
 
 
+def heap_covers(heap: list, current: Callable[[tuple], int | None], ident: Callable[[tuple], object]) -> set:
+    """The entries (``ident(item)``) that a cache's lazy eviction heap holds at no more than their current key
+    (``current``, as ``coldest_off_heap`` reads it): every entry the cache may evict must be among them, or its
+    ``coldest`` could pass it over. What a cache's ``check()`` reads."""
+    return {ident(item) for item in heap if (now := current(item)) is not None and item[0] <= now}
+
+
 def reclaimable(owners: Sequence[Evictable]) -> int:
     """How many pages evicting every candidate of ``owners`` would free."""
     return sum(len(o.eviction_candidates()[0]) for o in owners)

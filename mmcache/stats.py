@@ -86,6 +86,24 @@ class EncoderCounters(_Snapshot):
     store_mac_failures: int = 0
 
 
+class EncoderTally:
+    """An ``EncoderStore``'s running counters (``EncoderCounters``' fields), in total and per modality."""
+
+    __slots__ = ("totals", "by_modality")
+
+    def __init__(self):
+        self.totals = EncoderCounters().to_dict()
+        self.by_modality: dict[str, dict] = {}
+
+    def count(self, modality: str, **deltas) -> None:
+        per = self.by_modality.get(modality)
+        if per is None:
+            per = self.by_modality[modality] = EncoderCounters().to_dict()
+        for name, delta in deltas.items():
+            self.totals[name] += delta
+            per[name] += delta
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EncoderStoreStats(_Snapshot):
     """``EncoderStore.stats()``: the counter ``totals``, ``entries`` and ``capacity_bytes`` now, the counters per
@@ -94,8 +112,9 @@ class EncoderStoreStats(_Snapshot):
     (``host_refreshed_entries``) or could not fit (``host_full_entries``), and the pages its eviction took out of it
     (``host_evicted_pages``) and freed (``host_freed_pages``); the shared store's puts of encoder entries, as
     ``TierStats`` counts them for KV pages: stored (``store_published_entries``), already held, refused for space,
-    dropped, and entries removed to make room or because a reader refused them. ``to_dict()`` flattens the totals
-    and the tier counters into the top level (the shape reports read)."""
+    dropped, and entries removed to make room or because a reader refused them; ``listener_errors``, the calls to the
+    pool's policy, the observer and the tiers that raised and that the store went on without (``mmcache.guard``).
+    ``to_dict()`` flattens the totals and the tier counters into the top level (the shape reports read)."""
 
     totals: EncoderCounters = EncoderCounters()
     entries: int = 0
@@ -113,6 +132,7 @@ class EncoderStoreStats(_Snapshot):
     store_publish_dropped: int = 0
     store_room_removed: int = 0
     store_refused_removed: int = 0
+    listener_errors: int = 0
 
     def to_dict(self) -> dict:
         tiers = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

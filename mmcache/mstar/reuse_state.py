@@ -67,13 +67,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from mmcache.errors import InvalidRequest
+from mmcache.index_types import IndexObserver
 from mmcache.lifecycle import Claim, LowerTier, PrefixLifecycle, Written
 from mmcache.mstar.fed_ids import Landing, append_generated, ids_to_host, joined_tokens, step_ids
 from mmcache.mstar.row_outputs import RowParts, SideRows
 from mmcache.mstar.shadow_feeds import ShadowFeeds
 from mmcache.names import Fingerprint, as_tokens
 from mmcache.pool import PagePool
-from mmcache.prefix_index import IndexObserver
 from mmcache.tp import TPAgreement
 
 # A step cut to one row for every request looks like a decode step to M*'s attention resource (it picks its decode

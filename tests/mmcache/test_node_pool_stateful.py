@@ -127,18 +127,10 @@ class NodeMachine(RuleBasedStateMachine):
     # -- invariants ----------------------------------------------------------------------------------------------------
     @invariant()
     def counts_are_owners(self):
-        owners = np.zeros(NUM_PAGES, dtype=np.int64)
-        for rid in self.live:
-            np.add.at(owners, list(self.cache.state(rid).page_indices), 1)
-        owners += self.cache.index.indexed
-        for entry in self.store._entries.values():
-            np.add.at(owners, entry.pages, 1)
-        for pin, _ in self.pins:
-            np.add.at(owners, list(pin.pages), 1)
-        assert (self.pool.counts == owners).all()
-        free = self.pool._free
-        assert len(free) == len(set(free)) == self.pool.num_free
-        assert sorted(free) == np.flatnonzero(self.pool.counts == 0).tolist()
+        """Every owner on the one pool is a live request's, the index's, or the store's (its entries' and the pins
+        this machine holds), exactly: ``PrefixCache.check`` with the store's ``owners()``; and the store's own rules."""
+        self.cache.check()
+        self.store.check()
 
     @invariant()
     def live_and_pinned_bytes_intact(self):

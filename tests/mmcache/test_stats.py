@@ -18,7 +18,7 @@ COUNTERS = ["queries", "hits", "misses", "bytes_stored", "evictions", "evicted_b
             "host_rejected", "store_hits", "store_misses", "store_rejected", "store_mac_failures"]
 TIER_FIELDS = ["host", "store", "host_refreshed_entries", "host_full_entries", "host_evicted_pages", "host_freed_pages",
                "store_published_entries", "store_publish_exists", "store_publish_full", "store_publish_dropped",
-               "store_room_removed", "store_refused_removed"]
+               "store_room_removed", "store_refused_removed", "listener_errors"]
 
 
 def test_prefix_cache_stats_are_a_frozen_snapshot_with_the_documented_keys():

@@ -45,7 +45,7 @@ from typing import Protocol
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from mmcache.eviction import DEFAULT_POLICY, Eviction, OfflineOptimal, check_policy, policy_name
-from mmcache.prefix_index import IndexObserver
+from mmcache.index_types import IndexObserver
 from workloads.harness.progress import progress_bar
 from workloads.service import ServiceModel
 from workloads.sizes import format_size
