@@ -537,11 +537,7 @@ class EncoderStore:
         policy = self.pool.policy
         entry.tick = self.pool.clock.tick()
         cost = entry.compute_s / len(entry.pages) if entry.pages and entry.compute_s > 0 else None  # saved per page
-        try:
-            entry.rank = policy.key(entry_name(entry.key.name), entry.tick, entry.rank, cost)
-        except Exception:  # the LRU key (mmcache.guard)
-            self.guard.failed("eviction policy")
-            entry.rank = max(entry.rank, entry.tick)
+        entry.rank = self.guard.key(policy, entry_name(entry.key.name), entry.tick, entry.rank, cost)
         if not policy.monotone and entry.pages and self._entries.get(entry.key.name) is entry:
             heapq.heappush(self._cold, (entry.rank, next(self._serial), entry))
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import numpy as np
+
 log = logging.getLogger("mmcache")
 
 
@@ -48,3 +50,20 @@ class Guard:
         except Exception:
             self.failed(what)
             return default
+
+    def key(self, policy, name: int, tick: int, floor: int = 0, cost: float | None = None) -> int:
+        """``policy.key``, or the LRU key (the tick, never below ``floor``) when it raises."""
+        try:
+            return policy.key(name, tick, floor, cost)
+        except Exception:
+            self.failed("eviction policy")
+            return max(floor, tick)
+
+    def keys(self, policy, names: np.ndarray, ticks, floors: np.ndarray, cost: float | None = None,
+             chain: bool = False) -> np.ndarray:
+        """``policy.keys``, or the LRU keys when it raises."""
+        try:
+            return policy.keys(names, ticks, floors, cost, chain)
+        except Exception:
+            self.failed("eviction policy")
+            return np.maximum(floors, ticks)

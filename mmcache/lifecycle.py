@@ -266,7 +266,8 @@ class PrefixLifecycle:
             if servable is not None and idx:
                 idx = idx[:servable(np.asarray(idx, dtype=np.int64))]
             self.pool.retain(idx, distinct=True)
-            self.index.touch(idx, rekey=False)
+            if idx:  # the chain before them too: one tick for a whole prefix keeps ticks from rising along it
+                self.index.touch(claim.chain + idx, rekey=False)
             pages = idx
         if self.agreement is not None:
             agreed, _ = self.agreement.agree(len(pages), True)

@@ -263,6 +263,11 @@ class PrefixCache:
             # for them; the rest is copied out, including a committed page after a copy of the request's own.
             shared = self.pool.counts[rec.pages] > 1
             j0 = int(np.argmin(shared)) if not shared.all() else len(rec.pages)
+            # used until now: ranked as recent as they are, or lru would drop them before older cached pages
+            indexed = self.index.indexed[rec.pages[:j0]]
+            k = int(np.argmin(indexed)) if not indexed.all() else j0
+            if k:
+                self.index.touch(rec.pages[:k])
             self.lifecycle.release(rec.pages[:j0])
             rec.pages, rec.first_page, rec.suspended = rec.pages[j0:], j0, True
             return list(rec.pages)

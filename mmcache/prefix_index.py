@@ -208,12 +208,8 @@ class PrefixIndex:
         monotone = policy.monotone
         if len(pages) <= SCALAR_PAGES:
             pages = pages if type(pages) is list else pages.tolist()
-            ticks, names, parents, key, cost = self._ticks, self._names, self._parents, policy.key, self.page_seconds
-            try:
-                wanted = [key(names[page], tick, keys[page], cost) for page in pages]
-            except Exception:
-                self.guard.failed("eviction policy")
-                wanted = [max(tick, keys[page]) for page in pages]
+            ticks, names, parents, key, cost = self._ticks, self._names, self._parents, self.guard.key, self.page_seconds
+            wanted = [key(policy, names[page], tick, keys[page], cost) for page in pages]
             for page, k in zip(pages, wanted):
                 ticks[page] = tick
                 old, up = keys[page], parents[page]
@@ -223,11 +219,7 @@ class PrefixIndex:
         else:
             idx = np.asarray(pages, dtype=np.int64)
             old = self._key[idx]
-            try:
-                k = policy.keys(self._name[idx], tick, old, self.page_seconds, chain)
-            except Exception:
-                self.guard.failed("eviction policy")
-                k = np.maximum(old, tick)
+            k = self.guard.keys(policy, self._name[idx], tick, old, self.page_seconds, chain)
             self._tick[idx] = tick
             up = self._parent[idx]
             limit = np.where(up >= 0, self._key[np.maximum(up, 0)], np.iinfo(np.int64).max)

@@ -18,12 +18,17 @@ frequency or the future (the offline optimum of a replay); the caches keep every
 from __future__ import annotations
 
 import heapq
+import os
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from mmcache.errors import OutOfPages
 from mmcache.pool import SCALAR_PAGES, PagePool
+
+# The debug switch: MMCACHE_CHECK=1 runs every check() of a pool and its caches after each reclaim (slow: a pass over
+# the pool each time; for tests and bug hunts).
+CHECK_AFTER_RECLAIM = os.environ.get("MMCACHE_CHECK") == "1"
 
 
 class Evictable(Protocol):
@@ -39,6 +44,9 @@ class Evictable(Protocol):
     def evict(self, pages: Sequence[int]) -> None:
         """Drop the entries holding ``pages`` (what its ``coldest`` gave, or a part of it; a cache may drop more:
         whole entries, descendants) and release them."""
+
+    def check(self) -> None:
+        """``BrokenInvariant`` naming the first of the cache's rules that does not hold."""
 
 
 def eviction_key(pool: PagePool, keys, depths=0) -> np.ndarray:
@@ -125,16 +133,25 @@ def reclaim(pool: PagePool, need: int, owners: Sequence[Evictable] | None = None
     n = min(total, want)
     if len(owners) == 1:
         owners[0].evict(found[0][0])
-        return n
-    which = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, _) in enumerate(found)])
-    pages = np.concatenate([p for p, _ in found])
-    keys = np.concatenate([k for _, k in found])
-    if n < total:
-        pick = np.argpartition(keys, n - 1)[:n]
-        pages, which = pages[pick], which[pick]
-    for i, owner in enumerate(owners):
-        owner.evict(pages[which == i])
+    else:
+        which = np.concatenate([np.full(len(p), i, dtype=np.int32) for i, (p, _) in enumerate(found)])
+        pages = np.concatenate([p for p, _ in found])
+        keys = np.concatenate([k for _, k in found])
+        if n < total:
+            pick = np.argpartition(keys, n - 1)[:n]
+            pages, which = pages[pick], which[pick]
+        for i, owner in enumerate(owners):
+            owner.evict(pages[which == i])
+    if CHECK_AFTER_RECLAIM:
+        check_pool(pool)
     return n
+
+
+def check_pool(pool: PagePool) -> None:
+    """Every rule of ``pool`` and of each cache registered on it (``PagePool.check``, each ``Evictable.check``)."""
+    pool.check()
+    for cache in pool.evictables:
+        cache.check()
 
 
 def make_room(pool: PagePool, need: int, batch: int = 1, counters: dict | None = None) -> None:

@@ -216,6 +216,7 @@ class TierStats(_Snapshot):
     host_freed_pages: int = 0
     host_hit_pages: int = 0
     host_collisions: int = 0
+    host_listener_errors: int = 0
     store_up: bool = False
     store_published_pages: int = 0
     store_publish_dropped: int = 0

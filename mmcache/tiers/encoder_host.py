@@ -18,11 +18,12 @@ import dataclasses
 import numpy as np
 import torch
 
+from mmcache.checks import require
 from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.eviction import entry_name
+from mmcache.guard import Guard
 from mmcache.pool import HostPagePool
 from mmcache.reclaim import coldest_of, eviction_key, make_room
-
 
 COUNTERS = (  # ``EncoderHostTier.counters``, each since creation (entries written: ``EncoderCounters.host_spilled``)
     "refreshed_entries",  # entries a spill found held already with equal verifying ids (marked used, no copy)
@@ -53,6 +54,7 @@ class EncoderHostTier:
         self._entries: dict[str, _HostEntry] = {}
         self._owner: dict[int, str] = {}  # page -> the key of the entry holding it
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.guard = Guard(self.counters)
         pool.register(self)
 
     def __len__(self) -> int:
@@ -95,7 +97,7 @@ class EncoderHostTier:
         """A copy of the payload under ``key`` (uint8, fresh memory), marked used; None when not held."""
         with self.pool.cache_lock:
             e = self._entries.get(key)
-            self.pool.policy.looked_up((entry_name(key),), int(e is not None))
+            self.guard.call("eviction policy", self.pool.policy.looked_up, (entry_name(key),), int(e is not None))
             if e is None:
                 return None
             self._used(key, e)
@@ -116,14 +118,22 @@ class EncoderHostTier:
         """Drop every entry holding one of ``pages`` (whole entries)."""
         keys = {self._owner[p] for p in np.asarray(pages).tolist() if p in self._owner}
         gone = [self._entries[k] for k in keys]
-        self.pool.policy.evicted([entry_name(k) for k in keys], [e.rank for e in gone], [e.tick for e in gone])
         self.counters["evicted_pages"] += sum(len(e.pages) for e in gone)
         self.counters["freed_pages"] += self._drop(keys)
+        self.guard.call("eviction policy", self.pool.policy.evicted, [entry_name(k) for k in keys],
+                        [e.rank for e in gone], [e.tick for e in gone])
+
+    def check(self) -> None:
+        """``BrokenInvariant`` unless each held page belongs to exactly the entry the page table names, and the host
+        pool counts the tier's owner on each."""
+        pages = {p: k for k, e in self._entries.items() for p in e.pages}
+        require(pages == self._owner, "each held page is its entry's, as the page table says")
+        require(all(self.pool.owners(p) >= 1 for p in pages), "the host pool counts the tier's owner on every page")
 
     def _used(self, key: str, e: _HostEntry) -> None:
         """Entry ``e`` under ``key`` stored or used now: its tick and the host pool policy's key for it."""
         e.tick = self.pool.clock.tick()
-        e.rank = self.pool.policy.key(entry_name(key), e.tick, e.rank)
+        e.rank = self.guard.key(self.pool.policy, entry_name(key), e.tick, e.rank)
 
     def _drop(self, keys) -> int:
         """Take the entries under ``keys`` out of the tier and release their pages; how many pages went free."""

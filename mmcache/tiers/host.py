@@ -19,7 +19,9 @@ from itertools import repeat
 import numpy as np
 import torch
 
+from mmcache.checks import require
 from mmcache.errors import InvalidRequest, OutOfPages
+from mmcache.guard import Guard
 from mmcache.pool import HostPagePool, PagePool, can_hold, copy_pages
 from mmcache.reclaim import coldest_of, eviction_key, make_room
 from mmcache.tiers.lineage import RequestLineage
@@ -82,6 +84,7 @@ class HostTier:
         self._pages: dict[int, int] = {}
         pool.register(self)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.guard = Guard(self.counters)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -104,7 +107,7 @@ class HostTier:
                 page = self._pages.get(name)
                 if page is not None and self._same(page, tokens[j], media[j], parent_lineages[j], depths[j]):
                     self._tick[page] = tick
-                    self._key[page] = self.pool.policy.key(int(name), tick, int(self._key[page]))
+                    self._key[page] = self.guard.key(self.pool.policy, int(name), tick, int(self._key[page]))
                     self.counters["refreshed_pages"] += 1
                 else:
                     if page is not None:
@@ -126,7 +129,7 @@ class HostTier:
             self._plin[hp] = np.array([parent_lineages[j] for j in fresh_at], dtype=_LIN)
             self._depth[hp] = np.asarray(depths)[fresh_at]
             self._tick[hp] = tick
-            self._key[hp] = self.pool.policy.keys(self._name[hp], tick, np.zeros(len(hp), dtype=np.int64))
+            self._key[hp] = self.guard.keys(self.pool.policy, self._name[hp], tick, np.zeros(len(hp), dtype=np.int64))
             self._held[hp] = True
             self.counters["written_pages"] += len(hp)
             return len(hp)
@@ -142,7 +145,7 @@ class HostTier:
             if miss.size:
                 idx = idx[:miss[0]]
             if not idx.size:
-                self.pool.policy.looked_up(names[start:], 0)
+                self.guard.call("eviction policy", self.pool.policy.looked_up, names[start:], 0)
                 return []
             k, P = idx.size, self.page_size
             ok = (self._depth[idx] == np.arange(start, start + k)) & (self._media[idx] == mids[start:start + k]).all(1)
@@ -156,12 +159,12 @@ class HostTier:
                     break
             if k < idx.size:
                 self.counters["collisions"] += 1
-            self.pool.policy.looked_up(names[start:], k)
+            self.guard.call("eviction policy", self.pool.policy.looked_up, names[start:], k)
             out = idx[:k].tolist()
             if out:
                 self.pool.retain(out, distinct=True)
                 tick = self._tick[out] = self.pool.clock.tick()
-                self._key[out] = self.pool.policy.keys(self._name[out], tick, self._key[out])
+                self._key[out] = self.guard.keys(self.pool.policy, self._name[out], tick, self._key[out])
                 self.counters["hit_pages"] += len(out)
             return out
 
@@ -191,9 +194,18 @@ class HostTier:
     def evict(self, pages: np.ndarray) -> None:
         pages = np.asarray(pages, dtype=np.int64)
         held = pages[self._held[pages]] if pages.size else pages
-        self.pool.policy.evicted(self._name[held].tolist(), self._key[held].tolist(), self._tick[held].tolist())
+        gone = (self._name[held].tolist(), self._key[held].tolist(), self._tick[held].tolist())
         self.counters["evicted_pages"] += int(held.size)
         self.counters["freed_pages"] += self._drop(pages)
+        self.guard.call("eviction policy", self.pool.policy.evicted, *gone)
+
+    def check(self) -> None:
+        """``BrokenInvariant`` unless the name table is exactly the held pages, each holding the name it is filed
+        under, and the host pool counts the tier's owner on each."""
+        held = np.flatnonzero(self._held)
+        require(sorted(self._pages.values()) == held.tolist(), "the name table is the held pages")
+        require(all(int(self._name[p]) == n for n, p in self._pages.items()), "a page holds the name it is filed by")
+        require((self.pool.counts[held] >= 1).all(), "the host pool counts the tier's owner on every held page")
 
     def _drop(self, pages: np.ndarray) -> int:
         """Take the held ones of ``pages`` out of the tier and release them; how many went free."""

@@ -200,6 +200,23 @@ def test_suspend_releases_shared_pages_and_resume_relooks_them_up():
     assert cache.admit("c", list(range(12)) + [5] * 6 + [0]).matched_tokens == 16
 
 
+def test_suspend_ranks_the_prefix_it_releases_as_used_until_now():
+    """A preempted request used its matched prefix until it was suspended: under lru those pages are as recent as the
+    suspension, so a later shortfall evicts an older cached prompt first, not the prefix the request will come back
+    to."""
+    pool = PagePool(12, (), torch.int64, eviction="lru")
+    cache = PrefixCache(pool, FP, evict_batch_pages=1)
+    serve(cache, "a", list(range(12)))             # 3 pages: the prefix b will match
+    serve(cache, "old", list(range(100, 112)))     # 3 pages, used after a's
+    cache.admit("b", list(range(12)) + [5, 5])
+    cache.grow("b", 14)
+    cache.suspend("b")                             # releases a's three pages, used until now
+    cache.admit("hog", list(range(200, 224)))
+    cache.grow("hog", 24)                          # 6 pages: 3 cached pages must go
+    cache.abort("hog", discard=True)
+    assert cache.resume("b").matched_tokens == 12  # the older prompt went, the prefix stayed
+
+
 def test_resume_after_eviction_recomputes_the_gap():
     cache = make(num_pages=8, evict_batch_pages=1)
     serve(cache, "a", list(range(12)))
