@@ -127,6 +127,65 @@ def long_hit(fp: Fingerprint, P: int, policy: str, repeat: int) -> float:
     return best(once, repeat) / 1000
 
 
+class PolicyClock:
+    """Times every call a pool makes to its policy, summed per request (``begin`` starts one): the longest is the most
+    one admission or teardown waited on the policy's upkeep."""
+
+    def __init__(self, policy):
+        self.per_request, self._now = [], 0.0
+        for hook in ("looked_up", "released", "evicted", "key", "keys"):
+            setattr(policy, hook, self._timed(getattr(policy, hook)))
+
+    def _timed(self, call):
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return call(*args, **kw)
+            finally:
+                self._now += time.perf_counter() - t
+        return timed
+
+    def begin(self) -> None:
+        self.per_request.append(self._now)
+        self._now = 0.0
+
+
+def policy_upkeep(policy: str, pages: int = 20_000, requests: int = 20_000,
+                  traced: bool = False) -> tuple[float, float, float]:
+    """Agent traffic through a ``pages``-page pool of 16-token pages under ``policy``: 256 sessions in turn, each
+    re-sending its history 4 pages longer and starting over after 200 pages, one request at a time (lookups, commits,
+    evictions every request). Returns the longest time one request spent in the policy and the 99.9th percentile;
+    ``traced``, the bytes per page of the pool the policy's state holds at the end instead (allocations made in
+    ``mmcache/eviction`` and still alive: tracemalloc, which slows every call, so never in a timed run)."""
+    import tracemalloc
+    fp16 = Fingerprint("bench/upkeep@0", page_size=16)
+    if traced:
+        tracemalloc.start()
+    pool = PagePool(pages, eviction=policy)
+    clock = PolicyClock(pool.policy)
+    cache = PrefixCache(pool, fp16)
+    rng = np.random.default_rng(4)
+    history = [rng.integers(0, 32000, size=64, dtype=np.int32) for _ in range(256)]
+    for i in range(requests):
+        s = i % 256
+        history[s] = (np.concatenate((history[s], rng.integers(0, 32000, size=64, dtype=np.int32)))
+                      if history[s].size < 200 * 16 else rng.integers(0, 32000, size=64, dtype=np.int32))
+        p = np.concatenate((history[s], [1])).astype(np.int32)
+        clock.begin()
+        cache.admit(i, p)
+        cache.grow(i, p.size)
+        cache.mark_computed(i, p.size)
+        cache.finish(i)
+    clock.begin()
+    if traced:
+        held = sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(
+            [tracemalloc.Filter(True, "*mmcache/eviction/*")]).statistics("filename"))
+        tracemalloc.stop()
+        return held / pages, 0.0
+    times = np.asarray(clock.per_request[1:])
+    return float(times.max()), float(np.percentile(times, 99.9))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--page-size", type=int, default=128)
@@ -260,6 +319,16 @@ def main(argv=None) -> None:
             ours, base = min(timed[("hit", policy)]), min(timed[("hit", "lru")])
             rows.append((f"eviction policy {policy}: 1,000-page hit, per page", f"{ours * 1e6:.2f} us",
                          f"{base * 1e6:.2f} us (lru, same run)", base / ours))
+
+    # 4e. each policy's upkeep at 20,000 pages: the longest a request waited on the policy (its upkeep never pauses an
+    # admission), and the state it keeps per page of the pool
+    upkeep = {policy: policy_upkeep(policy) for policy in POLICIES}
+    state = {policy: policy_upkeep(policy, traced=True)[0] for policy in POLICIES}
+    for policy, (longest, p999) in upkeep.items():
+        rows.append((f"eviction policy {policy}: longest wait on the policy, 20,000 pages", f"{longest * 1e3:.2f} ms",
+                     f"{upkeep['lru'][0] * 1e3:.2f} ms (lru); p99.9 {p999 * 1e3:.2f} ms", None))
+        rows.append((f"eviction policy {policy}: state per page of the pool", f"{state[policy]:.0f} B",
+                     f"{state['lru']:.0f} B (lru)", None))
 
     # 5. metadata bytes per page: the index arrays plus the dict entry of an indexed page
     ix = PrefixCache(PagePool(4096), fp).index
