@@ -62,8 +62,8 @@ def test_usage_errors_say_what_is_valid(argv, message, capsys):
 
 
 def test_encoder_bytes_units():
-    assert common._bytes("256M") == common._bytes("256MB") == 256 << 20 and common._bytes("2gb") == 2 << 30
-    assert common._bytes("4096") == 4096
+    assert common.byte_size("256M") == common.byte_size("256MB") == 256 << 20 and common.byte_size("2gb") == 2 << 30
+    assert common.byte_size("4096") == 4096
 
 
 def test_linger_needs_a_metrics_port(capsys):
