@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Hashable, Sequence
 
 from mmcache.errors import DuplicateRequest, UnknownRequest
-from mmcache.names import Fingerprint, NamedPrompt, digest_as_bytes, as_tokens
+from mmcache.names import Fingerprint, NamedPrompt, as_tokens, digest_as_bytes
 from mmcache.stats import ShadowStats
 
 

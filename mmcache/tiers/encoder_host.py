@@ -23,7 +23,6 @@ from mmcache.eviction import entry_name
 from mmcache.pool import HostPagePool
 from mmcache.reclaim import coldest_of, eviction_key, make_room
 
-
 COUNTERS = (  # ``EncoderHostTier.counters``, each since creation (entries written: ``EncoderCounters.host_spilled``)
     "refreshed_entries",  # entries a spill found held already with equal verifying ids (marked used, no copy)
     "full_entries",       # entries a put could not fit (larger than the pool, or pinned KV pages hold the rest)

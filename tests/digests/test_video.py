@@ -5,6 +5,7 @@ stores nothing; a cached video encoder's hit equals its miss and the uncached pi
 import numpy as np
 import pytest
 import torch
+from made_clips import CLIP, MKV, bad_clips
 
 import digests
 from digests import FrameSampling, load_video
@@ -14,8 +15,6 @@ from mmcache.errors import InvalidMedia
 from workloads import fixtures
 from workloads.options import ModelWorkloadOptions
 from workloads.traces.clips import pan_clip, pan_frames
-
-from made_clips import CLIP, MKV, bad_clips
 
 
 def test_sampling_picks_evenly_spaced_or_fixed_rate_frames():

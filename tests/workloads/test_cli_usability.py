@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workloads.commands import common
 from workloads.cli import main
+from workloads.commands import common
 from workloads.harness.metrics import RequestRecord, RunResult, failure_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,6 +124,7 @@ def test_metrics_linger_serves_the_final_state(tmp_path, capsys, lingering_scrap
 
 def test_quiet_third_party_progress(monkeypatch):
     from transformers.utils import logging as tlog
+
     from workloads.harness.progress import quiet_third_party
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     tlog.enable_progress_bar()

@@ -44,6 +44,7 @@ import types
 
 import torch
 
+
 class _ImportOnly(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):

@@ -7,12 +7,20 @@ mmcache's reader and resampled to 16 kHz with torchaudio instead (the same featu
 
 import importlib.util
 
-import pytest
-
 import made_media
+import pytest
 from mstar_encoder_checkpoints import same_parameters
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, load_audio_16k, preprocess,
-                                   qwen3_omni_model, qwen3_omni_on_cpu, require_mstar, served_node)
+from mstar_encoder_helpers import (
+    ForwardCount,
+    assert_equal_outputs,
+    data_worker,
+    load_audio_16k,
+    preprocess,
+    qwen3_omni_model,
+    qwen3_omni_on_cpu,
+    require_mstar,
+    served_node,
+)
 
 require_mstar()
 

@@ -11,7 +11,6 @@ call in ``test_mstar_encoder_{vision,audio,wan}.py``."""
 
 import pytest
 import torch
-
 from mstar_encoder_checkpoints import SERVED, same_parameters, whisper
 from mstar_encoder_helpers import ForwardCount, assert_equal_outputs, engine, require_mstar, worker_engine
 
@@ -69,9 +68,8 @@ def test_the_node_and_a_direct_store_caller_share_one_flight(tmp_path_factory):
     store's one in-flight table): the tower runs once and both get its output."""
     import threading
 
-    from mstar_encoder_helpers import batch
-
     from conftest import wait_for
+    from mstar_encoder_helpers import batch
     case, node, tower = _whisper_node(tmp_path_factory.mktemp("whisper"))
     cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 24, page_bytes=4096)
     wrapped = engine({"enc": cached})
@@ -100,9 +98,9 @@ def test_bad_input_is_refused_before_any_state_changes(tmp_path_factory):
     nothing stored, the rest of the batch served."""
     from mstar.model.bagel.submodules import VAEEncoderSubmodule
     from mstar.model.whisper.submodules import WhisperDecoderSubmodule
+    from mstar_encoder_helpers import batch
 
     from mmcache.errors import InvalidRequest
-    from mstar_encoder_helpers import batch
     with pytest.raises(InvalidRequest, match="declares engine steps"):
         CachedEncoderNode(object.__new__(WhisperDecoderSubmodule), None)
     with pytest.raises(InvalidRequest, match="samples its latent"):

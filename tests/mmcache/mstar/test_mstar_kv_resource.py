@@ -8,13 +8,26 @@ retry after an allocation failure, and the retry of a chunk whose match was cont
 import numpy as np
 import pytest
 import torch
-
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
-    KV, LABEL, P, KVStep, PendingCopy, PrefixReuse, Segment, StepContext, SubmoduleStep, dense_logits,
-    ids_as_from_a_device, ids_feed, node, serve, step, weights,
+    KV,
+    LABEL,
+    KVStep,
+    P,
+    PendingCopy,
+    PrefixReuse,
+    Segment,
+    StepContext,
+    SubmoduleStep,
+    dense_logits,
+    ids_as_from_a_device,
+    ids_feed,
+    node,
+    serve,
+    step,
+    weights,
 )
 
 from mmcache import EncoderKey, EncoderStore  # noqa: E402

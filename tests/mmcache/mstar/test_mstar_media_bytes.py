@@ -6,12 +6,18 @@ are made by the tests (``made_media``: PNGs, a Seed-TTS-format WAV)."""
 
 import shutil
 
+import made_media
 import pytest
 import torch
-
-import made_media
-from mstar_encoder_helpers import (data_worker, install_flashinfer_standin, load_audio_16k, preprocess,
-                                   qwen3_omni_model, qwen3_omni_processors, require_mstar)
+from mstar_encoder_helpers import (
+    data_worker,
+    install_flashinfer_standin,
+    load_audio_16k,
+    preprocess,
+    qwen3_omni_model,
+    qwen3_omni_processors,
+    require_mstar,
+)
 
 require_mstar()
 

@@ -8,7 +8,6 @@ arena counted."""
 
 import pytest
 import torch
-
 from mstar_helpers import require_mstar
 
 require_mstar()

@@ -15,7 +15,6 @@ request wrote.
 
 import pytest
 import torch
-
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()

@@ -5,7 +5,6 @@ pattern is never cut and sends the walk back through the seam, and a stream firs
 seam does not see there) is never named, so no other tenant can match its pages."""
 
 import torch
-
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()

@@ -7,7 +7,6 @@ that keep failing do mark the store down."""
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 from mooncake_master import MooncakeMaster
