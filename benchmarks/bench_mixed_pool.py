@@ -1,6 +1,7 @@
 """KV pages and encoder outputs on ONE pool under pressure: the time each kind saves under the default policy
-(``odds``, which weighs what an entry saves: a KV page its prefill, an encoder output its forward over its pages)
-against ``lru`` (recency alone: an image's output and a KV page weigh the same), at pool sizes from tight to roomy.
+(``dip``, which weighs what an entry saves, bounded: a KV page its prefill, an encoder output its forward over its
+pages) against ``lru`` (recency alone: an image's output and a KV page weigh the same), at pool sizes from tight to
+roomy.
 
 Traces (the replica replay's media traces, one replica, ``shared_pool=True``, ``workloads.sizing.replicas``):
 vlm-chat's image chats (several users per image: outputs shared across users, KV within a session) and voice-clone's
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--pools", help="pool sizes for every trace (default: each trace's own, around its knee: "
                     + "; ".join(f"{t} {p}" for t, p in POOLS.items()) + ")")
     ap.add_argument("--page-size", type=int, default=128)
-    ap.add_argument("--policies", default="lru,odds,lfu")
+    ap.add_argument("--policies", default="lru,dip,lfu")
     ap.add_argument("--prefill", type=float, default=ServiceModel.prefill_tokens_per_s)
     ap.add_argument("--encoder-s", type=float, default=ServiceModel.encoder_s)
     args = ap.parse_args()

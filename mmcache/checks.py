@@ -1,5 +1,6 @@
-"""Argument checks shared by the core: integer counts, page ids and page names, each refused with an
-``InvalidRequest`` that names the problem, before the caller changes anything.
+"""Argument checks shared by the core: integer counts, page ids, page names and costs, each refused with an
+``InvalidRequest`` that names the problem, before the caller changes anything; and ``require``, how a cache's
+``check()`` states the rules it keeps.
 
 Integers means Python ``int`` or numpy integer scalars/dtypes; bools, floats (even integral ones), strings and None
 are refused rather than coerced, so ``grow(rid, 7.9)`` or ``release(["0"])`` cannot silently mean something else.
@@ -8,10 +9,11 @@ are refused rather than coerced, so ``grow(rid, 7.9)`` or ``release(["0"])`` can
 from __future__ import annotations
 
 import array
+import math
 
 import numpy as np
 
-from mmcache.errors import InvalidRequest
+from mmcache.errors import BrokenInvariant, InvalidCost, InvalidRequest
 
 
 def as_int(value, what: str) -> int:
@@ -53,3 +55,24 @@ def as_names(names, count: int, what: str) -> list[int]:
         return list(names)
     except (TypeError, OverflowError):
         raise InvalidRequest(f"{what}: page names must be unsigned 64-bit integers") from None
+
+
+def as_cost(value, what: str) -> float | None:
+    """A cost (seconds a hit saves) as a float, None kept (unknown); raises ``InvalidCost`` naming ``what`` and the
+    value unless it is a finite number >= 0 (an infinite cost made a pool's typical cost NaN once, and a NaN key
+    compares with nothing)."""
+    if value is None:
+        return None
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        raise InvalidCost(f"{what} must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not 0 <= cost < math.inf:
+        raise InvalidCost(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return cost
+
+
+def require(rule: bool, what: str) -> None:
+    """``BrokenInvariant`` naming ``what`` unless ``rule`` holds: how a cache's ``check()`` states its rules."""
+    if not rule:
+        raise BrokenInvariant(what)

@@ -451,8 +451,8 @@ class EncoderStore:
     def _lookup(self, key: EncoderKey) -> StoredEntry | None:
         """``_match`` counted as a query (and as a use by the pool's policy); a hit is marked recently used and
         retained until ``_gather`` releases it."""
-        self.pool.policy.looked_up((entry_name(key.name),))
         entry = self._match(key)
+        self.pool.policy.looked_up((entry_name(key.name),), int(entry is not None))
         if entry is None:
             self._count(key.modality, queries=1, misses=1)
             return None
@@ -549,7 +549,8 @@ class EncoderStore:
                   if (e := holder.get(p)) is not None}
         if chosen:
             gone = list(chosen.values())
-            self.pool.policy.evicted([e.rank for e in gone], [e.tick for e in gone])
+            self.pool.policy.evicted([entry_name(e.key.name) for e in gone], [e.rank for e in gone],
+                                     [e.tick for e in gone])
             self._drop(gone, evicted=True)
 
     def _remove(self, name: tuple) -> None:

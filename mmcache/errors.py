@@ -33,6 +33,15 @@ class DuplicateRequest(MmcacheError):
 
 
 
+class InvalidCost(InvalidRequest):
+    """A cost (the seconds a hit saves: an encoder output's ``compute_s``, a KV page's ``page_seconds``) that is not
+    a finite number >= 0."""
+
+
+class BrokenInvariant(MmcacheError, AssertionError):
+    """A cache's ``check()`` found one of its rules broken (a bug, never bad input): the message names the rule."""
+
+
 class InvalidConfig(MmcacheError, ValueError):
     """A setting that names nothing mmcache has, such as an unknown eviction policy."""
 

@@ -176,25 +176,28 @@ class PrefixLifecycle:
         """Retain the longest verified prefix of ``prompt``'s full pages that leaves at least ``rows_left`` tokens to
         compute (never the page of its last token): device pages, then pages a lower tier verified and copied up;
         under a group agreement, the group's minimum, so no rank keeps a page another did not match. Counted once,
-        after the agreement. ``RefusedByGroup`` (nothing held) when another rank could not admit the request.
+        after the agreement, when the pool's policy hears of the lookup too. ``RefusedByGroup`` (nothing held) when
+        another rank could not admit the request.
         ``servable(pages)``: how many leading device pages of the verified prefix this request may be served (the
         match stops there, and no lower tier continues it)."""
         limit = prompt.matchable(rows_left)
         mids = prompt.media_ids(limit)
         with self.lock:
             salt_id = self.index.salt_id(prompt.salt)
-            self.index.looked_up(prompt.names[:limit])
             pages = self.index.match(prompt.names[:limit], prompt.tokens, mids, salt_id)
             n = servable(np.asarray(pages, dtype=np.int64)) if servable is not None and pages else len(pages)
             stopped, pages, fetch = n < len(pages), pages[:n], None
+            found = n  # pages this pool held (a lower tier's hits are copied into fresh ones)
             if pages:  # lists: counted and touched one by one (the scalar paths); a new prompt holds nothing
                 self.pool.retain(pages, distinct=True)
                 self.index.touch(pages, rekey=False)
+            guard = self.index.guard  # a tier that raises is a miss (mmcache.guard)
             lower = (self.tiers is not None and not stopped and len(pages) < limit
-                     and self.tiers.nominates(prompt.names[len(pages)]))
+                     and guard.call("lower tier", self.tiers.nominates, prompt.names[len(pages)], default=False))
         if lower:  # outside the lock: a store read may take up to its deadline (the tier locks what it mutates)
-            pages, fetch = self.tiers.extend(self.index, np.asarray(pages, dtype=np.int64), prompt.names[:limit],
-                                             prompt.tokens, mids, prompt.salt, salt_id, prompt.media)
+            pages, fetch = guard.call("lower tier", self.tiers.extend, self.index, np.asarray(pages, dtype=np.int64),
+                                      prompt.names[:limit], prompt.tokens, mids, prompt.salt, salt_id, prompt.media,
+                                      default=(pages, None))
         if self.agreement is not None:
             agreed, all_ok = self.agreement.agree(len(pages), True)
             if not all_ok:
@@ -204,6 +207,7 @@ class PrefixLifecycle:
                 self.pool.release(pages[agreed:])
                 pages = pages[:agreed]
         with self.lock:
+            self.index.looked_up(prompt.names[:limit], min(found, len(pages)))
             c = self.index.counters
             c["queries"] += 1
             c["hits"] += bool(pages)
@@ -346,8 +350,9 @@ class PrefixLifecycle:
                 if self.tiers is not None and new:
                     prompt = claim.prompt
                     seq = np.concatenate((prompt.tokens, w.generated))[:m * P]
-                    self.tiers.publish(self.pool, list(w.pages[:m]), [lo + j for j in new], claim.names[:m], seq,
-                                       media_ids(claim.media, range(m)), prompt.salt)
+                    self.index.guard.call("lower tier", self.tiers.publish, self.pool, list(w.pages[:m]),
+                                          [lo + j for j in new], claim.names[:m], seq,
+                                          media_ids(claim.media, range(m)), prompt.salt)
             return out
 
     def _commit_children(self, children: list, out: list[int]) -> list:
@@ -393,11 +398,12 @@ class PrefixLifecycle:
         return left
 
     def touch(self, claim: Claim) -> None:
-        """The request is done with its chain: mark it used now (one tick for the whole chain), so its pages rank by
-        their last use as they become evictable. Pages indexed while it ran took their parent's tick. A chain whose
+        """The request is done with its chain: the pool's policy hears it, and the chain is marked used now (one
+        tick for the whole chain), so its pages rank by their last use as they become evictable. Pages indexed while it ran took their parent's tick. A chain whose
         last page left the index meanwhile is not touched: its page ids may stand for other chains' pages now (the
         index is closed under parents, so the last page's serial vouches for the whole chain)."""
         with self.lock:
+            self.index.released(claim.names[:claim.indexed])
             if claim.chain and self.index.serial(claim.chain[-1]) == claim.parent_serial:
                 self.index.touch(claim.chain)
 

@@ -20,9 +20,9 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from mmcache.checks import as_ids, as_int
+from mmcache.checks import as_ids, as_int, require
 from mmcache.errors import InvalidRequest, OutOfPages, PageOwnershipError
-from mmcache.eviction import POLICIES, EvictionPolicy, make_policy
+from mmcache.eviction import Eviction, make_policy, tier_policy
 
 # A request-sized list of at most this many page ids is counted (and, in the prefix index, stamped) one by one on
 # the arrays, not through numpy: see PagePool.
@@ -76,14 +76,14 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", eviction: str | EvictionPolicy | None = None):
+                 device: str | torch.device = "cpu", eviction: Eviction = None):
         self.num_pages = as_int(num_pages, "num_pages")
         if self.num_pages <= 0:
             raise InvalidRequest(f"num_pages must be positive, got {num_pages}")
         self.clock = Clock()
-        # what every cache on the pool asks for its entries' eviction keys (mmcache.eviction; a name, or a policy)
-        self.policy = (make_policy(eviction, self.num_pages, lambda: self.clock.now) if eviction is None
-                       or isinstance(eviction, str) else eviction)
+        # what every cache on the pool asks for its entries' eviction keys (mmcache.eviction: a name, a factory or a
+        # policy)
+        self.policy = make_policy(eviction, self.num_pages, lambda: self.clock.now)
         self.page_shape = tuple(int(s) for s in page_shape)
         self.dtype = dtype
         self.device = canonical_device(device)
@@ -101,7 +101,7 @@ class PagePool:
 
     @classmethod
     def over(cls, data: torch.Tensor, page_dim: int = 0,
-             eviction: str | EvictionPolicy | None = None) -> "PagePool":
+             eviction: Eviction = None) -> "PagePool":
         """A pool whose pages are the slices of an engine's own tensor along ``page_dim`` (M*'s KV tensor
         ``[layers, pages, ...]`` has them in dim 1), evicting by ``eviction``: ``data`` is that tensor's view with
         the page first, so copies in and out of pages (tiers) write through to the engine's tensor."""
@@ -231,6 +231,16 @@ class PagePool:
             self._free.extend(freed)
         return freed
 
+    def check(self) -> None:
+        """``BrokenInvariant`` unless the free list is exactly the pages whose owner count is 0, each once, and no
+        count is negative."""
+        with self.lock:
+            free = list(self._free)
+            counts = self._counts.copy()
+        require(len(free) == len(set(free)), "no page is on the free list twice")
+        require(sorted(free) == np.flatnonzero(counts == 0).tolist(), "the free list is exactly the unowned pages")
+        require((counts >= 0).all(), "no owner count is negative")
+
     def _few(self, pages, distinct: bool) -> list[int] | tuple[int, ...] | None:
         """``pages`` when the scalar path takes them: a list or tuple of at most ``SCALAR_PAGES`` distinct Python ints
         inside the pool; None sends them to ``_checked`` (which also refuses what is malformed)."""
@@ -266,7 +276,7 @@ class HostPagePool(PagePool):
     CUDA), so device-to-host copies run at full bandwidth."""
 
     def __init__(self, num_pages: int, page_shape: Iterable[int] = (), dtype: torch.dtype = torch.float32,
-                 pin_memory: bool = False, eviction: str | EvictionPolicy | None = None):
+                 pin_memory: bool = False, eviction: Eviction = None):
         super().__init__(num_pages, (), dtype, "cpu", eviction)  # ids and counts; the slab is made below
         self.page_shape = tuple(int(s) for s in page_shape)
         self.pinned = bool(pin_memory)
@@ -277,10 +287,9 @@ class HostPagePool(PagePool):
 
     @classmethod
     def like(cls, pool: PagePool, num_pages: int, pin_memory: bool = False) -> "HostPagePool":
-        """A host pool whose pages can hold ``pool``'s pages, evicting by the same online policy (a policy of its own
-        on its own clock; the default when ``pool``'s is not one of ``POLICIES``, such as a replay's optimum)."""
-        name = pool.policy.name if pool.policy.name in POLICIES else None
-        return cls(num_pages, pool.page_shape, pool.dtype, pin_memory, name)
+        """A host pool whose pages can hold ``pool``'s pages, evicting by the policy ``pool``'s names for a tier under
+        it (``mmcache.eviction.tier_policy``; a policy of its own, on its own clock)."""
+        return cls(num_pages, pool.page_shape, pool.dtype, pin_memory, tier_policy(pool.policy))
 
 
 def can_hold(dst: PagePool, src: PagePool) -> bool:

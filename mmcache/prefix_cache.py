@@ -22,7 +22,7 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
-from mmcache.checks import as_int
+from mmcache.checks import as_int, require
 from mmcache.errors import DuplicateRequest, InvalidRequest, OutOfPages, RefusedByGroup, UnknownRequest
 from mmcache.lifecycle import Claim, GroupAgreement, LowerTier, PrefixLifecycle, Readiness, Written
 from mmcache.prefix_index import IndexObserver
@@ -341,6 +341,21 @@ class PrefixCache:
         """Drop every index entry (live requests keep their pages); returns how many entries were dropped."""
         with self._lock:
             return self.index.clear()
+
+    def check(self) -> None:
+        """``BrokenInvariant`` naming the first rule that does not hold: the pool's (``PagePool.check``), the index's
+        (``PrefixIndex.check``), and the owner count of every page: the index's owner, one per live request that
+        lists it, and what every other cache on the pool holds (its ``owners()``), exactly."""
+        with self._lock:
+            self.pool.check()
+            self.index.check()
+            held = self.index.owners()
+            for rec in self._live.values():
+                np.add.at(held, np.asarray(rec.pages, dtype=np.int64), 1)
+            for cache in self.pool.evictables:
+                if cache is not self.index:
+                    held += cache.owners()
+            require((self.pool.counts == held).all(), "every page's owner count is the owners that hold it")
 
     def stats(self) -> PrefixCacheStats:
         """The lifecycle's counters and the pool now; ``pages_live`` counts the distinct pages live requests hold."""

@@ -30,12 +30,14 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from mmcache.checks import require
+from mmcache.guard import Guard
 from mmcache.names import token_bytes
 from mmcache.pool import SCALAR_PAGES, PagePool
 from mmcache.reclaim import coldest_of, coldest_off_heap, eviction_key
 
 COUNTERS = ("queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "freed_pages", "eviction_batches",
-            "shortfall_pages", "stalls", "collisions")
+            "shortfall_pages", "stalls", "collisions", "listener_errors")
 
 
 class IndexObserver(Protocol):
@@ -139,6 +141,7 @@ class PrefixIndex:
         self._salt_ids: dict[bytes, int] = {b"": 0}
         self._salts: list[bytes] = [b""]  # salt id -> salt
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.guard = Guard(self.counters)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -223,9 +226,15 @@ class PrefixIndex:
         else:
             self._tick[pages] = self.pool.clock.tick()
 
-    def looked_up(self, names: Sequence[int]) -> None:
-        """A request looked up ``names`` (its matchable chain): told to the pool's policy."""
-        self.pool.policy.looked_up(names)
+    def looked_up(self, names: Sequence[int], hits: int) -> None:
+        """A request looked up ``names`` (its matchable chain) and holds the first ``hits`` pages, then the rest as
+        it computes them, until it releases the chain: told to the pool's policy."""
+        self.guard.call("eviction policy", self.pool.policy.looked_up, names, hits, True)
+
+    def released(self, names: Sequence[int]) -> None:
+        """A request is done with the chain ``names`` (the positions it indexed or walked): told to the pool's policy
+        (before the chain is touched)."""
+        self.guard.call("eviction policy", self.pool.policy.released, names)
 
     def _stamp(self, pages, tick, chain: bool = True) -> None:
         """Indexed ``pages`` used at ``tick`` (one for all; an array of one per page for many pages): their ticks and
@@ -233,25 +242,33 @@ class PrefixIndex:
         with its prefix, so it is worth no more; eviction then takes chains from their tails), and a monotone
         policy's key is never lowered (a fresh heap entry at every change for one that is not). ``chain``: the pages
         are one chain in order (each page's parent is the one before it, or indexed before the call); else each
-        page's parent is outside the call. A few one by one on the arrays, more through the views."""
+        page's parent is outside the call. A few one by one on the arrays, more through the views. The policy's keys
+        are asked before anything changes; a policy that raises gives way to the LRU key (``mmcache.guard``)."""
         policy, keys = self.pool.policy, self._keys
         monotone = policy.monotone
         if len(pages) <= SCALAR_PAGES:
             pages = pages if type(pages) is list else pages.tolist()
             ticks, names, parents, key, cost = self._ticks, self._names, self._parents, policy.key, self.page_seconds
-            for page in pages:
+            try:
+                wanted = [key(names[page], tick, keys[page], cost) for page in pages]
+            except Exception:
+                self.guard.failed("eviction policy")
+                wanted = [max(tick, keys[page]) for page in pages]
+            for page, k in zip(pages, wanted):
                 ticks[page] = tick
-                old = keys[page]
-                k = key(names[page], tick, old, cost)
-                up = parents[page]
+                old, up = keys[page], parents[page]
                 if up >= 0 and k > keys[up]:
                     k = keys[up] if not monotone or keys[up] > old else old
                 keys[page] = k
         else:
             idx = np.asarray(pages, dtype=np.int64)
-            self._tick[idx] = tick
             old = self._key[idx]
-            k = policy.keys(self._name[idx], tick, old, self.page_seconds, chain)
+            try:
+                k = policy.keys(self._name[idx], tick, old, self.page_seconds, chain)
+            except Exception:
+                self.guard.failed("eviction policy")
+                k = np.maximum(old, tick)
+            self._tick[idx] = tick
             up = self._parent[idx]
             limit = np.where(up >= 0, self._key[np.maximum(up, 0)], np.iinfo(np.int64).max)
             if chain:  # the first page's parent, then each page's: the keys so far
@@ -286,7 +303,7 @@ class PrefixIndex:
         (``PrefixLifecycle.touch``). One owner update for all runs. ``media`` (a run's media blobs by chain position)
         only tells the observer which media each page holds.
         """
-        out, adopted_all, fresh, flags, ticks = [], [], None, self._flags, self._ticks
+        out, adopted_all, told, fresh, flags, ticks = [], [], [], None, self._flags, self._ticks
         for run in runs:
             new, chain_pages, parent, ok = [], [], run.parent, True
             pages, rows, mids, step = run.pages, token_bytes(run.rows), memoryview(run.mids), self._step
@@ -316,9 +333,9 @@ class PrefixIndex:
                     self._record(adopted, [run.names[j] for j in new], run.rows, run.mids, new,
                                  [chain_pages[j - 1] if j else run.parent for j in new], run.salt_id, run.depth)
                 adopted_all += adopted
-                if self._observer is not None:
-                    self._tell_stored(new, run.names, chain_pages, run.parent, run.rows, run.salt_id, run.depth,
-                                      run.media or {})
+                if self._observer is not None:  # told once the index holds them (mmcache.guard)
+                    told.append((new, run.names, chain_pages, run.parent, run.rows, run.salt_id, run.depth,
+                                 run.media or {}))
             if chain_pages:  # the parent's tick: ticks never increase along the chain, and no prefix is touched
                 if run.parent >= 0:
                     tick = ticks[run.parent]
@@ -330,6 +347,8 @@ class PrefixIndex:
             out.append(Inserted(new, chain_pages, ok))
         if adopted_all:
             self.pool.retain(adopted_all, distinct=True)
+        for what in told:
+            self._tell_stored(*what)
         return out
 
     def insert_children(self, pages: Sequence[int], names: Sequence[int], rows: np.ndarray, parents: Sequence[int],
@@ -436,9 +455,9 @@ class PrefixIndex:
             run = new[start:i]
             j = run[0]
             parent = chain_pages[j - 1] if j else first_parent
-            self._observer.stored([int(names[q]) for q in run], int(self._name[parent]) if parent >= 0 else None,
-                                  np.array(page_tokens[run[0]:run[-1] + 1]), [media.get(depth + q, b"") for q in run],
-                                  self._salts[salt_id], depth + j)
+            self.guard.call("observer", self._observer.stored, [int(names[q]) for q in run],
+                            int(self._name[parent]) if parent >= 0 else None, np.array(page_tokens[run[0]:run[-1] + 1]),
+                            [media.get(depth + q, b"") for q in run], self._salts[salt_id], depth + j)
             start = i
 
     def _same(self, page: int, row: memoryview, media_lo: int, media_hi: int, parent: int, salt_id: int) -> bool:
@@ -507,15 +526,16 @@ class PrefixIndex:
         pages = self._with_descendants(pages if type(pages) is list else np.asarray(pages, dtype=np.int64))
         if not len(pages):
             return
-        if self._spill is not None:
-            self._spill(self, np.asarray(pages, dtype=np.int64))
+        if self._spill is not None:  # a tier that raises keeps nothing (mmcache.guard)
+            self.guard.call("lower tier", self._spill, self, np.asarray(pages, dtype=np.int64))
         listed = pages if type(pages) is list else pages.tolist()
-        self.pool.policy.evicted([self._keys[p] for p in listed], [self._ticks[p] for p in listed])
+        gone = ([self._names[p] for p in listed], [self._keys[p] for p in listed], [self._ticks[p] for p in listed])
         counts = self.pool.counts
         freed = sum(counts[p] == 1 for p in listed) if len(listed) <= SCALAR_PAGES else int((counts[pages] == 1).sum())
         self._drop(pages)
         self.counters["evicted_pages"] += len(pages)
         self.counters["freed_pages"] += int(freed)
+        self.guard.call("eviction policy", self.pool.policy.evicted, *gone)
 
     def remove(self, pages) -> int:
         """Unindex ``pages`` that are indexed, with their indexed descendants (not spilled, not counted as evicted:
@@ -569,9 +589,9 @@ class PrefixIndex:
             np.add.at(self._kids, up[up >= 0], -1)
         for name in names:
             del self._pages[name]
-        if self._observer is not None:
-            self._observer.removed(names)
         self.pool.release(pages, distinct=True)
+        if self._observer is not None:
+            self.guard.call("observer", self._observer.removed, names)
 
     def clear(self) -> int:
         """Drop every entry and release the index's owner on its pages; returns how many were dropped."""
@@ -582,8 +602,36 @@ class PrefixIndex:
         self._kids[:] = 0
         self.pool.release(pages)
         if self._observer is not None:
-            self._observer.cleared()
+            self.guard.call("observer", self._observer.cleared)
         return int(pages.size)
+
+    def owners(self) -> np.ndarray:
+        """The owners the index holds on each page of the pool (one on each indexed page), as int32."""
+        return self._indexed.astype(np.int32)
+
+    def check(self) -> None:
+        """``BrokenInvariant`` naming the first rule of the module docstring that does not hold: the name table is the
+        indexed set and the arrays agree with it; the index is closed under parents and counts each page's indexed
+        children; no tick or key rises from a page to its child; the heap holds an item of every indexed page's
+        current indexing at no more than its ``eviction_key``; the pool counts the index's owner on every one."""
+        idx = np.flatnonzero(self._indexed)
+        require(sorted(self._pages.values()) == idx.tolist(), "the name table is the indexed set")
+        require(all(int(self._name[p]) == n for n, p in self._pages.items()), "a page holds the name it is indexed by")
+        parents = self._parent[idx]
+        up, child = parents[parents >= 0], idx[parents >= 0]
+        require(self._indexed[up].all(), "an indexed page's parent is indexed")
+        require((self._kids == np.bincount(up, minlength=self.pool.num_pages)).all(),
+                "each page counts its indexed children")
+        require((self._tick[up] >= self._tick[child]).all(), "ticks never rise from a page to its child")
+        require((self._key[up] >= self._key[child]).all(), "keys never rise from a page to its child")
+        require((self.pool.counts[idx] >= 1).all(), "the pool counts the index's owner on every indexed page")
+        lowest: dict[int, int] = {}
+        for k, p, s in self._cold:
+            if self._flags[p] and self._serials[p] == s and k < lowest.get(p, k + 1):
+                lowest[p] = k
+        keys = eviction_key(self.pool, self._key[idx], self._depth[idx])
+        require(all(lowest.get(p, k + 1) <= k for p, k in zip(idx.tolist(), keys.tolist())),
+                "the heap holds every indexed page at no more than its key")
 
     # ----------------------------------------------------------------- read access for the tiers (mmcache.tiers)
     def tier_view(self) -> "TierView":

@@ -31,7 +31,8 @@ class PrefixCacheStats(_Snapshot):
     ``evicted_pages`` counts the pages evictions took out of this index, ``freed_pages`` those of them that went free
     (the others, descendants a live request holds, stay with it); ``eviction_batches``, ``shortfall_pages`` and
     ``stalls`` the shortfalls of the owner that asked for pages: the cache's requests (in M*, the node's arena, which
-    takes every stream's pages: ``ReuseKVManager.stats``).
+    takes every stream's pages: ``ReuseKVManager.stats``). ``listener_errors`` counts the calls to the pool's
+    policy, the observer and the lower tier that raised and that the cache went on without (``mmcache.guard``).
     """
 
     queries: int = 0
@@ -44,6 +45,7 @@ class PrefixCacheStats(_Snapshot):
     shortfall_pages: int = 0
     stalls: int = 0
     collisions: int = 0
+    listener_errors: int = 0
     pages_free: int = 0
     pages_live: int = 0
     pages_cached: int = 0

@@ -93,8 +93,8 @@ class EncoderHostTier:
     def get(self, key: str) -> np.ndarray | None:
         """A copy of the payload under ``key`` (uint8, fresh memory), marked used; None when not held."""
         with self.pool.cache_lock:
-            self.pool.policy.looked_up((entry_name(key),))
             e = self._entries.get(key)
+            self.pool.policy.looked_up((entry_name(key),), int(e is not None))
             if e is None:
                 return None
             self._used(key, e)
@@ -115,7 +115,7 @@ class EncoderHostTier:
         """Drop every entry holding one of ``pages`` (whole entries)."""
         keys = {self._owner[p] for p in np.asarray(pages).tolist() if p in self._owner}
         gone = [self._entries[k] for k in keys]
-        self.pool.policy.evicted([e.rank for e in gone], [e.tick for e in gone])
+        self.pool.policy.evicted([entry_name(k) for k in keys], [e.rank for e in gone], [e.tick for e in gone])
         self.counters["evicted_pages"] += sum(len(e.pages) for e in gone)
         self.counters["freed_pages"] += self._drop(keys)
 

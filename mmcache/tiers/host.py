@@ -136,13 +136,13 @@ class HostTier:
         each entry's tokens, media, depth and parent lineage must equal the request's own. Pins the returned pages
         (one more owner each): the caller releases them once their bytes are copied up."""
         with self.pool.cache_lock:  # shared with an EncoderHostTier on the same host pool
-            self.pool.policy.looked_up(names[start:])
             idx = np.fromiter(map(self._pages.get, names[start:], repeat(-1)), dtype=np.int64,
                               count=len(names) - start)
             miss = np.flatnonzero(idx < 0)
             if miss.size:
                 idx = idx[:miss[0]]
             if not idx.size:
+                self.pool.policy.looked_up(names[start:], 0)
                 return []
             k, P = idx.size, self.page_size
             ok = (self._depth[idx] == np.arange(start, start + k)) & (self._media[idx] == mids[start:start + k]).all(1)
@@ -156,6 +156,7 @@ class HostTier:
                     break
             if k < idx.size:
                 self.counters["collisions"] += 1
+            self.pool.policy.looked_up(names[start:], k)
             out = idx[:k].tolist()
             if out:
                 self.pool.retain(out, distinct=True)
@@ -190,7 +191,7 @@ class HostTier:
     def evict(self, pages: np.ndarray) -> None:
         pages = np.asarray(pages, dtype=np.int64)
         held = pages[self._held[pages]] if pages.size else pages
-        self.pool.policy.evicted(self._key[held].tolist(), self._tick[held].tolist())
+        self.pool.policy.evicted(self._name[held].tolist(), self._key[held].tolist(), self._tick[held].tolist())
         self.counters["evicted_pages"] += int(held.size)
         self.counters["freed_pages"] += self._drop(pages)
 

@@ -74,7 +74,7 @@ def test_enable_encoder_reuse_leaves_a_given_store_its_pool_s_policy(tmp_path):
     from mmcache.mstar import enable_encoder_reuse
 
     model, shared = whisper_model(tmp_path), EncoderStore(pool=PagePool(64, (4096,), torch.uint8, eviction="lru"))
-    enable_encoder_reuse(model, store_for=lambda node, sub: shared, eviction="adaptive")
+    enable_encoder_reuse(model, store_for=lambda node, sub: shared, eviction="lfu")
     assert model.get_submodule("audio_encoder", "cpu").store is shared and shared.pool.policy.name == "lru"
 
 

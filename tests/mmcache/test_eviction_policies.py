@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidConfig
-from mmcache.eviction import DEFAULT_POLICY, POLICIES, LookupRecorder, OfflineOptimal, make_policy
+from mmcache.eviction import POLICIES, LookupRecorder, OfflineOptimal, make_policy
 
 P = 2  # tokens per page
 FP = Fingerprint(model="eviction-test", page_size=P)
@@ -25,9 +25,12 @@ def prompt(chain: tuple[int, ...]) -> np.ndarray:
 
 def replay(chains, pages: int, policy) -> int:
     """Serve ``chains`` one at a time through a real PrefixCache on a pool of ``pages``; pages matched in all."""
-    cache = PrefixCache(PagePool(pages, eviction=policy), FP, evict_batch_pages=1)
+    pool = PagePool(pages, eviction=policy)
+    cache, begin = PrefixCache(pool, FP, evict_batch_pages=1), getattr(pool.policy, "begin", None)
     hits = 0
     for i, chain in enumerate(chains):
+        if begin is not None:  # a replay-aware policy (the optimum, its recorder) is told where it stands
+            begin(i)
         tokens = prompt(chain)
         hits += cache.admit(i, tokens).matched_tokens // P
         cache.grow(i, tokens.size)
@@ -94,16 +97,29 @@ def test_unknown_policy_is_a_clear_error_before_anything_changes():
         make_policy("", 8, lambda: 0)
 
 
-def test_sessions_that_outgrow_the_pool_keep_more_under_frequency_and_adaptive_follows():
-    """Twelve sessions in turn, each re-sending its history three pages longer: on a pool that holds a third of
-    them LRU evicts each just before it returns; frequency keeps the oldest histories, and the adaptive policy,
-    dueling the two on a sample of the names, takes frequency's keys. On a pool that holds them all no policy loses
-    anything."""
+def test_sessions_that_outgrow_the_pool_keep_some_whole_under_the_default():
+    """Twelve sessions in turn, each re-sending its history three pages longer, one request at a time: on a pool that
+    holds a third of them LRU evicts each just before it returns; the default's duel finds that keeping some whole
+    (their computed pages kept, those of sessions that lost theirs demoted) hits more, and follows it. On a pool that
+    holds them all no policy loses anything."""
     chains = [tuple([s] * (3 * r + 3)) for r in range(8) for s in range(1, 13)]
-    lru, lfu, adaptive, default = (replay(chains, 150, name) for name in ("lru", "lfu", "adaptive", DEFAULT_POLICY))
-    assert lru < adaptive <= optimal(chains, 150) and lru < lfu and lru < default
-    assert adaptive > (lru + lfu) / 2
+    lru, dip, best = replay(chains, 150, "lru"), replay(chains, 150, "dip"), optimal(chains, 150)
+    assert lru < dip <= best and dip > 2 * lru
     assert {replay(chains, 350, name) for name in POLICIES} == {optimal(chains, 350)}
+
+
+def test_the_default_is_lru_where_keeping_some_whole_does_not_pay():
+    """Sessions that fit the pool: the duel's sampled pools hit alike and the default keys every page as LRU does."""
+    chains = [tuple([s] * (r + 2)) for r in range(6) for s in range(1, 5)]
+    pool = PagePool(64, eviction="dip")
+    cache = PrefixCache(pool, FP, evict_batch_pages=1)
+    for i, chain in enumerate(chains):
+        tokens = prompt(chain)
+        cache.admit(i, tokens)
+        cache.grow(i, tokens.size)
+        cache.mark_computed(i, tokens.size)
+        cache.finish(i)
+    assert pool.policy.rule == "lru" and replay(chains, 64, "dip") == replay(chains, 64, "lru")
 
 
 def finished_sessions(waves: int, per_wave: int, pages: int = 3) -> list[tuple[int, ...]]:
@@ -118,40 +134,22 @@ def finished_sessions(waves: int, per_wave: int, pages: int = 3) -> list[tuple[i
     return chains
 
 
-def test_the_default_learns_that_finished_sessions_do_not_return():
+def test_frequency_keeps_finished_sessions_and_the_default_does_not():
     """Pages looked up twice are a finished session's here and never come back: frequency keeps them over the first
-    turns still waiting for their second (below LRU); the default learns, per lookup count, how often a name comes
-    back, gives those pages nothing and keeps the waiting first turns (above LRU)."""
+    turns still waiting for their second (below LRU); the default keys by recency and is never below LRU."""
     chains = finished_sessions(6, 6)
-    lru, lfu, default = (replay(chains, 24, name) for name in ("lru", "lfu", DEFAULT_POLICY))
-    assert lfu < lru < default <= optimal(chains, 24)
-    policy = make_policy(DEFAULT_POLICY, 24, lambda: 0)
-    for chain in chains:
-        policy.looked_up([hash((page, depth)) for depth, page in enumerate(chain)])  # a name per position
-    assert policy.returns.of(2) < 0.05 < policy.returns.of(1)  # twice: gone; once: comes back
-
-
-def test_a_class_only_a_shared_prefix_reached_reads_as_the_pool_of_classes():
-    """A system prompt's few pages, under every session, reach lookup counts no session page has reached yet: each
-    request is one observation of those counts, not a page's worth. The default reads such a class near the rate of
-    all classes (here: no session page comes back), not as the 9 further lookups its own pages alone say (p = 0.9),
-    which the keys session pages take from it would then keep (keys never fall while an entry stays). The prompt
-    itself, looked up at every request, stays in the top class, kept longest."""
-    policy = make_policy(DEFAULT_POLICY, 4096, lambda: 0)
-    for session in range(32):  # a 4-page system prompt, then a session's 60 pages, looked up once
-        policy.looked_up(list(range(4)) + [1000 * (session + 1) + j for j in range(60)])
-    assert all(policy.returns.of(c) < 0.2 for c in range(1, 8))  # unshrunk: 9.0 for classes 2-7
-    assert policy.returns.of(8) > 9
+    lru, lfu, dip = (replay(chains, 24, name) for name in ("lru", "lfu", "dip"))
+    assert lfu < lru <= dip <= optimal(chains, 24)
 
 
 def test_replay_eviction_option(capsys):
     """``--eviction`` sweeps each policy with the optimum's column; a name it does not know, or a replay it does not
     apply to, is one clear line and exit 2, before anything is replayed."""
     from workloads.cli import main
-    assert main(["replay", "--limit", "60", "--pool-tokens", "256k,inf", "--eviction", "lru,adaptive",
+    assert main(["replay", "--limit", "60", "--pool-tokens", "256k,inf", "--eviction", "lru,lfu",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "eviction lru:" in out and "eviction adaptive:" in out and out.count("of optimal %") == 2
+    assert "eviction lru:" in out and "eviction lfu:" in out and out.count("of optimal %") == 2
     with pytest.raises(SystemExit) as e:
         main(["replay", "--eviction", "mru"])
     assert e.value.code == 2 and "unknown eviction policy mru" in capsys.readouterr().err
@@ -160,13 +158,58 @@ def test_replay_eviction_option(capsys):
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_a_host_pool_made_like_a_device_pool_evicts_by_the_same_policy(name):
+def test_a_host_pool_made_like_a_device_pool_evicts_by_its_tier_policy(name):
+    """A host tier holds evicted device pages, with no requests of its own: the default's duel has nothing to serve
+    there, so a tier under it evicts by LRU; other policies order the tier as they order the pool."""
     from mmcache.pool import HostPagePool
     device = PagePool(8, (4,), eviction=name)
     host = HostPagePool.like(device, 4)
-    assert host.policy.name == name and host.policy is not device.policy  # its own clock, its own counts
-    best = OfflineOptimal([[1, 2], [1]])  # a replay's yardstick, not an online policy: the host pool takes the default
-    assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == DEFAULT_POLICY
+    assert host.policy.name == ("lru" if name == "dip" else name) and host.policy is not device.policy
+    best = OfflineOptimal([[1, 2], [1]])  # a replay's yardstick, not an online policy: the default's tier policy
+    assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == "lru"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_key_and_keys_agree_and_never_fall_below_the_floor(name):
+    """The base's floor rule for every registered policy: ``keys`` is ``key`` of each, and neither is below the
+    floor; after lookups, releases and evictions alike."""
+    clock = iter(range(1, 10_000))
+    policy = make_policy(name, 32, lambda: next(clock))
+    rng = np.random.default_rng(1)
+    for step in range(60):
+        names = rng.integers(1, 40, size=int(rng.integers(1, 8))).astype(np.uint64)
+        chain = list(dict.fromkeys(names.tolist()))
+        policy.looked_up(chain, int(rng.integers(0, len(chain) + 1)), held=True)
+        floors = rng.integers(0, 200, size=len(chain)).astype(np.int64)
+        tick, cost = 100 + step, [None, 0.001, 0.004][step % 3]
+        many = policy.keys(np.asarray(chain, dtype=np.uint64), tick, floors, cost)
+        one = [policy.key(n, tick, int(f), cost) for n, f in zip(chain, floors)]
+        assert many.tolist() == one and (many >= floors).all()
+        policy.released(chain)
+        if step % 5 == 4:
+            policy.evicted(chain[:2], [0, 0], [0, 0])
+
+
+def test_a_pool_takes_a_factory_and_a_registered_name():
+    from mmcache.eviction import LRU, register_policy
+
+    class Newest(LRU):
+        name = "newest-first"
+
+        def rank(self, name, tick, cost):
+            return -tick
+
+    assert PagePool(8, eviction=Newest).policy.name == "newest-first"
+    assert PagePool(8, eviction=lambda n, clock: Newest(n, clock)).policy.name == "newest-first"
+    register_policy("newest-first", Newest)
+    try:
+        assert PagePool(8, eviction="newest-first").policy.name == "newest-first"
+    finally:
+        POLICIES.pop("newest-first")
+    with pytest.raises(InvalidConfig, match="not an EvictionPolicy"):
+        PagePool(8, eviction=lambda n, clock: object())
+    with pytest.raises(InvalidConfig, match="a policy's name, a factory or a policy"):
+        PagePool(8, eviction=3)
 
 
 def test_ctrl_c_during_a_sizes_optimum_keeps_the_size(monkeypatch):

@@ -27,7 +27,7 @@ def test_prefix_cache_stats_are_a_frozen_snapshot_with_the_documented_keys():
     s = cache.stats()
     assert isinstance(s, PrefixCacheStats) and s.queries == 1 and s.requests_live == 1
     assert list(s.to_dict()) == ["queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "freed_pages",
-                                 "eviction_batches", "shortfall_pages", "stalls", "collisions", "pages_free",
+                                 "eviction_batches", "shortfall_pages", "stalls", "collisions", "listener_errors", "pages_free",
                                  "pages_live", "pages_cached", "requests_live"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.hits = 3

@@ -13,7 +13,7 @@ from workloads.sizes import format_size, parse_size, parse_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-TOP_KEYS = {"page_size", "requests", "prompt_tokens", "ceiling_hit_tokens", "order", "in_flight", "runs",
+TOP_KEYS = {"page_size", "requests", "prompt_tokens", "ceiling_hit_tokens", "order", "serving", "runs",
             "malformed_lines"}
 RUN_KEYS = {"pool_tokens", "hit_tokens", "hit_rate", "evicted_pages", "eviction_batches", "stalls", "failed",
             "requests", "prompt_tokens", "of_ceiling"}
@@ -52,7 +52,7 @@ def test_sizes():
 def test_replay_file_in_process_writes_json_and_png(tmp_path, capsys):
     trace = mooncake_file(tmp_path)
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    rc = main(["replay", str(trace), "--pool-tokens", "2k,4k,inf", "--order", "round-robin", "--in-flight", "4",
+    rc = main(["replay", str(trace), "--pool-tokens", "2k,4k,inf", "--order", "round-robin", "--sessions", "4",
                "--json", str(out), "--plot", str(png), "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -60,7 +60,8 @@ def test_replay_file_in_process_writes_json_and_png(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert TOP_KEYS <= doc.keys()
     assert doc["page_size"] == 512 and doc["requests"] == 40 and doc["order"] == "round-robin"
-    assert doc["in_flight"] == 4 and doc["malformed_lines"] == 0
+    assert doc["serving"] == {"order": "round-robin", "sessions": 4, "in_service": 1, "pin_sessions": False}
+    assert doc["malformed_lines"] == 0
     assert [r["pool_tokens"] for r in doc["runs"]] == [2048, 4096, None]
     assert all(RUN_KEYS <= r.keys() for r in doc["runs"])
     assert doc["runs"][-1]["hit_tokens"] == doc["ceiling_hit_tokens"] > 0
@@ -83,7 +84,9 @@ def test_malformed_line_is_an_error_with_file_and_line(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["replay", "no-such-workload"], "unknown workload 'no-such-workload'"),
     (["replay", "--page-size", "128"], "fix the page size at 512"),
-    (["replay", "--in-flight", "0"], "--in-flight"),
+    (["replay", "--in-service", "0"], "--in-service"),
+    (["replay", "--sessions", "0"], "--sessions"),
+    (["replay", "--in-flight", "2"], "only for model workloads"),
 ])
 def test_clear_errors(argv, message, capsys):
     assert main(argv + ["--no-progress"]) == 2
@@ -132,7 +135,7 @@ def test_real_agent_by_name(data_dir, tmp_path, capsys):
     pytest.importorskip("mistral_common")
     out = tmp_path / "agent.json"
     assert main(["replay", "agent", "--data", str(data_dir), "--limit", "2", "--pool-tokens", "64k,inf",
-                 "--order", "round-robin", "--in-flight", "2", "--json", str(out), "--no-progress"]) == 0
+                 "--order", "round-robin", "--sessions", "2", "--json", str(out), "--no-progress"]) == 0
     doc = json.loads(out.read_text())
     assert doc["kind"] == "swe-agent" and doc["page_size"] == 128 and doc["sessions"] == 2
     assert doc["ceiling_hit_tokens"] > 0.8 * doc["prompt_tokens"]

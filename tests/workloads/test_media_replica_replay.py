@@ -144,7 +144,7 @@ class _Internals:
         return k
 
     def holds_media(self, digest):
-        held = any(e.key.digest == bytes(digest) for e in self.rep.store._entries.values())
+        held = any(e.key.digest == bytes(digest) for e in self.rep.encoders.store._entries.values())
         assert self.rep.view.holds_media(digest) == held
         return held
 

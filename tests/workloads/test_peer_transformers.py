@@ -89,7 +89,7 @@ def test_two_tenants_share_in_the_peer_not_in_mmcache_with_salts(tiny_llama, pro
     assert all(s.output_ids == reference[3] for s in served)
 
 
-@pytest.mark.parametrize("policy", ["lru", "odds"])
+@pytest.mark.parametrize("policy", ["lru", "dip"])
 def test_mmcache_under_the_peer_evicts_by_the_policy_named(tiny_llama, prompts, reference, policy):
     with PeerEngine(tiny_llama, share=True, page_size=P, num_blocks=128, max_batch_tokens=128, max_new_tokens=NEW,
                     mmcache=True, eviction=policy) as e:

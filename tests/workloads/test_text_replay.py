@@ -10,11 +10,12 @@ import pytest
 from mmcache.errors import TraceError
 from workloads.registry import embedded_slice
 from workloads.service import ServiceModel
-from workloads.sizing.ordering import schedule
+from workloads.sizing.ordering import Serving, schedule
 from workloads.sizing.replay import pool_pages_for, replay_trace
 from workloads.traces.jsonl import load_jsonl
 from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
-from workloads.traces.text_trace import CallInfo
+from workloads.traces.swe_agent import Trajectory
+from workloads.traces.text_trace import CallInfo, TextTrace
 
 P = BLOCK_TOKENS
 
@@ -96,17 +97,29 @@ class _S:
 
 def test_round_robin_interleaves_k_sessions_and_refills():
     sessions = [_S("a", [0, 0, 0]), _S("b", [0]), _S("c", [0, 0]), _S("d", [0])]
-    assert list(schedule(sessions, "round-robin", 2)) == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (3, 0)]
+    order = [(s, i) for s, i, _ in schedule(sessions, Serving("round-robin", 2))]
+    assert order == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (3, 0)]
 
 
 def test_timestamp_order_is_stable_and_causal():
     sessions = [_S("a", [5, 5, 9]), _S("b", [0, 5])]
-    assert list(schedule(sessions, "timestamp")) == [(1, 0), (0, 0), (0, 1), (1, 1), (0, 2)]
+    assert [(s, i) for s, i, _ in schedule(sessions, Serving())] == [(1, 0), (0, 0), (0, 1), (1, 1), (0, 2)]
+
+
+def test_closed_loop_sends_each_next_call_when_the_previous_would_end():
+    # two clients; a call of 1 prompt token and 1 output token takes 1e-4 + 0.02 s unserved by any cache
+    sessions = [_S("a", [0, 0]), _S("b", [0]), _S("c", [0])]
+    d = ServiceModel().duration(1, 1)
+    got = list(schedule(sessions, Serving("closed", 2)))
+    assert [(s, i) for s, i, _ in got] == [(0, 0), (1, 0), (0, 1), (2, 0)]
+    assert [t for *_, t in got] == pytest.approx([0, 0, d, d])
 
 
 def test_unknown_order_rejected():
     with pytest.raises(ValueError, match="unknown order"):
-        list(schedule([], "random"))
+        Serving("random")
+    with pytest.raises(ValueError, match="in_service"):
+        Serving("round-robin", in_service=0)
 
 
 # ----------------------------------------------------------------------------------------------- replay engine
@@ -118,9 +131,63 @@ def test_replay_counts_expected_hits(tmp_path, order):
         row(200_000, 3 * P, [1, 2, 3]),       # all 3 blocks indexed, but the last token is always computed: 2 pages
     ])
     trace = load_mooncake(path)
-    run = replay_trace(trace, page_size=P, pool_tokens=None, order=order, in_flight=1)
+    run = replay_trace(trace, page_size=P, pool_tokens=None, serving=Serving(order, in_service=1))
     assert (run.requests, run.prompt_tokens, run.hit_tokens) == (3, 9 * P + 64, 4 * P)
     assert run.evicted_pages == run.stalls == run.failed == 0
+
+
+def _two_sessions(page: int) -> TextTrace:
+    """Sessions A and B, two calls each; every call's prompt + output fills 5 pages of ``page`` tokens."""
+    rng = np.random.default_rng(0)
+    tokens = lambda n: rng.integers(1, 1000, size=n, dtype=np.int32)  # noqa: E731
+    bos = np.zeros(1, dtype=np.int32)
+    sessions = []
+    for name in "AB":
+        messages = [tokens(3 * page - 1), tokens(page), tokens(page), tokens(page), tokens(page)]
+        calls = [CallInfo(0.0, 4 * page, page), CallInfo(0.0, 6 * page, page)]
+        sessions.append(Trajectory(name, bos, messages, calls))
+    return TextTrace("two sessions", "test", sessions)
+
+
+class _Matched:
+    def __init__(self):
+        self.by_rid = {}
+
+    def served(self, request, req, matched, encoder_runs):
+        self.by_rid[req.rid] = matched
+
+
+@pytest.mark.parametrize("in_service", [1, 2])
+def test_between_calls_a_session_is_only_cached_and_the_other_session_evicts_it(in_service):
+    # A pool of 7 pages holds one call (5 pages) and not two. Round-robin A0, B0, A1, B1. Served as an engine serves,
+    # A0 completes before B0 is admitted (in_service 1) or when B0 needs room (in_service 2): B0 then takes two of A's
+    # four cached pages (the deepest), and A1 finds only the other two. Pinned between calls, A0 would hold them.
+    trace, P = _two_sessions(16), 16
+    ceiling = _Matched()
+    replay_trace(trace, page_size=P, pool_tokens=None, serving=Serving("round-robin", 2, in_service), watch=ceiling,
+                 eviction="lru")
+    assert ceiling.by_rid["A#1"] == 4 * P  # its whole history, unbounded (the output's last page is never written)
+    small = _Matched()
+    run = replay_trace(trace, page_size=P, pool_tokens=7 * P, serving=Serving("round-robin", 2, in_service),
+                       watch=small, eviction="lru")
+    assert small.by_rid["A#1"] == 2 * P and run.evicted_pages > 0 and run.failed == 0
+
+
+def test_pinned_sessions_keep_their_history_between_calls():
+    trace, P = _two_sessions(16), 16
+    pinned = _Matched()
+    run = replay_trace(trace, page_size=P, pool_tokens=12 * P, serving=Serving("round-robin", 2, 1, pin_sessions=True),
+                       watch=pinned, eviction="lru")
+    assert pinned.by_rid["A#1"] == 4 * P and run.peak_live_requests == 2
+
+
+def test_in_service_caps_timestamp_order_first_come_first_served(tmp_path):
+    # three requests arriving together, one in service at a time: each waits for the one before it
+    path = write_lines(tmp_path, [row(0, 1000, [1, 2], n_out=10), row(0, 1000, [3, 4], n_out=10),
+                                  row(0, 1000, [5, 6], n_out=10)])
+    capped = replay_trace(load_mooncake(path), page_size=P, pool_tokens=None, serving=Serving(in_service=1))
+    free = replay_trace(load_mooncake(path), page_size=P, pool_tokens=None, serving=Serving())
+    assert (capped.peak_live_requests, free.peak_live_requests) == (1, 3)
 
 
 def test_replay_rejects_other_page_size_for_mooncake(tmp_path):
@@ -131,7 +198,7 @@ def test_replay_rejects_other_page_size_for_mooncake(tmp_path):
 
 def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
     path = write_lines(tmp_path, [row(0, 3 * P, [1, 2, 3], n_out=0), row(1, P, [1], n_out=0)])
-    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=2 * P, order="round-robin", in_flight=2)
+    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=2 * P, serving=Serving("round-robin", 2, 2))
     assert run.failed == 1 and run.requests == 2 and run.prompt_tokens == 4 * P and run.hit_tokens == 0
 
 
@@ -139,7 +206,7 @@ def test_request_larger_than_pool_fails_and_others_proceed(tmp_path):
 def test_request_waits_for_live_ones_when_pool_is_full(tmp_path, order):
     # Two concurrent 2-page requests in a 3-page pool: the second waits for the first (one stall), then fits.
     path = write_lines(tmp_path, [row(0, 1000, [1, 2], n_out=10), row(0, 1000, [3, 4], n_out=10)])
-    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=3 * P, order=order, in_flight=2)
+    run = replay_trace(load_mooncake(path), page_size=P, pool_tokens=3 * P, serving=Serving(order, 2, 2))
     assert run.stalls == 1 and run.failed == 0 and run.requests == 2
 
 
@@ -157,14 +224,15 @@ def test_unbounded_pool_fits_every_request_at_once(tmp_path):
 def test_real_mooncake_ceiling_and_small_pool(data_dir):
     trace = load_mooncake(data_dir / "mooncake" / "conversation_trace.jsonl", limit=1500)
     assert trace.malformed == 0
-    inf = replay_trace(trace, page_size=P, pool_tokens=None, order="timestamp")
-    again = replay_trace(trace, page_size=P, pool_tokens=None, order="timestamp")
+    inf = replay_trace(trace, page_size=P, pool_tokens=None)
+    again = replay_trace(trace, page_size=P, pool_tokens=None)
     assert inf.hit_tokens == again.hit_tokens > 0 and inf.evicted_pages == 0
     k = 4
-    ceiling = replay_trace(trace, page_size=P, pool_tokens=None, order="round-robin", in_flight=k)
+    serving = Serving("round-robin", k, k)
+    ceiling = replay_trace(trace, page_size=P, pool_tokens=None, serving=serving)
     biggest = max(c.prompt_len + c.output_len for s in trace.sessions for c in s.calls)
     pool = k * math.ceil(biggest / P) * P                      # holds K live contexts
-    small = replay_trace(trace, page_size=P, pool_tokens=pool, order="round-robin", in_flight=k)
+    small = replay_trace(trace, page_size=P, pool_tokens=pool, serving=serving)
     assert small.stalls == 0 and small.failed == 0 and small.evicted_pages > 0
     assert 0 < small.hit_tokens <= ceiling.hit_tokens
 
@@ -194,11 +262,11 @@ def test_real_swe_agent_tokenized_once_and_consistent(data_dir):
 
 def test_real_swe_agent_replay(data_dir):
     trace = _swe_agent(data_dir, 3)
-    ceiling = replay_trace(trace, page_size=128, pool_tokens=None, order="round-robin", in_flight=2)
+    ceiling = replay_trace(trace, page_size=128, pool_tokens=None, serving=Serving("round-robin", 2))
     assert ceiling.hit_rate > 0.8  # agents re-send their whole history
-    small = replay_trace(trace, page_size=128, pool_tokens=64 * 1024, order="round-robin", in_flight=2)
+    small = replay_trace(trace, page_size=128, pool_tokens=64 * 1024, serving=Serving("round-robin", 2))
     assert small.hit_tokens <= ceiling.hit_tokens
-    ts = replay_trace(trace, page_size=128, pool_tokens=None, order="timestamp")
+    ts = replay_trace(trace, page_size=128, pool_tokens=None)
     assert ts.hit_tokens > 0 and ts.requests == ceiling.requests
 
 

@@ -47,7 +47,7 @@ MAX_PAGES = 1 << 31  # page ids are int32 in the pool and the prefix index
 ENGINE_WORKLOADS = ("agent-model", "mooncake-model")  # token-id prompts: what the continuous-batching engine takes
 MSTAR_WORKLOADS = ("voice-mstar", "vlm-mstar")  # served through M*'s Engine only
 # the options of a trace replay (``workloads.commands.trace_replay``), refused for a model workload
-TEXT_ONLY = ("pool_tokens", "order", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
+TEXT_ONLY = ("pool_tokens", "order", "sessions", "in_service", "pin_sessions", "plot", "prefill_rate", "tpot", "format", "tokenizer", "replicas",
              "router", "affinity_threshold", "key_pages", "host_tokens", "store_tokens", "host_bw", "store_bw",
              "kv_bytes_per_token", "eviction")
 

@@ -17,7 +17,7 @@ from workloads import registry
 from workloads.commands import model_replay, replica_replay, trace_replay
 from workloads.commands.common import fail, missing_dependency, output_problem, positive_count, token_sizes
 from workloads.commands.model_replay import ENGINE_WORKLOADS, MSTAR_WORKLOADS
-from workloads.commands.trace_replay import DEFAULT_IN_FLIGHT, DEFAULT_POOLS, TEXT_PAGE_SIZE
+from workloads.commands.trace_replay import DEFAULT_POOLS, TEXT_PAGE_SIZE
 from workloads.options import ModelWorkloadOptions
 from workloads.service import ServiceModel
 from workloads.sizes import parse_sizes
@@ -53,8 +53,7 @@ def add_parser(sub) -> None:
                     f"(default: {DEFAULT_POOLS})")
     trace_replay.add_sweep_options(rp)
     rp.add_argument("--in-flight", type=int, metavar="K",
-                    help=f"trace replays: live sessions/requests in round-robin order (default {DEFAULT_IN_FLIGHT}); "
-                    f"model workloads {' and '.join(ENGINE_WORKLOADS)}: serve through transformers' "
+                    help=f"model workloads {' and '.join(ENGINE_WORKLOADS)}: serve through transformers' "
                     "continuous-batching engine with K requests in flight (cache on: mmcache under it); "
                     f"{', '.join(MSTAR_WORKLOADS)}: K in flight through M*'s Engine (default 1)")
     rp.add_argument("--limit", type=positive_count, metavar="N",

@@ -85,6 +85,9 @@ def replica_problem(args, defaults: dict) -> str | None:
     sizes = args.pool_tokens if args.pool_tokens != defaults["pool_tokens"] else [_replica_pool(args, defaults)]
     if args.order != "timestamp":
         return "--replicas: replica replays run in timestamp order (the service model needs arrival times)"
+    if args.in_service is not None or args.pin_sessions or args.sessions != defaults["sessions"]:
+        return ("--replicas: each replica serves a request for its modelled time, with no cap; drop --sessions, "
+                "--in-service and --pin-sessions")
     if args.host_tokens or args.store_tokens:
         return "--replicas: tiers under replicas are not modelled; drop --host-tokens/--store-tokens"
     if args.metrics_port is not None:

@@ -36,13 +36,12 @@ from workloads.commands.common import (
 from workloads.commands.replica_replay import replica_problem, run_replica_replay
 from workloads.interrupts import hold_interrupts
 from workloads.service import ServiceModel
-from workloads.sizing.ordering import ORDERS
+from workloads.sizing.ordering import DEFAULT_SESSIONS, ORDERS, Serving
 from workloads.sizing.router_names import TEXT_ROUTERS
 from workloads.sizing.tiers import TierModel
 
 DEFAULT_POOLS = "64k,256k,1M,4M,16M,inf"
 TEXT_PAGE_SIZE = 128
-DEFAULT_IN_FLIGHT = 8  # trace replays, round-robin order
 _SHOWN_ERRORS = 5
 TRACE_KINDS = {"openai-requests": "OpenAI request log (a line a request)",
                "openai-conversations": "OpenAI conversation log (a line a conversation)"}
@@ -81,11 +80,23 @@ def add_source_options(rp) -> None:
 def add_sweep_options(rp) -> None:
     """The pool-size sweep's eviction policies and request order."""
     rp.add_argument("--eviction", type=_policies, metavar="NAMES",
-                    help="trace replays: eviction policies to sweep, comma-separated: lru, odds (the default), lfu, "
-                    "adaptive, optimal (the offline optimum of the same calls); every sweep also replays the optimum "
-                    "at each pool size for its 'of optimal' column")
+                    help="trace replays: eviction policies to sweep, comma-separated: dip (the default), lru, lfu, "
+                    "optimal (the offline optimum of the same calls), or any registered with "
+                    "mmcache.eviction.register_policy; every sweep also replays the optimum at each pool size for "
+                    "its 'of optimal' column")
     rp.add_argument("--order", choices=ORDERS, default="timestamp",
-                    help="timestamp: the trace's own arrival times; round-robin: K sessions interleaved")
+                    help="how calls arrive: timestamp: the trace's own arrival times; round-robin: --sessions "
+                    "sessions interleaved a call each; closed: --sessions clients, each sending its session's next "
+                    "call when the previous one ends")
+    rp.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS, metavar="S",
+                    help="round-robin order: sessions interleaved; closed order: clients (default %(default)s)")
+    rp.add_argument("--in-service", type=int, metavar="N",
+                    help="trace replays: requests served at once, each holding its pages from admission to "
+                    "completion only (default: 1 in round-robin order; no cap in timestamp and closed order, where "
+                    "a request is served for its modelled time)")
+    rp.add_argument("--pin-sessions", action="store_true",
+                    help="trace replays: hold a session's last call until its next call is admitted, as a server "
+                    "that pins sessions between calls (default: between calls a session is only cached)")
 
 
 def add_tier_options(rp) -> None:
@@ -112,10 +123,13 @@ def trace_replay_command(args, defaults: dict) -> int:
         return fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
     if problem := metrics_problem(args):
         return fail(problem)
-    if args.in_flight is None:
-        args.in_flight = DEFAULT_IN_FLIGHT
-    if args.in_flight < 1:
-        return fail(f"--in-flight must be >= 1, got {args.in_flight}")
+    if args.in_flight is not None:
+        return fail("--in-flight: only for model workloads; a trace replay takes --sessions (sessions interleaved) "
+                    "and --in-service (requests served at once)")
+    if args.sessions < 1:
+        return fail(f"--sessions must be >= 1, got {args.sessions}")
+    if args.in_service is not None and args.in_service < 1:
+        return fail(f"--in-service must be >= 1, got {args.in_service}")
     if args.prefill_rate <= 0 or args.tpot < 0:
         return fail("--prefill-rate must be > 0 and --tpot >= 0")
     try:
@@ -150,13 +164,13 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
         return fail(f"no usable requests in {path}")
     page_size = args.page_size or trace.page_size or TEXT_PAGE_SIZE
     loaded = time.perf_counter() - started
-    in_flight = f", {args.in_flight} in flight" if args.order == "round-robin" else ""
+    serving = Serving(args.order, args.sessions, args.in_service, args.pin_sessions)
     n, sessions = trace.num_requests, len(trace.sessions)
     shape = (f"{n:,} requests, each its own session" if n == sessions
              else f"{n:,} requests in {sessions:,} sessions")
     kind = TRACE_KINDS.get(trace.kind, f"{trace.kind} trace")
     print(f"{kind} {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
-          f"order {args.order}{in_flight} (loaded in {loaded:.1f} s)")
+          f"{serving.describe()} (loaded in {loaded:.1f} s)")
     if trace.told and trace.kind in OTHER_READING:
         flag, other = OTHER_READING[trace.kind]
         print(f"told from the content: {trace.told}; --format {flag} reads it as {other}")
@@ -172,8 +186,8 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     sweeps, stopped = [], False
     for policy in policies:
         try:
-            sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, order=args.order,
-                              in_flight=args.in_flight, service=service, progress=progress, tiers=tiers,
+            sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, serving=serving,
+                              service=service, progress=progress, tiers=tiers,
                               observer=exporter, eviction=policy, optimal=not sweeps)
         except KeyboardInterrupt:  # in a later policy's ceiling: the policies swept before it stand
             if not sweeps:

@@ -13,7 +13,7 @@ from workloads.sizing.sweep import Sweep
 
 
 def label_of(sweep: Sweep, eviction: bool = True) -> str:
-    order = sweep.order if sweep.in_flight is None else f"{sweep.order}, {sweep.in_flight} in flight"
+    order = sweep.serving.describe()
     policy = sweep.runs[0].eviction if sweep.runs else sweep.ceiling.eviction
     return f"{sweep.trace.kind} ({order}{f', {policy}' if eviction else ''})"
 

@@ -47,22 +47,18 @@ import dataclasses
 import time
 
 import numpy as np
-import torch
 
-from mmcache import EncoderKey, EncoderStore, Fingerprint, page_names
+from mmcache import Fingerprint, page_names
 from mmcache.events import CacheView, EventLog
 from mmcache.eviction import DEFAULT_POLICY
 from mmcache.shadow import ReplicaSpread
 from workloads.service import ServiceModel
-from workloads.sizing.ordering import schedule
+from workloads.sizing.encoders import DEFAULT_ENCODER_BYTES, ENCODER_UNIT, EncoderPlace
+from workloads.sizing.ordering import Serving, schedule
 from workloads.sizing.replay import ReplayRun, _Replayer
 from workloads.sizing.routers import make_router
 from workloads.sizing.tiers import TierModel
-from workloads.traces.text_trace import MediaItem, TextRequest, TextTrace
-
-ENCODER_UNIT = 1 << 16  # bytes of encoder output one stand-in byte of a replica's store counts for
-DEFAULT_ENCODER_BYTES = 256 << 20  # total over the replicas: the model workloads' --encoder-bytes default
-_ENCODER = "replay-encoder"  # the fingerprint of the replay's stand-in encoders
+from workloads.traces.text_trace import TextRequest, TextTrace
 
 
 @dataclasses.dataclass
@@ -122,30 +118,18 @@ class ReplicaRun:
                 "load_imbalance": self.load_imbalance, "encoder_hit_rate": self.encoder_hit_rate}
 
 
-def _stand_in(item: MediaItem, unit: int) -> torch.Tensor:
-    """What a replica's store keeps for an encoder output of ``item.nbytes`` bytes: one byte per ``unit`` bytes."""
-    return torch.zeros(max(1, -(-item.nbytes // unit)), dtype=torch.uint8)
-
-
 class _Replica(_Replayer):
     """One replica's cache, encoder store and live set, with a FIFO prefill queue for TTFT."""
 
-    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_units: int,
+    def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_bytes: int,
                  events: bool = False, kv_page_bytes: int | None = None):
         self.log = EventLog(run.page_size, medium="CPU") if events else None  # what this replica would publish
-        super().__init__(trace, run, service, observer=self.log)
-        if kv_page_bytes is None:  # a store of its own
-            self.store = EncoderStore(capacity_bytes=encoder_units, page_bytes=1, observer=self.log)
-            self.unit = ENCODER_UNIT
-        else:  # on the KV pool: a stand-in byte per KV page
-            stand_ins = torch.zeros((self.pool.num_pages, 1), dtype=torch.uint8)
-            self.store = EncoderStore(pool=self.pool, page_data=stand_ins, observer=self.log)
-            self.unit = kv_page_bytes
+        super().__init__(trace, run, service, observer=self.log,
+                         encoders=EncoderPlace(encoder_bytes, kv_page_bytes), encoder_observer=self.log)
         self.view = CacheView()  # a router's picture of this replica, from the decoded messages alone
         self.prefill_free = 0.0
         self.ttfts: list[float] = []
         self.sent: set[int] = set()
-        self.encoder_items = self.encoder_in_prefix = self.encoder_store_hits = 0
 
     def sync(self) -> None:
         """Decode the messages this replica made since the last call into its ``view``."""
@@ -158,26 +142,9 @@ class _Replica(_Replayer):
                 self.log.describe_media(item.digest, item.tokens)
         return super().step(req)
 
-    def encode(self, req: TextRequest, matched: int) -> int:
-        """Serve every encoded media item of the admitted ``req``: from the first ``matched`` tokens when its rows
-        lie inside them, else from this replica's store, else by running the encoder (stored); the runs."""
-        runs = 0
-        for item in req.encoded:
-            self.encoder_items += 1
-            if item.offset + item.tokens <= matched:
-                self.encoder_in_prefix += 1
-                continue
-            key = EncoderKey(item.digest, _ENCODER, item.modality)
-            if self.store.get(key) is not None:
-                self.encoder_store_hits += 1
-            else:  # the encoder runs: stored with the time it took, what a later hit saves
-                self.store.put(key, _stand_in(item, self.unit), compute_s=self.service.encoder_s)
-                runs += 1
-        return runs
-
     def end_of(self, req: TextRequest, matched: int) -> float:
         begin = max(self.clock, self.prefill_free)
-        self.prefill_free = begin + self.encode(req, matched) * self.service.encoder_s \
+        self.prefill_free = begin + self.encoded * self.service.encoder_s \
             + (req.prompt_len - matched) / self.service.prefill_tokens_per_s
         self.ttfts.append(self.prefill_free - req.arrival_s)
         return self.prefill_free + req.output_len * self.service.s_per_output_token
@@ -199,8 +166,7 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
     pages = max(1, pool_tokens // replicas // page_size)
     if pool_tokens // replicas < page_size:
         raise ValueError(f"a pool of {pool_tokens} tokens over {replicas} replicas holds no {page_size}-token page")
-    units = encoder_bytes // replicas // ENCODER_UNIT
-    if units < 1 and not shared_pool:
+    if encoder_bytes // replicas < ENCODER_UNIT and not shared_pool:
         raise ValueError(f"an encoder store of {encoder_bytes} bytes over {replicas} replicas holds less than "
                          f"{ENCODER_UNIT} bytes each")
     kw = {k: v for k, v in (("threshold", threshold), ("key_pages", key_pages)) if v is not None}
@@ -208,15 +174,17 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
     reads_caches = hasattr(policy, "attach")
     kv_page_bytes = page_size * kv_bytes_per_token if shared_pool else None
     reps = [_Replica(trace, ReplayRun(pages * page_size, pages, page_size, "timestamp", None, eviction=eviction),
-                     service, units, events=reads_caches, kv_page_bytes=kv_page_bytes) for _ in range(replicas)]
+                     service, encoder_bytes // replicas, events=reads_caches, kv_page_bytes=kv_page_bytes)
+            for _ in range(replicas)]
     if reads_caches:
         policy.attach([view_of(rep) if view_of is not None else rep.view for rep in reps])
     run = ReplicaRun(replicas, router, pages * page_size * replicas, page_size,
-                     0 if shared_pool else units * ENCODER_UNIT * replicas, eviction=eviction, shared_pool=shared_pool)
+                     0 if shared_pool else encoder_bytes // replicas // ENCODER_UNIT * ENCODER_UNIT * replicas,
+                     eviction=eviction, shared_pool=shared_pool)
     fp = Fingerprint(model="replay", page_size=page_size)  # the root the replay's caches use
     spread, where = ReplicaSpread(), {}  # where: session -> replica of its live call
     started = time.perf_counter()
-    for s, i in schedule(trace.sessions, "timestamp"):
+    for s, i, _ in schedule(trace.sessions, Serving()):
         req = trace.sessions[s].build(i)
         if req.names is None:
             req = dataclasses.replace(req, names=page_names(fp, req.token_ids, req.marks))
@@ -237,6 +205,7 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
         rep.sent.update(req.names[:limit])
     for rep in reps:
         rep.drain()
+        rep.counted()
     for rep in reps:
         run.requests += rep.run.requests
         run.prompt_tokens += rep.run.prompt_tokens
@@ -245,9 +214,9 @@ def replay_replicas(trace: TextTrace, *, replicas: int, router: str, page_size: 
         run.failed += rep.run.failed
         run.per_replica_requests.append(rep.run.requests)
         run.per_replica_peak_live.append(rep.run.peak_live_requests)
-        run.encoder_items += rep.encoder_items
-        run.encoder_in_prefix += rep.encoder_in_prefix
-        run.encoder_store_hits += rep.encoder_store_hits
+        run.encoder_items += rep.run.encoder_items
+        run.encoder_in_prefix += rep.run.encoder_in_prefix
+        run.encoder_store_hits += rep.run.encoder_store_hits
     run.kv_saved_s = run.hit_tokens / service.prefill_tokens_per_s + run.encoder_in_prefix * service.encoder_s
     run.encoder_saved_s = run.encoder_store_hits * service.encoder_s
     run.sent_pages = sum(len(r.sent) for r in reps)

@@ -14,6 +14,7 @@ from typing import Sequence
 from mmcache.eviction import DEFAULT_POLICY, LookupRecorder
 from workloads.service import ServiceModel
 from workloads.sizes import format_size
+from workloads.sizing.ordering import Serving
 from workloads.sizing.replay import CacheObserver, ReplayRun, replay_trace
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextTrace
@@ -23,8 +24,7 @@ from workloads.traces.text_trace import TextTrace
 class Sweep:
     trace: TextTrace
     page_size: int
-    order: str
-    in_flight: int | None
+    serving: Serving
     service: ServiceModel
     runs: list[ReplayRun]        # in the order the sizes were given
     ceiling: ReplayRun           # the unbounded run
@@ -51,11 +51,11 @@ class Sweep:
         return self.runs[i].hit_tokens / opt.hit_tokens if opt.hit_tokens else 1.0
 
 
-def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], order: str = "timestamp",
-              in_flight: int = 8, service: ServiceModel = ServiceModel(), progress: bool = False,
+def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | None], serving: Serving = Serving(),
+              service: ServiceModel = ServiceModel(), progress: bool = False,
               tiers: TierModel = TierModel(), observer: CacheObserver | None = None,
               eviction: str = DEFAULT_POLICY, optimal: bool = True) -> Sweep:
-    """Replay ``trace`` unbounded (the ceiling, recording its lookups), then once per pool size (None = unbounded:
+    """Replay ``trace`` as ``serving`` says unbounded (the ceiling, recording its lookups), then once per pool size (None = unbounded:
     the ceiling again) evicting by ``eviction`` (a policy's name or ``"optimal"``), and, with ``optimal``, once more
     under the offline optimum; every bounded pool gets ``tiers`` (host tier, store) under it; ``observer`` samples
     every replay's cache. Belady's rule is the optimum of one pool: with tiers under it, where a page the device
@@ -67,8 +67,8 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
     recorder = LookupRecorder()
 
     def one(size, policy, watched=True):  # the optimum is a yardstick: no observer samples it
-        return replay_trace(trace, page_size=page_size, pool_tokens=size, order=order, in_flight=in_flight,
-                            service=service, progress=progress, tiers=tiers, observer=observer if watched else None,
+        return replay_trace(trace, page_size=page_size, pool_tokens=size, serving=serving, service=service,
+                            progress=progress, tiers=tiers, observer=observer if watched else None,
                             eviction=policy, lookups=recorder.lookups)
     ceiling, runs, best, interrupted = one(None, recorder), [], [], False
     ceiling.eviction = eviction
@@ -82,8 +82,7 @@ def run_sweep(trace: TextTrace, *, page_size: int, pool_sizes: Sequence[int | No
     except KeyboardInterrupt:  # a size replayed whose optimum was not keeps its row, with no "of optimal"
         interrupted = True
         best += [None] * (len(runs) - len(best))
-    return Sweep(trace, page_size, order, in_flight if order == "round-robin" else None, service, runs, ceiling, tiers,
-                 interrupted, optimal=best)
+    return Sweep(trace, page_size, serving, service, runs, ceiling, tiers, interrupted, optimal=best)
 
 
 def sweep_json(sweep: Sweep) -> dict:
@@ -97,9 +96,9 @@ def sweep_json(sweep: Sweep) -> dict:
         "prompt_tokens": sweep.prompt_tokens,
         "ceiling_hit_tokens": sweep.ceiling.hit_tokens,
         "ceiling_hit_rate": sweep.ceiling.hit_rate,
-        "order": sweep.order,
-        "in_flight": sweep.in_flight,
-        "service_model": dataclasses.asdict(sweep.service) if sweep.order == "timestamp" else None,
+        "order": sweep.serving.order,
+        "serving": {**dataclasses.asdict(sweep.serving), "in_service": sweep.serving.cap},
+        "service_model": dataclasses.asdict(sweep.service) if sweep.serving.clocked else None,
         "tiers": dataclasses.asdict(sweep.tiers) if sweep.tiers.enabled else None,
         "eviction": sweep.runs[0].eviction if sweep.runs else sweep.ceiling.eviction,
         "runs": [{**r.to_dict(), "of_ceiling": sweep.of_ceiling(r), "of_optimal": sweep.of_optimal(i),

@@ -1,0 +1,61 @@
+"""What a policy remembers about names, bounded: a window of the latest names (``NameWindow``) and their use counts
+(``UseCounts``). Each keeps at most ``limit`` names and forgets the oldest one at a time as new ones come, so its
+upkeep is a constant per name and never a pause of the pool's lock."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+
+class NameWindow:
+    """The latest ``limit`` names added (a set): adding a name already in it makes it the latest."""
+
+    __slots__ = ("limit", "_names")
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self._names: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: int) -> bool:
+        return name in self._names
+
+    def add(self, names: Iterable[int]) -> None:
+        kept = self._names
+        for name in names:
+            kept[name] = None
+            kept.move_to_end(name)
+        while len(kept) > self.limit:
+            kept.popitem(last=False)
+
+    def discard(self, names: Iterable[int]) -> None:
+        pop = self._names.pop
+        for name in names:
+            pop(name, None)
+
+
+class UseCounts:
+    """Lookups per name of the latest ``limit`` names looked up (a ghost history: kept after an entry left)."""
+
+    __slots__ = ("limit", "_counts")
+
+    def __init__(self, limit: int):
+        self.limit = max(1, int(limit))
+        self._counts: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def get(self, name: int) -> int:
+        return self._counts.get(name, 0)
+
+    def add(self, names: Iterable[int]) -> None:
+        counts = self._counts
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+            counts.move_to_end(name)
+        while len(counts) > self.limit:
+            counts.popitem(last=False)
