@@ -33,14 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the loopback Mooncake master
-from mooncake_master import MooncakeMaster  # noqa: E402
-
 from benchmarks.bench_encoders_vision_text import UMT5, WAN_NEGATIVE  # noqa: E402
 from benchmarks.timing import best  # noqa: E402
 from encoders.text import CachedPromptEncoder  # noqa: E402
 from encoders.vision import CachedVisionEncoder  # noqa: E402
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
 from mmcache.tiers import EncoderTiers, StoreTier, encoder_entry, mooncake  # noqa: E402
+from mooncake_master import MooncakeMaster  # noqa: E402
 from workloads.registry import data_place  # noqa: E402
 
 PAGE = 1 << 16

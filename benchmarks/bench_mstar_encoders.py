@@ -33,9 +33,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
-import mstar_encoder_helpers as h  # noqa: E402
 import pytest  # noqa: E402
 from bench_encoders_vision_text import UMT5, WAN_NEGATIVE  # noqa: E402
+
+import mstar_encoder_helpers as h  # noqa: E402
 from conftest import shared_data  # noqa: E402
 
 _mp = pytest.MonkeyPatch()

@@ -43,8 +43,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the loopback Mooncake master
-from mooncake_master import MooncakeMaster  # noqa: E402
-
 from benchmarks.timing import best  # noqa: E402
 from mmcache import Fingerprint, PagePool, PrefixCache  # noqa: E402
 from mmcache.pool import HostPagePool  # noqa: E402
@@ -53,6 +51,7 @@ from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack, mooncake 
 from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
 from mmcache.tiers.page_format import Expected  # noqa: E402
 from mmcache.tiers.stack import copy_up  # noqa: E402
+from mooncake_master import MooncakeMaster  # noqa: E402
 
 P = 128
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from PIL import Image
-from tiny_chat import TinyChat, TinyModel, make_media
 
 from mmcache import EncoderKey
+from tiny_chat import TinyChat, TinyModel, make_media
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

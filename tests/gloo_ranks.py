@@ -5,6 +5,7 @@ import os
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from mooncake_master import free_ports
 
 

@@ -8,6 +8,7 @@ the encoder inside the node, so the node runs unchanged), and Qwen3-Omni's data 
 import sys
 
 import torch
+
 from mstar_helpers import require_mstar  # noqa: F401  (the encoder tests' modules skip through it)
 
 

@@ -4,6 +4,7 @@ walk by walk under M*'s real ``Engine`` (``workloads/peers/mstar_qwen3_omni.py``
 computed what reuse off did."""
 
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

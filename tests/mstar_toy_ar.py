@@ -16,6 +16,7 @@ import dataclasses
 from unittest import mock
 
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

@@ -5,11 +5,11 @@ stores nothing; a cached video encoder's hit equals its miss and the uncached pi
 import numpy as np
 import pytest
 import torch
-from made_clips import CLIP, MKV, bad_clips
 
 import digests
 from digests import FrameSampling, load_video
 from encoders.video import CachedVideoEncoder, tokens_per_video
+from made_clips import CLIP, MKV, bad_clips
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
 from workloads import fixtures

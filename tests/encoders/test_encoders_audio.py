@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny
 from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperModel
 from transformers.modeling_outputs import BaseModelOutput
 
+from conftest import save_tiny
 from encoders.audio import CachedAudioEncoder
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder
 from mmcache.encoder_store import EncoderStore

@@ -8,10 +8,10 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny
 from PIL import Image
 
 import digests
+from conftest import save_tiny
 from encoders.text import CachedPromptEncoder
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore

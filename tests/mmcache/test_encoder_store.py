@@ -6,14 +6,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from conftest import STORE_PB as PB
 from conftest import assert_same_value as assert_same
 from conftest import store_all_free as all_free
 from conftest import store_floats as floats
 from conftest import store_key as key
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from digests import Digest
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore

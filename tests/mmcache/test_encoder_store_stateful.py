@@ -4,14 +4,14 @@ stored values."""
 import numpy as np
 import pytest
 import torch
-from conftest import STORE_PB as PB
-from conftest import assert_same_value as assert_same
-from conftest import store_all_free as all_free
-from conftest import store_key as key
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import STORE_PB as PB
+from conftest import assert_same_value as assert_same
+from conftest import store_all_free as all_free
+from conftest import store_key as key
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
 

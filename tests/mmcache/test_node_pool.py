@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+
 from conftest import assert_same_value
 from conftest import store_floats as floats
 from conftest import store_key as key
-
 from mmcache import Fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import OutOfPages

@@ -10,17 +10,17 @@ import zlib
 
 import numpy as np
 import torch
-from conftest import assert_same_value, store_key
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from policy_machines import per_policy
 
+from conftest import assert_same_value, store_key
 from mmcache import Fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import OutOfPages
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache
+from policy_machines import per_policy
 
 P, NUM_PAGES = 2, 10
 PAGE = (2, P, 2)                                 # float32: 32 bytes per page

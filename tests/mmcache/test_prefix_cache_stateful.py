@@ -8,10 +8,10 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from policy_machines import per_policy
 
 from mmcache import Fingerprint, OutOfPages, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
+from policy_machines import per_policy
 
 P, PAGES = 4, 12
 SALTS = [b"", b"tenant"]

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

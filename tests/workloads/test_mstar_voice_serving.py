@@ -13,6 +13,7 @@ Only flashinfer's and triton's kernels are stand-ins (``workloads.peers.mstar_cp
 
 import pytest
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

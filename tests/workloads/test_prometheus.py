@@ -10,10 +10,10 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from tier_traffic import P, TieredCache, prompts, publish_as_another_instance, traffic
 
 from mmcache.stats import COUNTERS, counter_values
 from mmcache.tiers import MemoryStore
+from tier_traffic import P, TieredCache, prompts, publish_as_another_instance, traffic
 from workloads.harness.metrics import SLO
 from workloads.harness.prometheus import DASHBOARD, Exporter, cache_outcome, dashboard_queries
 from workloads.harness.serving import Schedule, compare

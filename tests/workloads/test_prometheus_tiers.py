@@ -13,11 +13,11 @@ import time
 
 import pytest
 import torch
-from mooncake_master import MooncakeMaster
-from tier_traffic import TieredCache, prompts, publish_as_another_instance, traffic
 
 from mmcache.stats import counter_values
 from mmcache.tiers import mooncake
+from mooncake_master import MooncakeMaster
+from tier_traffic import TieredCache, prompts, publish_as_another_instance, traffic
 from workloads.harness.prometheus import Exporter, dashboard_queries
 from workloads.harness.promserver import PrometheusServer, duration, grafana_rate_interval
 from workloads.harness.tier_series import STORE_COUNTERS, TIER_SERIES

@@ -16,11 +16,11 @@ import pytest
 import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_chat import P, TinyChat
 
 from mmcache import EncoderStore, HostPagePool, PagePool, PrefixCache
 from mmcache.stats import COUNTERS, KINDS, TIERS, counter_values
 from mmcache.tiers import EncoderHostTier, EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack
+from tiny_chat import P, TinyChat
 from workloads.harness.metrics import SLO, summarize, summary_rows
 from workloads.harness.prometheus import Exporter
 from workloads.harness.report import counter_rows, savings, write_report

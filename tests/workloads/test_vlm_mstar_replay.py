@@ -14,6 +14,7 @@ with ``thinker_steps``): M*'s Qwen3-Omni ``VisionEncoderSubmodule`` (a tiny sdpa
 """
 
 import pytest
+
 from mstar_helpers import require_mstar
 
 require_mstar()

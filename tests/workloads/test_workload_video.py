@@ -4,8 +4,8 @@ hit at their ceilings, and a bad image or clip fails its own requests while the 
 
 import pytest
 import torch
-from made_clips import bad_clips, frames
 
+from made_clips import bad_clips, frames
 from workloads.harness.metrics import summarize
 from workloads.harness.serving import Request, Schedule, compare
 from workloads.models import video_chat, video_gen

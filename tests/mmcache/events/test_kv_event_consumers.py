@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from kv_event_consumers import Rejected, dynamo_decode, llmd_decode, vllm_strict, vllm_structs
 
+from kv_event_consumers import Rejected, dynamo_decode, llmd_decode, vllm_strict, vllm_structs
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.events import CacheView, KVEventPublisher, decode_batch, media_identifier, salt_key
 

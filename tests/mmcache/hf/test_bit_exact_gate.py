@@ -15,7 +15,6 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import save_tiny
 from PIL import Image
 from transformers import (
     CLIPImageProcessorPil,
@@ -27,6 +26,7 @@ from transformers import (
     LlavaForConditionalGeneration,
 )
 
+from conftest import save_tiny
 from encoders.llava import LlavaPrefill
 from mmcache.encoder_store import EncoderStore
 from mmcache.hf.paged_kv import PagedKVCache

@@ -3,9 +3,9 @@ through it; the encoder base's Lookup; the fixtures' seeding rule."""
 
 import pytest
 import torch
-from conftest import png_bytes
 
 import digests
+from conftest import png_bytes
 from encoders.llava import LlavaPrefill
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore

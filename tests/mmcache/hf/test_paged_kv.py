@@ -4,9 +4,9 @@ cache and the pool consistent."""
 
 import pytest
 import torch
-from conftest import save_tiny
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig
 
+from conftest import save_tiny
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape

@@ -23,6 +23,7 @@ schedule (``workloads/peers/mstar_bagel.py``). Only flashinfer's and triton's ke
 
 import pytest
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

@@ -7,9 +7,10 @@ tests (``made_media``)."""
 
 import dataclasses
 
-import made_media
 import pytest
 import torch
+
+import made_media
 from mstar_encoder_helpers import (
     CpuEngine,
     ForwardCount,

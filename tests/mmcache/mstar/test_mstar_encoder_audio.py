@@ -7,8 +7,9 @@ mmcache's reader and resampled to 16 kHz with torchaudio instead (the same featu
 
 import importlib.util
 
-import made_media
 import pytest
+
+import made_media
 from mstar_encoder_checkpoints import same_parameters
 from mstar_encoder_helpers import (
     ForwardCount,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from mstar_encoder_helpers import engine, require_mstar, saved_model
 
 require_mstar()

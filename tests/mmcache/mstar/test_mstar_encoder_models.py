@@ -11,6 +11,7 @@ call in ``test_mstar_encoder_{vision,audio,wan}.py``."""
 
 import pytest
 import torch
+
 from mstar_encoder_checkpoints import SERVED, same_parameters, whisper
 from mstar_encoder_helpers import ForwardCount, assert_equal_outputs, engine, require_mstar, worker_engine
 
@@ -98,9 +99,9 @@ def test_bad_input_is_refused_before_any_state_changes(tmp_path_factory):
     nothing stored, the rest of the batch served."""
     from mstar.model.bagel.submodules import VAEEncoderSubmodule
     from mstar.model.whisper.submodules import WhisperDecoderSubmodule
-    from mstar_encoder_helpers import batch
 
     from mmcache.errors import InvalidRequest
+    from mstar_encoder_helpers import batch
     with pytest.raises(InvalidRequest, match="declares engine steps"):
         CachedEncoderNode(object.__new__(WhisperDecoderSubmodule), None)
     with pytest.raises(InvalidRequest, match="samples its latent"):

@@ -5,9 +5,10 @@ Qwen3-Omni's own ``process_prompt`` with the digest hook installed: the digest o
 node as the ``image_digest`` graph input. Bit-identical to a second model without the call in a batch mixing hits
 and misses; two different images behind identical placeholders never share an output."""
 
-import made_media
 import pytest
 import torch
+
+import made_media
 from mstar_encoder_checkpoints import same_parameters
 from mstar_encoder_helpers import (
     ForwardCount,

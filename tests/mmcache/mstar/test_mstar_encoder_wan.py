@@ -7,6 +7,7 @@ the call in batches mixing hits and misses; the negative hits from the second re
 skip; pins last until the engine removes the request; tenants' salts keep them apart."""
 
 import pytest
+
 from made_media import NEGATIVE, PROMPTS
 from mstar_encoder_checkpoints import wan22_model, wan22_text
 from mstar_encoder_helpers import ForwardCount, assert_equal_outputs, engine, require_mstar, served_node

@@ -5,6 +5,7 @@ reusing the first turn's prompt and generated pages: every step's logits ``torch
 batch schedule."""
 
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

@@ -16,6 +16,7 @@ and off, on the same schedule: Higgs's three prefill walks (text, audio embeddin
 
 import pytest
 import torch
+
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()

@@ -8,9 +8,12 @@ retry after an allocation failure, and the retry of a chunk whose match was cont
 import numpy as np
 import pytest
 import torch
+
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
+from mmcache import EncoderKey, EncoderStore  # noqa: E402
+from mmcache.errors import InvalidRequest  # noqa: E402
 from mstar_toy_ar import (  # noqa: E402
     KV,
     LABEL,
@@ -29,9 +32,6 @@ from mstar_toy_ar import (  # noqa: E402
     step,
     weights,
 )
-
-from mmcache import EncoderKey, EncoderStore  # noqa: E402
-from mmcache.errors import InvalidRequest  # noqa: E402
 
 W = weights()
 REUSE = PrefixReuse(model="toy@0")

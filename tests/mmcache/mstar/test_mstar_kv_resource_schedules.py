@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from mstar_helpers import require_mstar
 
 require_mstar()

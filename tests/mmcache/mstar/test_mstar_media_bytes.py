@@ -6,9 +6,10 @@ are made by the tests (``made_media``: PNGs, a Seed-TTS-format WAV)."""
 
 import shutil
 
-import made_media
 import pytest
 import torch
+
+import made_media
 from mstar_encoder_helpers import (
     data_worker,
     install_flashinfer_standin,

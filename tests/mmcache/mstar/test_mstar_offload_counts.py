@@ -8,6 +8,7 @@ arena counted."""
 
 import pytest
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()

@@ -15,6 +15,7 @@ request wrote.
 
 import pytest
 import torch
+
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()

@@ -14,6 +14,7 @@ digest) and off, on the same schedule (``workloads/peers/mstar_pi05.py``). Only 
 
 import pytest
 import torch
+
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()

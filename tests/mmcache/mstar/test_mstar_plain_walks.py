@@ -5,12 +5,12 @@ pattern is never cut and sends the walk back through the seam, and a stream firs
 seam does not see there) is never named, so no other tenant can match its pages."""
 
 import torch
+
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
-from mstar_toy_ar import ids_feed, node, serve, step, weights  # noqa: E402
-
 from mmcache.mstar import PrefixReuse  # noqa: E402
+from mstar_toy_ar import ids_feed, node, serve, step, weights  # noqa: E402
 
 REUSE, W = PrefixReuse(model="toy@plain"), weights()
 

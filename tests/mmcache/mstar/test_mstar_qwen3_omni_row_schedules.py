@@ -10,11 +10,11 @@ they were not kept."""
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from mstar_helpers import require_mstar
 
 require_mstar()
 from mstar_qwen3_omni_helpers import fed, ids, image, serve, spoken_same, system_turn  # noqa: E402
-
 from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers import mstar_qwen3_omni as q  # noqa: E402
 

@@ -19,6 +19,7 @@ Only flashinfer's and triton's kernels are torch stand-ins.
 
 import pytest
 import torch
+
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()

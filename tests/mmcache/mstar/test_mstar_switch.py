@@ -5,6 +5,7 @@ with a cached prefix gets its input cut to the suffix, its RoPE position moved p
 and its repetition penalty still tracking the whole prompt."""
 
 import torch
+
 from mstar_helpers import require_mstar
 
 require_mstar()
@@ -17,9 +18,9 @@ from mstar.model.orpheus.components.language_model import OrpheusForCausalLM  # 
 from mstar.model.orpheus.config import KV_CACHE, ROPE, SAMPLER, OrpheusModelConfig  # noqa: E402
 from mstar.model.orpheus.orpheus_model import OrpheusModel  # noqa: E402
 from mstar.model.orpheus.submodules import OrpheusLLMSubmodule  # noqa: E402
-from mstar_toy_ar import fwd_info  # noqa: E402
 
 from mmcache.mstar import PrefixReuse, ReuseKVManager, ReuseKVSpec, enable_reuse  # noqa: E402
+from mstar_toy_ar import fwd_info  # noqa: E402
 
 CFG = OrpheusModelConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
                          head_dim=8, intermediate_size=32, max_position_embeddings=256, vocab_size=300)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from conftest import assert_same_value, store_key, wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import assert_same_value, store_key, wait_for
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache
 from mmcache.encoder_key import stable_bytes
 from mmcache.errors import InvalidRequest

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import png_bytes, save_tiny
-from mooncake_master import MooncakeMaster
 from transformers import AutoImageProcessor, AutoTokenizer, CLIPVisionModel, UMT5Config, UMT5EncoderModel
 
+from conftest import png_bytes, save_tiny
 from encoders.text import CachedPromptEncoder
 from encoders.vision import CachedVisionEncoder
 from mmcache import EncoderStore
 from mmcache.tiers import EncoderTiers, StoreTier, mooncake
+from mooncake_master import MooncakeMaster
 
 WHY = mooncake.available()
 pytestmark = [pytest.mark.skipif(WHY is not None, reason=f"Mooncake Store cannot run here: {WHY}"),

@@ -4,9 +4,9 @@ bit-exact against the uncached run on the same chunk schedule. The host budget i
 
 import pytest
 import torch
-from conftest import random_tokens
 from transformers import DynamicCache, LlamaForCausalLM
 
+from conftest import random_tokens
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_tokens
-from mooncake_master import MooncakeMaster
 from transformers import DynamicCache, LlamaForCausalLM
 
+from conftest import random_tokens
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.hf.paged_kv import PagedKVCache
 from mmcache.hf.runner import chunk_spans, replay, serve
 from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
+from mooncake_master import MooncakeMaster
 
 P, NEW = 4, 5
 WHY = mooncake.available()

@@ -7,11 +7,11 @@ import torch
 import xxhash
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from policy_machines import per_policy
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.pool import HostPagePool
 from mmcache.tiers import HostTier, TierStack
+from policy_machines import per_policy
 
 P = 2
 

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from mooncake_master import MooncakeMaster
-from tier_traffic import complete
 
 from mmcache import Fingerprint, HostPagePool, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
 from mmcache.tiers import EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack, mooncake, stack
+from mooncake_master import MooncakeMaster
+from tier_traffic import complete
 
 P = 4
 WHY = mooncake.available()

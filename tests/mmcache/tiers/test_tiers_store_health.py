@@ -9,13 +9,13 @@ import time
 
 import pytest
 import torch
-from mooncake_master import MooncakeMaster
-from tier_traffic import complete
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.names import page_names
 from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
 from mmcache.tiers.page_format import page_key
+from mooncake_master import MooncakeMaster
+from tier_traffic import complete
 
 P = 4
 WHY = mooncake.available()
