@@ -23,6 +23,7 @@ BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 25
 
 
 def token_sizes(text: str) -> list[int | None]:
+    """A comma-separated list of sizes in tokens (``workloads.sizes.parse_sizes``), in the given order."""
     try:
         return parse_sizes(text)
     except ValueError as e:
@@ -74,6 +75,7 @@ def positive_count(text: str) -> int:
 
 
 def nonnegative_seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more."""
     try:
         value = float(text)
     except ValueError:
@@ -91,6 +93,7 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def fail(message: str) -> int:
+    """Say ``message`` as a one-line error; the usage status (``USAGE``) to return."""
     print(f"mmcache: error: {message}", file=sys.stderr)
     return USAGE
 
