@@ -14,14 +14,13 @@ from unittest import mock
 
 import numpy as np
 import torch
+from timing import best  # benchmarks/timing.py, beside this script
 
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.eviction import POLICIES
 from mmcache.names import chain, chain_root
 from mmcache.prefix_index import PrefixIndex
 from mmcache.reclaim import coldest_of
-from timing import best  # benchmarks/timing.py, beside this script
-
 
 
 def vllm_style_names(tokens: list[int], page: int) -> list[bytes]:

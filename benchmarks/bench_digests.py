@@ -14,10 +14,10 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import digests  # noqa: E402
 from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
-from workloads.registry import data_place  # noqa: E402
 
+import digests  # noqa: E402
+from workloads.registry import data_place  # noqa: E402
 
 
 def synthetic(fmt: str, side: int, noise: float) -> bytes:

@@ -30,10 +30,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
+
 from encoders.audio import CachedAudioEncoder  # noqa: E402
 from encoders.speaker import CachedSpeakerEncoder, SpeakerEncoder, SpeakerEncoderConfig  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
-from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
 from workloads.registry import data_place  # noqa: E402
 
 RATE = 24000

@@ -16,6 +16,7 @@ for comparison. Seconds are best / median of ``--repeats``; old/new is the ratio
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -86,8 +87,8 @@ def main() -> None:
             T5EncoderModel(t5_config(mib, dtype)).to(dtype).save_pretrained(tmp)
             model = T5EncoderModel.from_pretrained(tmp, dtype=dtype).to(args.device)
             on_disk = sum(f.stat().st_size for f in Path(tmp).iterdir()) / 2**20
-            old_best, old_med, old = timed(lambda: module_fingerprint(model), args.repeats)
-            new_best, new_med, new = timed(lambda: weights_fingerprint(model), args.repeats)
+            old_best, old_med, old = timed(functools.partial(module_fingerprint, model), args.repeats)
+            new_best, new_med, new = timed(functools.partial(weights_fingerprint, model), args.repeats)
             assert new != old, "the checkpoint route was not taken"
             file_best, file_med, _ = timed(lambda: content_hash(Path(tmp)), args.repeats)
             print(f"{on_disk:>8.0f} MiB{len(model.state_dict()):>9}{old_best:>11.4f} / {old_med:<8.4f}"

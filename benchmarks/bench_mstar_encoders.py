@@ -33,11 +33,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
-import mstar_encoder_helpers as h  # noqa: E402
-from bench_encoders_vision_text import UMT5, WAN_NEGATIVE  # noqa: E402
-from conftest import shared_data  # noqa: E402
-
 import pytest  # noqa: E402
+from bench_encoders_vision_text import UMT5, WAN_NEGATIVE  # noqa: E402
+
+import mstar_encoder_helpers as h  # noqa: E402
+from conftest import shared_data  # noqa: E402
 
 _mp = pytest.MonkeyPatch()
 h.install_flashinfer_standin(_mp)
@@ -64,10 +64,10 @@ def _saved(root, kind, cls, cfg, **load):
 
 
 def wan_case(size, root, data, n):
-    from transformers import UMT5Config, UMT5EncoderModel
-
     from mstar.model.wan22.config import Wan22Config
     from mstar.model.wan22.submodules import Wan22TextEncoderSubmodule
+    from transformers import UMT5Config, UMT5EncoderModel
+
     from workloads.fixtures import text_tokenizer
     cfg, max_len = TEXT[size]
     umt5 = _saved(root, f"umt5-{size}", UMT5EncoderModel, UMT5Config(vocab_size=32768, **cfg))
@@ -90,11 +90,10 @@ def _omni_worker(image_processor, feature_extractor):
 
 
 def vision_case(size, root, data, n):
+    from mstar.model.qwen3_omni.submodules import VisionEncoderSubmodule
     from transformers import Qwen2VLImageProcessor
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
-
-    from mstar.model.qwen3_omni.submodules import VisionEncoderSubmodule
     px = 128 if size == "tiny" else 224
     proc = Qwen2VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32,
                                  max_pixels=px * px)
@@ -113,10 +112,9 @@ def vision_case(size, root, data, n):
 
 
 def audio_case(size, root, data, n):
+    from mstar.model.qwen3_omni.submodules import AudioEncoderSubmodule
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeAudioEncoder
-
-    from mstar.model.qwen3_omni.submodules import AudioEncoderSubmodule
     tower = _saved(root, f"q3o-audio-{size}", Qwen3OmniMoeAudioEncoder,
                    Qwen3OmniMoeAudioEncoderConfig(**AUDIO[size]), attn_implementation="sdpa")
     worker = _omni_worker(*h.qwen3_omni_processors())

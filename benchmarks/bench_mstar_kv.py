@@ -44,9 +44,10 @@ KINDS = ("M*'s own", "reuse off", "reuse on")
 def build(kind: str, weights: Path, requests: int, page: int, longest: int):
     """An Orpheus engine of ``kind`` with room for every request's ``longest`` tokens; (engine, forward seconds
     counter) where the counter accumulates the thread CPU time spent in ``Engine._forward``."""
+    from mstar.engine.resources.kv.config import KVSpec
+
     from mmcache.mstar import PrefixReuse
     from mmcache.mstar.kv_resource import ReuseKVSpec
-    from mstar.engine.resources.kv.config import KVSpec
     from workloads.peers import mstar_orpheus as orpheus
     from workloads.peers.mstar_engine import cpu_engine
 

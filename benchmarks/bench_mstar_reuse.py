@@ -124,7 +124,7 @@ def run_mt_bench_orpheus(reuse, convs, batch: int, decode: int, weights: Path):
 def run_burst(reuse, batch: int, decode: int):
     import random
 
-    from mstar_toy_ar import V, PrefixReuse, engine_node, engine_step, weights
+    from mstar_toy_ar import PrefixReuse, V, engine_node, engine_step, weights
     rng = random.Random(1)
     system = [rng.randrange(V) for _ in range(512)]
     prompts = {f"b{j}": system + [rng.randrange(V) for _ in range(32)] for j in range(batch)}

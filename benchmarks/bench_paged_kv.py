@@ -30,14 +30,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, DynamicCache, LlamaConfig, LlamaForCausalLM,
-                          LlavaConfig, LlavaForConditionalGeneration)
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape  # noqa: E402
-from mmcache.hf.runner import chunk_spans, replay, serve  # noqa: E402
 from encoders.llava import LlavaPrefill  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape  # noqa: E402
+from mmcache.hf.runner import chunk_spans, replay, serve  # noqa: E402
 from workloads import registry  # noqa: E402
 from workloads.traces.tokenizer import load_tokenizer  # noqa: E402
 

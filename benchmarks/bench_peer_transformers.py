@@ -355,9 +355,9 @@ def load_knee_trace(args):
         source = f"mini-swe-agent ({folder})"
     else:
         from workloads import fixtures
-        from workloads.models.agent import _agent_messages, _trajectory
+        from workloads.models.agent import agent_messages, agent_trajectory
         tok, rng = fixtures.text_tokenizer(None), np.random.default_rng(0)
-        trajs = [_trajectory(f"gen-{k}", _agent_messages(rng, args.knee_calls), tok, 0.0, 1.0)
+        trajs = [agent_trajectory(f"gen-{k}", agent_messages(rng, args.knee_calls), tok, 0.0, 1.0)
                  for k in range(args.knee_sessions)]
         source = f"agent-model's generated agent sessions (no {folder}: not the real trace)"
     sessions = [KneeSession(t.name, [t.build(i).token_ids for i in range(min(args.knee_calls, len(t.calls)))],

@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client import generate_latest  # noqa: E402
-
 from timing import best  # noqa: E402  (benchmarks/timing.py, beside this script)
+
 from workloads import registry  # noqa: E402
 from workloads.harness.progress import quiet_third_party  # noqa: E402
 from workloads.harness.prometheus import Exporter  # noqa: E402

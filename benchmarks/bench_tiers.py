@@ -49,8 +49,8 @@ from mmcache.pool import HostPagePool  # noqa: E402
 from mmcache.reclaim import make_room  # noqa: E402
 from mmcache.tiers import HostTier, MemoryStore, StoreTier, TierStack, mooncake  # noqa: E402
 from mmcache.tiers.lineage import RequestLineage, root_lineage  # noqa: E402
-from mmcache.tiers.stack import _copy_up  # noqa: E402
 from mmcache.tiers.page_format import Expected  # noqa: E402
+from mmcache.tiers.stack import copy_up  # noqa: E402
 from mooncake_master import MooncakeMaster  # noqa: E402
 
 P = 128
@@ -94,7 +94,7 @@ def host_bandwidth(repeats, pages):
         w_base.append(best(lambda: host_pool.data.index_copy_(0, idx, dev.data.index_select(0, idx)), 3))
         hp = list(tier._pages.values())
         dst = list(range(pages, 2 * pages))
-        r_ours.append(best(lambda: _copy_up(host_pool, hp, dev, dst), 3))
+        r_ours.append(best(lambda: copy_up(host_pool, hp, dev, dst), 3))
         didx = torch.as_tensor(dst)
         r_base.append(best(lambda: dev.data.index_copy_(0, didx, host_pool.data.index_select(0, idx)), 3))
     header(f"1. host tier, {pages} pages of {dev.page_bytes >> 20} MiB (unpinned: no CUDA here; pinned not "
@@ -113,7 +113,7 @@ def pinned_bandwidth(repeats, pages):
     pinned, pageable = HostPagePool.like(dev, pages, pin_memory=True), HostPagePool.like(dev, pages)
 
     def up(src):
-        ev = _copy_up(src, ids, dev, ids)
+        ev = copy_up(src, ids, dev, ids)
         (ev.synchronize() if ev is not None else torch.cuda.synchronize())
     ours = [best(lambda: up(pinned), 3) for _ in range(repeats)]
     base = [best(lambda: up(pageable), 3) for _ in range(repeats)]

@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import best  # noqa: E402
 from mmcache.encoder_store import EncoderStore  # noqa: E402
 from workloads.harness.serving import Clock, Schedule, compare  # noqa: E402
-from workloads.models import image_gen, video_chat, video_gen  # noqa: E402
-from workloads.models import vlm_chat  # noqa: E402
+from workloads.models import image_gen, video_chat, video_gen, vlm_chat  # noqa: E402
 from workloads.models.vlm_chat import generated_png  # noqa: E402
 from workloads.options import ModelWorkloadOptions  # noqa: E402
 from workloads.traces.clips import pan_clip  # noqa: E402

@@ -36,8 +36,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_peer_transformers import (KNEE_IN_FLIGHT, Run, add_knee_args, bench_knee, ceiling, load_calls,  # noqa: E402
-                                     run_peer, spread, summarize)
+from bench_peer_transformers import (  # noqa: E402
+    KNEE_IN_FLIGHT,
+    Run,
+    add_knee_args,
+    bench_knee,
+    ceiling,
+    load_calls,
+    run_peer,
+    spread,
+    summarize,
+)
+
 from workloads.peers.transformers_cb import Call, Outcome  # noqa: E402
 
 DRIVER = Path(__file__).resolve().with_name("vllm_driver.py")

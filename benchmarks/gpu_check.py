@@ -70,6 +70,7 @@ def gate(P=4, new=5, device="cuda", dtype=torch.bfloat16):
     and ``dtype`` only let the logic be tried on a CPU:
     ``python -c "import gpu_check; gpu_check.gate(device='cpu')"``)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
     from mmcache.hf.paged_kv import PagedKVCache
     from mmcache.hf.runner import replay, serve
     g = torch.Generator().manual_seed(0)
@@ -108,6 +109,7 @@ def commit_does_not_wait(requests=64, page=16, prompt=32, device="cuda"):
     from mstar.engine.resources import KVConfig, KVSpec, KVStep, Segment, StepContext, StepRunner, SubmoduleStep
     from mstar.engine.resources.base import EngineResourceInfo, build_resource
     from mstar.engine.resources.kv.transfer import TransferEngineInfo
+
     from mmcache.mstar.kv_resource import PrefixReuse, ReuseKVSpec
 
     pages = requests * 4 + 16

@@ -23,8 +23,6 @@ from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia, InvalidRequest
 
 
-
-
 class CachedEncoder:
     """``encoder(media)``: the output for ``media``, through ``store`` when given (``store=None``: the uncached
     pipeline on every call); ``encoder.lookup(media)``: the same as a ``Lookup`` that says whether it hit.

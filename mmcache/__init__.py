@@ -14,8 +14,8 @@ from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_pin import EncoderPin, Lookup
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import AllocationFailed, OutOfPages
-from mmcache.names import Fingerprint, page_names
 from mmcache.lifecycle import GroupAgreement, LowerTier, PrefixLifecycle
+from mmcache.names import Fingerprint, page_names
 from mmcache.pool import HostPagePool, PagePool
 from mmcache.prefix_cache import PrefixCache, RequestState
 from mmcache.prefix_index import PrefixIndex

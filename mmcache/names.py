@@ -106,7 +106,9 @@ def as_tokens(token_ids, limit: int = _TOKEN_LIMIT) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
 
 
-def _digest_bytes(digest) -> bytes:
+def digest_as_bytes(digest) -> bytes:
+    """A media digest in the one form names and tables hash: an int in [0, 2**128) as its 16 little-endian bytes,
+    anything else as ``bytes(digest)`` (never empty); ``InvalidRequest`` for what is neither."""
     if isinstance(digest, int) and not isinstance(digest, bool):
         if digest < 0 or digest >= 1 << 128:
             raise InvalidRequest("an integer media digest must be in [0, 2**128)")
@@ -136,7 +138,7 @@ def media_by_page(media: Iterable, page_size: int, num_tokens: int) -> dict[int,
             raise InvalidRequest(f"a media mark must be an (offset, digest) pair, got {mark!r}")
         if not isinstance(offset, (int, np.integer)) or isinstance(offset, bool) or not 0 <= offset < num_tokens:
             raise InvalidRequest(f"media offset {offset!r} outside the prompt of {num_tokens} tokens")
-        pages.setdefault(int(offset) // page_size, []).append((int(offset), _digest_bytes(digest)))
+        pages.setdefault(int(offset) // page_size, []).append((int(offset), digest_as_bytes(digest)))
     return {p: b"".join(o.to_bytes(8, "little") + d for o, d in sorted(marks)) for p, marks in pages.items()}
 
 

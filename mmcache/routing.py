@@ -36,7 +36,7 @@ from typing import Hashable, Sequence
 import xxhash
 
 from mmcache.errors import InvalidRequest
-from mmcache.names import _digest_bytes
+from mmcache.names import digest_as_bytes
 
 DEFAULT_KEY_PAGES = 1
 DEFAULT_THRESHOLD = 16
@@ -61,7 +61,7 @@ def media_key(media: Sequence, salt: bytes = b"") -> int | None:
         raise InvalidRequest("media must be a sequence of digests (in prompt order), not one digest or a string")
     if not isinstance(salt, (bytes, bytearray)):
         raise InvalidRequest(f"salt must be bytes, got {type(salt).__name__}")
-    found = [_digest_bytes(d) for d in media]
+    found = [digest_as_bytes(d) for d in media]
     if not found:
         return None
     return xxhash.xxh64_intdigest(found[0], seed=xxhash.xxh64_intdigest(_MEDIA_DOMAIN + bytes(salt)))

@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Hashable, Sequence
 
 from mmcache.errors import DuplicateRequest, UnknownRequest
-from mmcache.names import Fingerprint, NamedPrompt, _digest_bytes, as_tokens
+from mmcache.names import Fingerprint, NamedPrompt, as_tokens, digest_as_bytes
 from mmcache.stats import ShadowStats
 
 
@@ -94,7 +94,7 @@ class ShadowIndex:
         prompt = NamedPrompt.build(self.fingerprint, token_ids, media, salt, names, what=f"request {rid!r}")
         tokens, names, limit = prompt.tokens, prompt.names, prompt.matchable(self.rows_left)
         mids = prompt.media_ids(limit)
-        digests = [(bytes(salt), _digest_bytes(d)) for _, d in media or ()]  # media_by_page has checked each mark
+        digests = [(bytes(salt), digest_as_bytes(d)) for _, d in media or ()]  # media_by_page has checked each mark
         with self._lock:
             if rid in self._live:
                 raise DuplicateRequest(f"request {rid!r} is already live")

@@ -43,8 +43,7 @@ from torch import nn
 from digests.digest import hasher
 from mmcache.checkpoint_files import Folder, Tensor, read_folder, resolve_folder
 from mmcache.encoder_key import stable_bytes
-from mmcache.module_fingerprint import check_materialized, config_bytes, label, module_fingerprint, \
-    update_with_tensor
+from mmcache.module_fingerprint import check_materialized, config_bytes, label, module_fingerprint, update_with_tensor
 
 WINDOW = 8  # elements per sampled window
 _CONVERTIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

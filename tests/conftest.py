@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from hypothesis import HealthCheck, settings
+from PIL import Image
 
 from mmcache import EncoderKey
 from tiny_chat import TinyChat, TinyModel, make_media
@@ -232,7 +232,7 @@ def lingering_scrape(monkeypatch) -> dict:
 
     from workloads.commands import common
 
-    scraped, linger = {}, common._linger
+    scraped, linger = {}, common.linger_metrics
 
     def scrape_then_linger(exporter, seconds, port):
         t = threading.Thread(target=lambda: scraped.update(text=urllib.request.urlopen(
@@ -241,5 +241,5 @@ def lingering_scrape(monkeypatch) -> dict:
         linger(exporter, seconds, port)
         t.join()
 
-    monkeypatch.setattr(common, "_linger", scrape_then_linger)
+    monkeypatch.setattr(common, "linger_metrics", scrape_then_linger)
     return scraped

@@ -72,10 +72,9 @@ def _bare(cls, **attrs):
 
 # -- one builder per model ----------------------------------------------------------------------------------------
 def whisper(root: Path) -> Served:
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
     from mstar.model.whisper.config import WhisperModelConfig
     from mstar.model.whisper.whisper_model import WhisperModel
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
     cfg = WhisperConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
                         max_source_positions=30, vocab_size=128, max_target_positions=32, pad_token_id=0,
@@ -138,6 +137,7 @@ def pi05(root: Path) -> Served:
     ``to_empty``, the ``position_ids`` reset, ``load_hf_weights``) is M*'s."""
     from mstar.model.pi05.components.siglip import Pi05SiglipEncoder
     from mstar.model.pi05.pi05_model import Pi05Model
+
     from workloads.peers.mstar_pi05 import pi05_model, tiny_config
     cfg = dataclasses.replace(tiny_config(), **PI05_VIT)
     folder, ref = _written(root, "pi05-vit", json.dumps(PI05_VIT, sort_keys=True), lambda: Pi05SiglipEncoder(cfg),
@@ -223,6 +223,7 @@ def bagel_vit(root: Path) -> Served:
     from mstar.model.bagel.components.modeling_utils import BagelMLPconnector, PositionEmbedding
     from mstar.model.bagel.components.vit_encoder import BagelVisionModel
     from mstar.model.bagel.config import BagelAutoEncoderConfig, BagelModelConfig, BagelViTConfig
+
     from workloads.peers.mstar_bagel import LLM_CFG, bagel_model
     vit = BagelViTConfig(**BAGEL_VIT)
     cfg = BagelModelConfig(vae_config=BagelAutoEncoderConfig(), vit_config=vit, **LLM_CFG)
@@ -283,8 +284,10 @@ def qwen3_omni_encoders(root: Path) -> tuple[Path, torch.nn.ModuleDict]:
     mstar_qwen3_omni.VISION_SIZES``) and ``model.safetensors`` with ``thinker.audio_tower.*`` and
     ``thinker.visual.*``; and the towers it was written from (``audio_tower``, ``visual``)."""
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeAudioEncoder,
-                                                                            Qwen3OmniMoeVisionEncoder)
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoder,
+        Qwen3OmniMoeVisionEncoder,
+    )
 
     from workloads.peers.mstar_qwen3_omni import VISION_SIZES
     cfg = Qwen3OmniMoeConfig(thinker_config={"audio_config": Q3O_AUDIO, "vision_config": VISION_SIZES})
@@ -307,8 +310,10 @@ def sdpa_encoder_towers(monkeypatch) -> None:
     (qwen3_omni_model.py:1576-1578, 1621-1623), which transformers refuses without the flash-attn package (no CPU
     build); on the CPU they get transformers' sdpa attention instead, the rest of ``_create_{audio,vision}_encoder_
     submodule`` as M* has it. Undone with ``monkeypatch``."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeAudioEncoder,
-                                                                            Qwen3OmniMoeVisionEncoder)
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoder,
+        Qwen3OmniMoeVisionEncoder,
+    )
     for cls in (Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder):
         real = cls._from_config.__func__
         monkeypatch.setattr(cls, "_from_config", classmethod(

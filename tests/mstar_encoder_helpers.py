@@ -258,9 +258,9 @@ def load_audio_16k(filepath, device):
     """M*'s ``load_audio`` contract (mono float at 16 kHz) without torchcodec (which M*'s own needs): mmcache's WAV
     reader, resampled with torchaudio."""
     import torchaudio
+    from mstar.model.base import TensorAndMetadata
 
     from digests import load_wav
-    from mstar.model.base import TensorAndMetadata
     wave, rate = load_wav(filepath)
     mono = torchaudio.functional.resample(wave.mean(0), rate, 16000)
     return TensorAndMetadata(data=mono.to(device), metadata=dict(sample_rate=16000, num_channels=1))

@@ -23,7 +23,15 @@ require_mstar()
 from mstar.communication.tensors import LocalTransferEngine  # noqa: E402
 from mstar.conductor.request_info import CurrentForwardPassInfo  # noqa: E402
 from mstar.engine.resources import (  # noqa: E402
-    KVConfig, KVSpec, KVStep, PositionConfig, PositionSpec, PositionStep, Segment, StepContext, StepRunner,
+    KVConfig,
+    KVSpec,
+    KVStep,
+    PositionConfig,
+    PositionSpec,
+    PositionStep,
+    Segment,
+    StepContext,
+    StepRunner,
     SubmoduleStep,
 )
 from mstar.engine.resources.base import EngineResourceInfo, build_resource  # noqa: E402

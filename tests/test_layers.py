@@ -1,6 +1,8 @@
 """The house has no climbs, read from every import statement of its files, lazy imports inside functions included:
-each top-level package imports only from the packages below it (digests < mmcache < encoders < workloads), and inside
-``workloads`` each room (a module or package right under it) imports only from rooms on the floors below its own."""
+each top-level package imports only from the packages below it (digests < mmcache < encoders < workloads), the
+adapters to engines (``mmcache.mstar``, ``mmcache.hf``) stand above the core they adapt (nothing else of ``mmcache``
+imports them), and inside ``workloads`` each room (a module or package right under it) imports only from rooms on the
+floors below its own."""
 
 import ast
 from pathlib import Path
@@ -50,6 +52,18 @@ def test_a_package_imports_nothing_above_it(package):
     climbs = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & above)
               for p in sorted((ROOT / package).rglob("*.py"))}
     assert {p: c for p, c in climbs.items() if c} == {}
+
+
+ADAPTERS = ("mstar", "hf")  # packages of mmcache that adapt it to an engine
+
+
+def test_the_core_imports_no_adapter():
+    core = [p for p in sorted((ROOT / "mmcache").rglob("*.py"))
+            if p.relative_to(ROOT / "mmcache").parts[0] not in ADAPTERS]
+    climbs = {str(p.relative_to(ROOT)): sorted(n for n in imported_names(p)
+                                               if n.split(".")[:2] in (["mmcache", a] for a in ADAPTERS))
+              for p in core}
+    assert core and {p: c for p, c in climbs.items() if c} == {}
 
 
 def room_of_file(path: Path) -> str:

@@ -2,10 +2,10 @@
 a newer torch fails, and every extra a user installs beside an engine (models, replay) leaves torch to the engine.
 ``benchmarks/bench_install.py`` shows the same in fresh venvs (minutes); this reads pyproject.toml (milliseconds)."""
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 PROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]

@@ -38,13 +38,13 @@ import argparse
 import sys
 
 from workloads.commands import data, replay
-from workloads.commands.common import INTERRUPTED, _fail, _Parser
+from workloads.commands.common import INTERRUPTED, CommandParser, fail
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mmcache`` parser: each command adds its subparser and options (``workloads.commands``)."""
-    parser = _Parser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
-                                     "serving: measure it on real traces.")
+    parser = CommandParser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
+                                                    "serving: measure it on real traces.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     replay.add_parser(sub)
     data.add_parser(sub)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a replay that was measuring returns its partial results itself
         print("mmcache: interrupted (Ctrl-C) before anything was measured", file=sys.stderr)
         return INTERRUPTED
-    return _fail(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it first)
+    return fail(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it first)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,17 @@ events in an ``EventLog`` run without it.
 from mmcache.events.builder import EventBuilder
 from mmcache.events.extra_keys import media_identifier, salt_key
 from mmcache.events.log import EventLog
-from mmcache.events.schema import (ENCODINGS, AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved,
-                                   EncoderOutputStored, WireError, decode_event, encode_event)
+from mmcache.events.schema import (
+    ENCODINGS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EncoderOutputRemoved,
+    EncoderOutputStored,
+    WireError,
+    decode_event,
+    encode_event,
+)
 from mmcache.events.view import CacheView
 from mmcache.events.wire import DEFAULT_ENCODER_TOPIC, EventBatch, decode_batch, encode_batch
 

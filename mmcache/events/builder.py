@@ -13,8 +13,7 @@ import numpy as np
 
 from mmcache.encoder_key import EncoderKey
 from mmcache.events.extra_keys import DIGEST_BYTES, MediaSpans, media_identifier, salt_key
-from mmcache.events.schema import (AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved,
-                                   EncoderOutputStored)
+from mmcache.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved, EncoderOutputStored
 
 KV_CACHE_SPEC_KIND = "full_attention"
 

@@ -26,7 +26,6 @@ from mmcache.events.schema import ENCODINGS
 from mmcache.events.wire import DEFAULT_ENCODER_TOPIC, Framer, encode_batch
 
 
-
 class KVEventPublisher:
     """Publishes on a ZMQ PUB socket bound to ``endpoint`` (its bound address: ``self.endpoint``).
 

@@ -12,8 +12,7 @@ from collections import Counter
 from typing import Iterable, Sequence
 
 from mmcache.events.extra_keys import media_identifier
-from mmcache.events.schema import (AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved,
-                                   EncoderOutputStored)
+from mmcache.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved, EncoderOutputStored
 from mmcache.events.wire import decode_batch
 
 

@@ -38,7 +38,6 @@ import logging
 import threading
 from typing import Callable, Sequence
 
-
 from mmcache.errors import InvalidRequest
 from mmcache.eviction import DEFAULT_POLICY, check_policy
 from mmcache.names import Fingerprint

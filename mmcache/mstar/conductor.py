@@ -27,8 +27,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.media_digests import ROUTE_MEDIA_KWARG
+from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.salts import request_salt
 from mmcache.routing import DEFAULT_KEY_PAGES, DEFAULT_THRESHOLD, AffinityRouter
 

@@ -31,6 +31,7 @@ import torch
 
 from mmcache.errors import InvalidRequest
 
+
 @dataclasses.dataclass(frozen=True)
 class MediaKey:
     """One media item of one request, as the data worker asks the oracle about it."""

@@ -31,8 +31,8 @@ piecewise): the misses run eager.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import os
+import threading
 from typing import Any, Callable, Protocol, Sequence
 
 from mmcache.encoder_key import EncoderKey

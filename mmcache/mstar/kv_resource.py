@@ -46,9 +46,7 @@ from mmcache.errors import InvalidRequest, OutOfPages
 from mmcache.eviction import DEFAULT_POLICY, check_policy
 from mmcache.index_types import IndexObserver
 from mmcache.lifecycle import LowerTier, PrefixLifecycle
-
-# ``ids_to_host`` and ``step_ids`` are looked up here when called (M*'s tests stand them in on this module)
-from mmcache.mstar.fed_ids import ids_to_host, step_ids
+from mmcache.mstar.fed_ids import ids_to_host, step_ids  # looked up here when called: M*'s tests stand them in
 from mmcache.mstar.requirement import require_mstar
 from mmcache.mstar.reuse_state import ReuseState
 from mmcache.mstar.row_outputs import RowOutputs, RowParts, SideRows

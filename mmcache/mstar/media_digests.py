@@ -31,8 +31,8 @@ import torch
 import digests
 from mmcache.errors import InvalidRequest
 from mmcache.mstar.decode_skip import Known, MediaKey, stand_ins_for
-from mmcache.mstar.salts import request_salt, salted_digest
 from mmcache.mstar.media_bytes import decode_from, read_request_files
+from mmcache.mstar.salts import request_salt, salted_digest
 
 _MEDIA = {"image": digests.image, "audio": digests.audio, "video": digests.video}
 ROUTE_MEDIA_KWARG = "mmcache_route_media"

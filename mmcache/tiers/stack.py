@@ -152,7 +152,7 @@ class TierStack:
         fresh = pool.alloc(h)
         event = None
         if host:
-            event = _copy_up(self.host.pool, host, pool, fresh[:len(host)])
+            event = copy_up(self.host.pool, host, pool, fresh[:len(host)])
         if store and pool.data is not None:
             rows = torch.stack([torch.frombuffer(bytearray(b), dtype=pool.dtype).view(pool.page_shape) for b in store])
             pool.data[fresh[len(host):]] = rows.to(pool.device)
@@ -226,7 +226,7 @@ def _prefixed(prefix: str, counters: dict) -> dict:
     return {f"{prefix}{k}": v for k, v in counters.items() if f"{prefix}{k}" in _FIELDS}
 
 
-def _copy_up(src: PagePool, src_pages: list[int], dst: PagePool, dst_pages: list[int]):
+def copy_up(src: PagePool, src_pages: list[int], dst: PagePool, dst_pages: list[int]):
     """Copy host pages to device pages. From pinned memory to CUDA the copy is asynchronous and the returned CUDA
     event marks its end; otherwise it is synchronous and None is returned."""
     if dst.data is None:

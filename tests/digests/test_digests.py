@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import digests
-from workloads.registry import data_place
 from mmcache.errors import InvalidMedia, MmcacheError
+from workloads.registry import data_place
 
 DATA = data_place()[0]
 SIZE = {"size": {"shortest_edge": 224}}

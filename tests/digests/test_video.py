@@ -9,13 +9,12 @@ import torch
 import digests
 from digests import FrameSampling, load_video
 from encoders.video import CachedVideoEncoder, tokens_per_video
+from made_clips import CLIP, MKV, bad_clips
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import InvalidMedia
 from workloads import fixtures
 from workloads.options import ModelWorkloadOptions
 from workloads.traces.clips import pan_clip, pan_frames
-
-from made_clips import CLIP, MKV, bad_clips
 
 
 def test_sampling_picks_evenly_spaced_or_fixed_rate_frames():

@@ -61,9 +61,16 @@ def count_forwards():
 @pytest.fixture(scope="session")
 def towers(tmp_path_factory):
     """name -> (model, image processor, modules whose forwards a hit must skip)."""
-    from transformers import (CLIPImageProcessorPil, CLIPVisionModel, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, SiglipImageProcessorPil, SiglipVisionConfig,
-                              SiglipVisionModel)
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionModel,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
     clip_proc = CLIPImageProcessorPil(size={"shortest_edge": PX}, crop_size={"height": PX, "width": PX})
     built = {
         "clip": (lambda: CLIPVisionModel(tiny_clip_config()), clip_proc),
@@ -220,6 +227,7 @@ def test_wrong_shaped_output_is_refused_and_stored_entries_stay(towers):
 
 def test_fingerprint_names_the_weights_not_the_object(tmp_path):
     from transformers import CLIPVisionModel
+
     from workloads import fixtures
 
     with fixtures.seeded(1):

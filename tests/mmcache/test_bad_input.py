@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from digests.digest import Digest, hasher
-from mmcache import (EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex,
-                     page_names)
+from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache, ShadowIndex, page_names
 from mmcache.errors import InvalidRequest, MmcacheError
 
 P = 4

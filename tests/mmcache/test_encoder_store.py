@@ -6,16 +6,19 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from conftest import STORE_PB as PB
+from conftest import assert_same_value as assert_same
+from conftest import store_all_free as all_free
+from conftest import store_floats as floats
+from conftest import store_key as key
 from digests import Digest
 from mmcache.encoder_key import EncoderKey
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidRequest, PageOwnershipError
 from mmcache.pool import PagePool
-from conftest import (STORE_PB as PB, store_key as key, store_floats as floats, assert_same_value as assert_same,
-                      store_all_free as all_free)
-
 
 VALUES = {
     "float32": floats(37),

@@ -8,12 +8,17 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from conftest import STORE_PB as PB
+from conftest import assert_same_value as assert_same
+from conftest import store_all_free as all_free
+from conftest import store_floats as floats
+from conftest import store_key as key
+from conftest import wait_for
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError, InvalidRequest
-from conftest import (STORE_PB as PB, store_key as key, store_floats as floats, assert_same_value as assert_same,
-                      wait_for, store_all_free as all_free)
 
 
 def value(i):

@@ -4,13 +4,16 @@ stored values."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import STORE_PB as PB
+from conftest import assert_same_value as assert_same
+from conftest import store_all_free as all_free
+from conftest import store_key as key
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
-from conftest import (STORE_PB as PB, store_key as key, assert_same_value as assert_same, store_all_free as all_free)
-
 
 NUM_PAGES = 16
 KEYS = [key(i, modality=m) for i, m in enumerate(["image", "image", "text", "audio", "speaker"])] + [

@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import STORE_PB as PB
+from conftest import assert_same_value as assert_same
+from conftest import store_all_free as all_free
+from conftest import store_floats as floats
+from conftest import store_key as key
+from conftest import wait_for
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import EncoderOutputError
-from conftest import (STORE_PB as PB, store_key as key, store_floats as floats, assert_same_value as assert_same,
-                      wait_for, store_all_free as all_free)
 
 
 def run_together(n, call):

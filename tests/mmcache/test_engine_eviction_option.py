@@ -42,10 +42,9 @@ def test_prefix_reuse_refuses_an_unknown_policy_before_a_resource_is_built():
 
 def whisper_model(folder):
     """M*'s own ``WhisperModel`` over a tiny checkpoint (as ``test_mstar_encoder_models`` builds it)."""
-    from transformers import WhisperConfig, WhisperForConditionalGeneration
-
     from mstar.model.whisper.config import WhisperModelConfig
     from mstar.model.whisper.whisper_model import WhisperModel
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     cfg = WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
                         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidConfig
-from mmcache.eviction import DEFAULT_POLICY, POLICIES, LookupRecorder, OfflineOptimal, make_policy
+from mmcache.eviction import POLICIES, LookupRecorder, OfflineOptimal, make_policy
 
 P = 2  # tokens per page
 FP = Fingerprint(model="eviction-test", page_size=P)

@@ -16,12 +16,12 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
+from test_prefix_cache_stateful import CacheMachine, P
 
 from mmcache import Fingerprint, HostPagePool, PagePool, PrefixCache
 from mmcache.eviction import EvictionPolicy, make_policy
 from mmcache.tiers import HostTier, TierStack
 from policy_machines import per_policy
-from test_prefix_cache_stateful import P, CacheMachine
 
 RATE = 1 / 8
 

@@ -3,7 +3,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mmcache import Fingerprint, page_names
 from mmcache.errors import InvalidRequest

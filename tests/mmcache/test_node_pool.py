@@ -3,12 +3,14 @@
 import pytest
 import torch
 
+from conftest import assert_same_value
+from conftest import store_floats as floats
+from conftest import store_key as key
 from mmcache import Fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import OutOfPages
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache
-from conftest import store_key as key, store_floats as floats, assert_same_value
 
 P = 4                      # tokens per page
 KV_PAGE = (2, P, 2)        # K/V x tokens x head_dim, float32: 64 bytes per page

@@ -10,15 +10,16 @@ import zlib
 
 import numpy as np
 import torch
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import assert_same_value, store_key
 from mmcache import Fingerprint
 from mmcache.encoder_store import EncoderStore
 from mmcache.errors import OutOfPages
 from mmcache.pool import PagePool
 from mmcache.prefix_cache import PrefixCache
-from conftest import store_key, assert_same_value
 from policy_machines import per_policy
 
 P, NUM_PAGES = 2, 10
@@ -176,4 +177,4 @@ class NodeMachine(RuleBasedStateMachine):
 
 
 per_policy(NodeMachine, globals(), "TestNodePool")
-TestNodePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)  # the default's, longer
+NodeMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)  # TestNodePool's

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mmcache import OutOfPages, PagePool
 from mmcache.errors import PageOwnershipError

@@ -48,7 +48,10 @@ def test_full_match_still_leaves_the_last_token_to_compute():
 
 def test_forced_collision_all_names_equal_stays_exact():
     cache = make(data=True)
-    collide = lambda n: [7] * (n // P)                              # every page has the same name
+
+    def collide(n):  # every page has the same name
+        return [7] * (n // P)
+
     a, b = list(range(12)), list(range(100, 112))
     serve(cache, "a", a, names=collide(12))
     assert cache.admit("b", b, names=collide(12)).matched_tokens == 0

@@ -7,12 +7,12 @@ import random
 
 import numpy as np
 import pytest
-
-from mmcache.mstar.requirement import why_unavailable
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mmcache import Fingerprint, page_names
 from mmcache.errors import InvalidRequest
+from mmcache.mstar.requirement import why_unavailable
 from mmcache.routing import AffinityRouter, affinity_key, media_key, rendezvous_order
 
 FP = Fingerprint("m", page_size=4)

@@ -1,7 +1,7 @@
+import pytest
+
 from mmcache import Fingerprint, PagePool, PrefixCache, ShadowIndex
 from mmcache.errors import UnknownRequest
-
-import pytest
 
 FP = Fingerprint("m", page_size=4)
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import spawn_gloo
 
+from gloo_ranks import spawn_gloo
 from mmcache import Fingerprint, PagePool, PrefixCache, page_names
 from mmcache.errors import InvalidRequest, OutOfPages, RefusedByGroup
 from mmcache.tp import TPAgreement

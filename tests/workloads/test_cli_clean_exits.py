@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 
 import pytest
-import tiny_workload
 
+import tiny_workload
 from workloads import registry
 from workloads.cli import main
 from workloads.harness import report

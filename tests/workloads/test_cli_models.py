@@ -119,8 +119,8 @@ def test_data_flag_resolves_the_shared_folder(tmp_path, monkeypatch, capsys):
 
 def test_pool_and_store_sizes_reach_the_workload_options():
     from workloads.cli import build_parser
-    from workloads.commands.model_replay import _options
+    from workloads.commands.model_replay import workload_options
 
     args = build_parser().parse_args(["replay", "vlm-chat", "--pool-pages", "512", "--encoder-bytes", "64M"])
-    options = _options(args)
+    options = workload_options(args)
     assert options.pool_pages == 512 and options.encoder_bytes == 64 << 20

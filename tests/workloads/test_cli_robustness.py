@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import tiny_workload
 
+import tiny_workload
 from workloads import registry
 from workloads.cli import main
 from workloads.output_files import write_atomic

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workloads.commands import common
 from workloads.cli import main
+from workloads.commands import common
 from workloads.harness.metrics import RequestRecord, RunResult, failure_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,8 +62,8 @@ def test_usage_errors_say_what_is_valid(argv, message, capsys):
 
 
 def test_encoder_bytes_units():
-    assert common._bytes("256M") == common._bytes("256MB") == 256 << 20 and common._bytes("2gb") == 2 << 30
-    assert common._bytes("4096") == 4096
+    assert common.byte_size("256M") == common.byte_size("256MB") == 256 << 20 and common.byte_size("2gb") == 2 << 30
+    assert common.byte_size("4096") == 4096
 
 
 def test_linger_needs_a_metrics_port(capsys):
@@ -124,6 +124,7 @@ def test_metrics_linger_serves_the_final_state(tmp_path, capsys, lingering_scrap
 
 def test_quiet_third_party_progress(monkeypatch):
     from transformers.utils import logging as tlog
+
     from workloads.harness.progress import quiet_third_party
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     tlog.enable_progress_bar()

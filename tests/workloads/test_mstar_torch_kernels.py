@@ -13,8 +13,9 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
-from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from mstar.engine.resources.kv.plan import SequenceView, build_paged_indptrs  # noqa: E402
+
+from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 
 HQ, HKV, D, P = 4, 2, 8, 4  # query heads, KV heads (GQA, groups of 2), head dim, page size
 
@@ -116,6 +117,7 @@ def llama3_rope_reference(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor):
 
 def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(sampled):
     from mstar.engine.resources.position import rope  # noqa: F401  (registers the op)
+
     from workloads.peers.mstar_orpheus import CFG
     pos = torch.tensor([0, 1, 5, 37, 1000, 8191, 8192, 20000, 100000])
     g = torch.Generator().manual_seed(3)
@@ -137,9 +139,8 @@ def test_rope_through_m_star_s_op_matches_transformers_llama3_rope(sampled):
 def test_plain_rope_through_m_star_s_op_matches_transformers_default_rope(sampled, llama31):
     """Qwen3's RoPE (theta 1e6, no scaling) as M*'s op reaches FlashInfer: plain, and as M*'s Higgs Audio LLM sends
     it (``ParallelAttention``'s default llama3.1 factors, low = high = 1, which the kernel's clamp makes plain)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     from mstar.engine.resources.position import rope  # noqa: F401  (registers the op)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     theta, pos = 1e6, torch.tensor([0, 1, 5, 37, 1000, 4095])
     g = torch.Generator().manual_seed(4)
     q, k = torch.randn(len(pos), HQ, D, generator=g), torch.randn(len(pos), HKV, D, generator=g)

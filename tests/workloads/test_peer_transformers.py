@@ -17,10 +17,9 @@ from mmcache.hf.runner import serve
 
 cb = pytest.importorskip("transformers.generation.continuous_batching",
                          reason="transformers has no continuous-batching engine (needs transformers >= 5)")
-from workloads.peers.transformers_cb import Call, PeerEngine  # noqa: E402
-
 from conftest import ENGINE_NEW as NEW  # noqa: E402
 from conftest import ENGINE_P as P  # noqa: E402
+from workloads.peers.transformers_cb import Call, PeerEngine  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from workloads import cli
-from workloads.sizing.replicas import replay_replicas
 from workloads.sizing.replay import replay_trace
+from workloads.sizing.replicas import replay_replicas
 from workloads.sizing.routers import CacheAwareRouter
 from workloads.traces.hot_prefix import HotPrefixSkew
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 import torch
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmcache import EncoderStore, HostPagePool, PagePool, PrefixCache

@@ -4,8 +4,15 @@ schedules, cache off vs on, failures, and the metrics math."""
 import numpy as np
 import pytest
 
-from workloads.harness.metrics import (SLO, RequestRecord, RequestResult, RunResult, percentiles, summarize,
-                                       summary_table)
+from workloads.harness.metrics import (
+    SLO,
+    RequestRecord,
+    RequestResult,
+    RunResult,
+    percentiles,
+    summarize,
+    summary_table,
+)
 from workloads.harness.serving import Request, Schedule, compare, serve_run
 
 SCHEDULE = Schedule("poisson", rate=40.0, seed=3)

@@ -9,11 +9,11 @@ import pytest
 
 from mmcache.errors import TraceError
 from workloads.registry import embedded_slice
-from workloads.traces.jsonl import load_jsonl
-from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
 from workloads.service import ServiceModel
 from workloads.sizing.ordering import Serving, schedule
 from workloads.sizing.replay import pool_pages_for, replay_trace
+from workloads.traces.jsonl import load_jsonl
+from workloads.traces.mooncake import BLOCK_TOKENS, load_mooncake
 from workloads.traces.swe_agent import Trajectory
 from workloads.traces.text_trace import CallInfo, TextTrace
 

@@ -10,11 +10,17 @@ import torch
 
 from mmcache.errors import TraceError
 from workloads import fixtures
-from workloads.models.image_gen import (DEFAULT_REQUESTS, NEGATIVE_PROMPT, Generation, factory, generate_prompts,
-                                 load_prompts)
 from workloads.harness.metrics import summarize
-from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Schedule, compare
+from workloads.models.image_gen import (
+    DEFAULT_REQUESTS,
+    NEGATIVE_PROMPT,
+    Generation,
+    factory,
+    generate_prompts,
+    load_prompts,
+)
+from workloads.options import ModelWorkloadOptions
 
 TRACE = Schedule.parse("trace")
 

@@ -5,6 +5,7 @@ hit at their ceilings, and a bad image or clip fails its own requests while the 
 import pytest
 import torch
 
+from made_clips import bad_clips, frames
 from workloads.harness.metrics import summarize
 from workloads.harness.serving import Request, Schedule, compare
 from workloads.models import video_chat, video_gen
@@ -12,8 +13,6 @@ from workloads.models.video_gen import Clip, VideoGen
 from workloads.models.vlm_chat import chats
 from workloads.options import ModelWorkloadOptions
 from workloads.traces.clips import encode_frames
-
-from made_clips import bad_clips, frames
 
 TRACE = Schedule.parse("trace")
 

@@ -13,10 +13,10 @@ import torch
 
 import digests
 from mmcache.errors import InvalidRequest, TraceError
-from workloads.models import voice_clone as vc
 from workloads.harness.metrics import summarize
-from workloads.options import ModelWorkloadOptions
 from workloads.harness.serving import Clock, Schedule, compare
+from workloads.models import voice_clone as vc
+from workloads.options import ModelWorkloadOptions
 from workloads.traces.voice_clone_turns import AUDIO_CHUNK_FRAMES
 
 FRAMES = 8  # ModelWorkloadOptions.max_new_tokens: frames per request

@@ -13,12 +13,11 @@ import pytest
 from PIL import Image
 
 from mmcache.errors import TraceError
-from workloads.models import agent
-from workloads.models import vlm_chat
 from workloads.harness.metrics import summarize
+from workloads.harness.serving import Schedule, compare
+from workloads.models import agent, vlm_chat
 from workloads.models.mixed import Mixed
 from workloads.options import ModelWorkloadOptions
-from workloads.harness.serving import Schedule, compare
 
 NEW = 4  # tokens generated per request
 

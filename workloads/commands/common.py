@@ -1,7 +1,7 @@
 """What the ``mmcache`` commands share: exit statuses, one-line errors, option types, outputs, the metrics endpoint.
 
 Exit statuses (``workloads.cli.main`` returns them): 0 on success; 2 on a usage, workload, model or trace error, or
-a pool that cannot run, each refused before anything runs (``_fail``); 1 when a run ran but did not succeed (an
+a pool that cannot run, each refused before anything runs (``fail``); 1 when a run ran but did not succeed (an
 output written to a fallback file, every request of a run failed, a download failed, a source made by hand missing);
 ``INTERRUPTED`` (130) after Ctrl-C, with what finished printed and written. Only argparse and torch-free modules are
 imported here: the command line's ``--help`` stays fast.
@@ -22,22 +22,23 @@ INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIG
 BYTE_UNITS = "k, M, G (binary: 1k = 1024 bytes; a trailing B is allowed, e.g. 256M, 2GB) or a plain number of bytes"
 
 
-def _sizes(text: str) -> list[int | None]:
+def token_sizes(text: str) -> list[int | None]:
+    """A comma-separated list of sizes in tokens (``workloads.sizes.parse_sizes``), in the given order."""
     try:
         return parse_sizes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _size(text: str) -> int:
+def token_size(text: str) -> int:
     """One finite positive size in tokens (64k, 1M: binary units)."""
-    sizes = _sizes(text)
+    sizes = token_sizes(text)
     if len(sizes) != 1 or sizes[0] is None or sizes[0] < 1:
         raise argparse.ArgumentTypeError(f"must be one finite positive size in tokens, got {text!r}")
     return sizes[0]
 
 
-def _bytes(text: str) -> int:
+def byte_size(text: str) -> int:
     """A finite size in bytes, with binary units."""
     s = str(text).strip()
     try:
@@ -50,18 +51,18 @@ def _bytes(text: str) -> int:
     return value
 
 
-def _rate(text: str) -> float:
+def byte_rate(text: str) -> float:
     """A transfer rate in bytes per second: a positive number (1.7e9) or a size per second (50G)."""
     try:
         value = float(text)
     except ValueError:
-        value = float(_bytes(text))
+        value = float(byte_size(text))
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive rate in bytes/s, got {text!r}")
     return value
 
 
-def _positive(text: str) -> int:
+def positive_count(text: str) -> int:
     """A count of requests or sessions: a positive integer."""
     try:
         value = int(text)
@@ -73,7 +74,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def nonnegative_seconds(text: str) -> float:
+    """A finite number of seconds, 0 or more."""
     try:
         value = float(text)
     except ValueError:
@@ -83,19 +85,20 @@ def _seconds(text: str) -> float:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
     """argparse with one-line errors: the message and where the usage is, not the whole usage first."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
+    """Say ``message`` as a one-line error; the usage status (``USAGE``) to return."""
     print(f"mmcache: error: {message}", file=sys.stderr)
     return USAGE
 
 
-def _save(flag: str, path: Path, data: bytes | str) -> bool:
+def save_output(flag: str, path: Path, data: bytes | str) -> bool:
     """Write one output (``workloads.output_files.save``): print where it went; False when it had to fall back."""
     from workloads.output_files import save
     where, problem = save(flag, path, data)
@@ -103,13 +106,13 @@ def _save(flag: str, path: Path, data: bytes | str) -> bool:
     return problem is None
 
 
-def _held_interrupt() -> None:
+def report_held_interrupt() -> None:
     """Say that Ctrl-C came while the results were printed and written (``hold_interrupts``)."""
     print("mmcache: interrupted (Ctrl-C) while the results were written; they were written in full first",
           file=sys.stderr)
 
 
-def _given(args, defaults: dict, dests) -> list[str]:
+def given_flags(args, defaults: dict, dests) -> list[str]:
     """The options among ``dests`` set to something other than their default, as flags."""
     return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) != defaults[d]]
 
@@ -130,7 +133,7 @@ def output_problem(args) -> str | None:
     return None
 
 
-def _missing_dependency(args) -> str | None:
+def missing_dependency(args) -> str | None:
     """Why an output or endpoint asked for cannot be made with what is installed, checked before any work runs."""
     from mmcache.errors import MissingDependency
     from mmcache.extras import require
@@ -143,7 +146,7 @@ def _missing_dependency(args) -> str | None:
     return None
 
 
-def _progress(args) -> bool:
+def progress_bars(args) -> bool:
     """Progress bars on stderr: on a terminal unless --no-progress; when off, the model libraries' bars go too."""
     from workloads.harness.progress import bars_available, quiet_third_party
     on = not args.no_progress and sys.stderr.isatty()
@@ -156,7 +159,7 @@ def _progress(args) -> bool:
     return on
 
 
-def _metrics_problem(args) -> str | None:
+def metrics_problem(args) -> str | None:
     """Why ``--metrics-port``/``--metrics-linger`` cannot be served as given."""
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         return f"--metrics-port must be in [0, 65535], got {args.metrics_port}"
@@ -165,7 +168,7 @@ def _metrics_problem(args) -> str | None:
     return None
 
 
-def _with_metrics(args, run, **kw) -> int:
+def with_metrics(args, run, **kw) -> int:
     """``run(exporter, bound port)`` with ``--metrics-port`` served on loopback (``Exporter(**kw)``; ``None, None``
     without it), closed after; a port that cannot be bound fails before anything runs. The exporter starts before
     the slow part loads, so a scraper sees every series at 0 before the first request."""
@@ -176,7 +179,7 @@ def _with_metrics(args, run, **kw) -> int:
     try:
         port = exporter.serve(args.metrics_port)
     except OSError as e:
-        return _fail(f"--metrics-port {args.metrics_port}: {e}")
+        return fail(f"--metrics-port {args.metrics_port}: {e}")
     print(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
     try:
         return run(exporter, port)
@@ -184,7 +187,7 @@ def _with_metrics(args, run, **kw) -> int:
         exporter.close()
 
 
-def _linger(exporter, seconds: float, port: int) -> None:
+def linger_metrics(exporter, seconds: float, port: int) -> None:
     """Keep the metrics endpoint up ``seconds`` after the replay (Ctrl-C ends the wait)."""
     print(f"serving the final metrics on http://127.0.0.1:{port}/metrics for {seconds:g} s (Ctrl-C to stop)",
           flush=True)

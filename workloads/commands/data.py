@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from workloads import registry
-from workloads.commands.common import INTERRUPTED, _fail
+from workloads.commands.common import INTERRUPTED, fail
 
 
 def add_parser(sub) -> None:
@@ -44,7 +44,7 @@ def data_command(args) -> int:
     try:
         sources = datasets.load_sources(args.manifest)
     except datasets.DataError as e:
-        return _fail(str(e))
+        return fail(str(e))
     root, how = registry.data_place(args.data)
     if args.data_command == "list":
         for s in sources.values():
@@ -56,9 +56,9 @@ def data_command(args) -> int:
         print(f"data folder: {root} (from {how})")
         return 0
     if unknown := [n for n in args.names if n not in sources]:
-        return _fail(f"unknown data source {unknown[0]!r}; known: {', '.join(sources)}")
+        return fail(f"unknown data source {unknown[0]!r}; known: {', '.join(sources)}")
     if problem := _data_folder_problem(root):
-        return _fail(f"data folder {root} (from {how}): {problem}")
+        return fail(f"data folder {root} (from {how}): {problem}")
     by_hand = [n for n, s in sources.items() if not s.files]
     chosen = args.names or [n for n in sources if n not in by_hand]  # by default, every source there is to download
     progress = not args.no_progress and sys.stderr.isatty()

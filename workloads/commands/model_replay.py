@@ -28,8 +28,18 @@ from pathlib import Path
 
 from workloads import registry
 from workloads.commands import common
-from workloads.commands.common import (INTERRUPTED, _bytes, _fail, _given, _held_interrupt, _metrics_problem,
-                                       _progress, _save, _seconds, _with_metrics)
+from workloads.commands.common import (
+    INTERRUPTED,
+    byte_size,
+    fail,
+    given_flags,
+    metrics_problem,
+    nonnegative_seconds,
+    progress_bars,
+    report_held_interrupt,
+    save_output,
+    with_metrics,
+)
 from workloads.interrupts import hold_interrupts
 from workloads.options import ModelWorkloadOptions
 
@@ -59,7 +69,7 @@ def add_options(rp, defaults: ModelWorkloadOptions) -> None:
                     help="serve Prometheus metrics on 127.0.0.1:PORT/metrics during the replay (0: any free port); "
                     "also a trace replay's (its cache's prefix series, and with --host-tokens/--store-tokens the "
                     "tier series)")
-    mg.add_argument("--metrics-linger", type=_seconds, metavar="S",
+    mg.add_argument("--metrics-linger", type=nonnegative_seconds, metavar="S",
                     help="with --metrics-port: keep serving the final metrics S seconds after the replay, so a "
                     "Prometheus server scrapes the end state (Ctrl-C ends it early)")
     mg.add_argument("--max-new-tokens", type=int, metavar="N",
@@ -67,12 +77,12 @@ def add_options(rp, defaults: ModelWorkloadOptions) -> None:
     mg.add_argument("--pool-pages", type=int, metavar="N",
                     help=f"KV pages in the prefix cache's pool of the cache-on run (default {defaults.pool_pages}); "
                     f"size it to the model: pages x layers x 2 x page size x kv heads x head dim x dtype bytes")
-    mg.add_argument("--encoder-bytes", type=_bytes, metavar="SIZE",
+    mg.add_argument("--encoder-bytes", type=byte_size, metavar="SIZE",
                     help=f"bytes of each encoder store of the cache-on run, e.g. 256M, 2G (default "
                     f"{defaults.encoder_bytes >> 20}M)")
 
 
-def _options(args) -> ModelWorkloadOptions:
+def workload_options(args) -> ModelWorkloadOptions:
     """The workload options the command line sets; the rest keep ``ModelWorkloadOptions``' defaults."""
     given = {"data": registry.model_data(args.target, args.data), "model": args.model, "limit": args.limit,
              "seed": args.seed, "page_size": args.page_size, "max_new_tokens": args.max_new_tokens,
@@ -99,37 +109,37 @@ def _model_folder_problem(path: Path) -> str | None:
 def model_replay_command(args, defaults: dict) -> int:
     """Serve a model workload cache off, then on (``serving.compare``); print the table, write the reports.
     ``defaults``: the replay options' defaults, to tell which options were given."""
-    if misused := _given(args, defaults, TEXT_ONLY):
-        return _fail(f"{', '.join(misused)}: only for trace replays, not for model workload {args.target!r}")
+    if misused := given_flags(args, defaults, TEXT_ONLY):
+        return fail(f"{', '.join(misused)}: only for trace replays, not for model workload {args.target!r}")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--page-size", args.page_size),
                         ("--pool-pages", args.pool_pages), ("--encoder-bytes", args.encoder_bytes),
                         ("--slo-ttft", args.slo_ttft), ("--slo-ttfa", args.slo_ttfa)):
         if value is not None and not value > 0:
-            return _fail(f"{flag} must be > 0, got {value}")
+            return fail(f"{flag} must be > 0, got {value}")
     if args.pool_pages is not None and args.pool_pages >= MAX_PAGES:
-        return _fail(f"--pool-pages {args.pool_pages:,}: past what a pool can number (page ids are 32-bit: at most "
-                     f"{MAX_PAGES - 1:,}), and far past any machine's memory")
+        return fail(f"--pool-pages {args.pool_pages:,}: past what a pool can number (page ids are 32-bit: at most "
+                    f"{MAX_PAGES - 1:,}), and far past any machine's memory")
     if args.in_flight is not None and args.in_flight < 1:
-        return _fail(f"--in-flight must be >= 1, got {args.in_flight}")
+        return fail(f"--in-flight must be >= 1, got {args.in_flight}")
     if args.in_flight is not None and args.target not in ENGINE_WORKLOADS + MSTAR_WORKLOADS:
-        return _fail(f"--in-flight: {args.target!r} cannot be served through transformers' continuous-batching "
-                     f"engine, which takes token ids only (image features, reference audio and diffusion do not go "
-                     f"through it); it serves {', '.join(ENGINE_WORKLOADS)}; M*'s Engine serves "
-                     f"{', '.join(MSTAR_WORKLOADS)}")
+        return fail(f"--in-flight: {args.target!r} cannot be served through transformers' continuous-batching "
+                    f"engine, which takes token ids only (image features, reference audio and diffusion do not go "
+                    f"through it); it serves {', '.join(ENGINE_WORKLOADS)}; M*'s Engine serves "
+                    f"{', '.join(MSTAR_WORKLOADS)}")
     if args.target in MSTAR_WORKLOADS and args.in_flight is None:
         args.in_flight = 1
-    if problem := _metrics_problem(args):
-        return _fail(problem)
+    if problem := metrics_problem(args):
+        return fail(problem)
     from workloads.harness.metrics import SLO
     from workloads.harness.serving import Schedule
     try:
         schedule = Schedule.parse(args.schedule or "trace", seed=args.seed or 0)
     except ValueError as e:
-        return _fail(str(e))
+        return fail(str(e))
     if args.model is not None and (problem := _model_folder_problem(args.model)):
-        return _fail(f"--model {args.model}: {problem}")
+        return fail(f"--model {args.model}: {problem}")
     slo = SLO(ttft_s=args.slo_ttft, ttfa_s=args.slo_ttfa)
-    progress = _progress(args)
+    progress = progress_bars(args)
     import torch
     threads = torch.get_num_threads()
     if args.model is None:  # tiny models: one intra-op thread is fastest; a spinning pool only adds contention
@@ -142,8 +152,8 @@ def model_replay_command(args, defaults: dict) -> int:
 
 def _serve_model_workload(args, schedule, slo, progress: bool) -> int:
     started = time.perf_counter()
-    return _with_metrics(args, lambda exporter, port: _replay_and_report(args, schedule, slo, progress, started,
-                                                                         exporter, port), slo=slo)
+    return with_metrics(args, lambda exporter, port: _replay_and_report(args, schedule, slo, progress, started,
+                                                                        exporter, port), slo=slo)
 
 
 def _replay_and_report(args, schedule, slo, progress: bool, started: float, exporter, port) -> int:
@@ -156,7 +166,7 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     try:
         compare_engine, engine = ((mstar_serving.compare_mstar, registry.import_model_module(name).ENGINE) if mstar
                                   else (engine_serving.compare_engine, engine_serving.ENGINE))
-        options = _options(args)
+        options = workload_options(args)
         if name == "mixed":
             from workloads.models import mixed
             names, missing = mixed.available()
@@ -164,10 +174,10 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
                   + "".join(f"\n  skipped {n}: {why}" for n, why in missing.items()))
         make = registry.model_factory(name, options)
     except registry.UnknownWorkload as e:
-        return _fail(str(e))
+        return fail(str(e))
     except (MmcacheError, OSError, ValueError) as e:  # bad data (file:line), or a model folder transformers refuses
         where = f" with --model {args.model}" if args.model is not None else ""
-        return _fail(f"cannot build workload {name!r}{where}: {str(e).strip().splitlines()[0]}")
+        return fail(f"cannot build workload {name!r}{where}: {str(e).strip().splitlines()[0]}")
     source = "embedded default" if options.data is None else options.data / registry.MODEL_WORKLOADS[name].data_path
     served = (f"served by {engine_label(schedule, min(args.in_flight, schedule.concurrency or args.in_flight), engine)}"
               if args.in_flight
@@ -183,15 +193,15 @@ def _replay_and_report(args, schedule, slo, progress: bool, started: float, expo
     except (MemoryError, OverflowError, RuntimeError) as e:  # a pool or store past memory, refused as it is built
         if not _allocation_failure(e):
             raise
-        return _fail(f"the cache's pools do not fit in memory ({str(e).strip().splitlines()[0]}); give a smaller "
-                     f"--pool-pages (now {options.pool_pages:,}) or --encoder-bytes (now {options.encoder_bytes:,})")
+        return fail(f"the cache's pools do not fit in memory ({str(e).strip().splitlines()[0]}); give a smaller "
+                    f"--pool-pages (now {options.pool_pages:,}) or --encoder-bytes (now {options.encoder_bytes:,})")
     with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
         status = _model_report(args, name, options, off, on, slo, started, mstar, equal if args.in_flight else None)
     if held.received:
-        _held_interrupt()
+        report_held_interrupt()
         status = INTERRUPTED
     if exporter is not None and args.metrics_linger and status != INTERRUPTED:
-        common._linger(exporter, args.metrics_linger, port)  # by module: tests replace it there
+        common.linger_metrics(exporter, args.metrics_linger, port)  # by module: tests replace it there
     return status
 
 
@@ -210,8 +220,8 @@ def _model_report(args, name: str, options, off, on, slo, started: float, mstar:
         print(f"interrupted (Ctrl-C) in the cache-off run after {len(off.records)} of {off.planned} requests; the "
               "cache-on run did not start, so there is nothing to compare", file=sys.stderr)
         if (args.json or args.html) and off.records:  # the cache-off requests served are kept, in the JSON
-            _save("--json", args.json or args.html.with_suffix(".json"),
-                  json.dumps(report_json(off, on, slo), indent=2) + "\n")
+            save_output("--json", args.json or args.html.with_suffix(".json"),
+                        json.dumps(report_json(off, on, slo), indent=2) + "\n")
         return INTERRUPTED
     if getattr(on, "interrupted", False):  # compare the requests both runs served: the first ones of the same order
         off = off.first(len(on.records))
@@ -236,10 +246,10 @@ def _model_report(args, name: str, options, off, on, slo, started: float, mstar:
     print(f"total {time.perf_counter() - started:.1f} s")
     saved = True
     if args.html:
-        saved &= _save("--html", args.html, report_html(off, on, slo))
+        saved &= save_output("--html", args.html, report_html(off, on, slo))
     if args.json or args.html:
-        saved &= _save("--json", args.json or args.html.with_suffix(".json"),
-                       json.dumps(report_json(off, on, slo), indent=2) + "\n")
+        saved &= save_output("--json", args.json or args.html.with_suffix(".json"),
+                             json.dumps(report_json(off, on, slo), indent=2) + "\n")
     if on.interrupted:
         return INTERRUPTED
     if failed := [run.label for run in (off, on) if run.records and not run.completed]:

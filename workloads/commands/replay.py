@@ -15,7 +15,7 @@ from pathlib import Path
 
 from workloads import registry
 from workloads.commands import model_replay, replica_replay, trace_replay
-from workloads.commands.common import _fail, _missing_dependency, _positive, _sizes, output_problem
+from workloads.commands.common import fail, missing_dependency, output_problem, positive_count, token_sizes
 from workloads.commands.model_replay import ENGINE_WORKLOADS, MSTAR_WORKLOADS
 from workloads.commands.trace_replay import DEFAULT_POOLS, TEXT_PAGE_SIZE
 from workloads.options import ModelWorkloadOptions
@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     rp.add_argument("--page-size", type=int, metavar="P",
                     help=f"tokens per page (Mooncake: 512, fixed by its block ids; text: {TEXT_PAGE_SIZE}; "
                     f"model workloads: {defaults.page_size})")
-    rp.add_argument("--pool-tokens", type=_sizes, default=parse_sizes(DEFAULT_POOLS), metavar="SIZES",
+    rp.add_argument("--pool-tokens", type=token_sizes, default=parse_sizes(DEFAULT_POOLS), metavar="SIZES",
                     help=f"comma-separated pool sizes in tokens: 64k, 1M (binary), plain ints, inf "
                     f"(default: {DEFAULT_POOLS})")
     trace_replay.add_sweep_options(rp)
@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
                     help=f"model workloads {' and '.join(ENGINE_WORKLOADS)}: serve through transformers' "
                     "continuous-batching engine with K requests in flight (cache on: mmcache under it); "
                     f"{', '.join(MSTAR_WORKLOADS)}: K in flight through M*'s Engine (default 1)")
-    rp.add_argument("--limit", type=_positive, metavar="N",
+    rp.add_argument("--limit", type=positive_count, metavar="N",
                     help="replay only the first N sessions (Mooncake: requests; agent: trajectories; model "
                     "workloads: requests, each with a default cap; --replicas on a model workload: sessions, in "
                     "order of arrival)")
@@ -77,12 +77,12 @@ def add_parser(sub) -> None:
 def replay_command(args, defaults: dict) -> int:
     """Run the replay TARGET asks for; ``defaults``: the replay options' defaults, to tell which options were given.
     The outputs, and the options that belong to one kind of replay only, are checked here first."""
-    if problem := output_problem(args) or _missing_dependency(args):
-        return _fail(problem)
+    if problem := output_problem(args) or missing_dependency(args):
+        return fail(problem)
     if args.encoder_s is not None and not (args.replicas and args.target in registry.MODEL_WORKLOADS):
-        return _fail(f"--encoder-s: only with --replicas on a model workload ({', '.join(registry.REPLICA_WORKLOADS)})")
+        return fail(f"--encoder-s: only with --replicas on a model workload ({', '.join(registry.REPLICA_WORKLOADS)})")
     if args.eviction and args.replicas:
-        return _fail("--eviction: only for the pool-size sweep of a trace replay, not with --replicas")
+        return fail("--eviction: only for the pool-size sweep of a trace replay, not with --replicas")
     if args.target in registry.MODEL_WORKLOADS:
         if args.replicas:
             return replica_replay.model_replica_command(args, defaults)

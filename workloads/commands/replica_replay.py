@@ -14,7 +14,14 @@ import json
 import time
 
 from workloads import registry
-from workloads.commands.common import INTERRUPTED, _fail, _given, _held_interrupt, _save, _seconds
+from workloads.commands.common import (
+    INTERRUPTED,
+    fail,
+    given_flags,
+    nonnegative_seconds,
+    report_held_interrupt,
+    save_output,
+)
 from workloads.interrupts import hold_interrupts
 from workloads.options import ModelWorkloadOptions
 from workloads.service import ServiceModel
@@ -60,7 +67,7 @@ def add_options(rp) -> None:
                     "(default 16)")
     rp.add_argument("--key-pages", type=int, metavar="K",
                     help="affinity router: the key is the name of the first K full pages (default 1)")
-    rp.add_argument("--encoder-s", type=_seconds, metavar="S",
+    rp.add_argument("--encoder-s", type=nonnegative_seconds, metavar="S",
                     help=f"--replicas on {', '.join(registry.REPLICA_WORKLOADS)}: seconds per encoder run, added "
                     f"before the request's prefill (default {ServiceModel.encoder_s:g}: image decode + preprocess "
                     "measured here)")
@@ -70,7 +77,7 @@ def _replica_pool(args, defaults: dict) -> int:
     return (args.pool_tokens if args.pool_tokens != defaults["pool_tokens"] else parse_sizes(DEFAULT_REPLICA_POOL))[0]
 
 
-def _replica_problem(args, defaults: dict) -> str | None:
+def replica_problem(args, defaults: dict) -> str | None:
     """Why the --replicas options cannot run, checked before the trace loads."""
     if not args.replicas:
         return next((f"--{d.replace('_', '-')}: only with --replicas" for d in ("affinity_threshold", "key_pages")
@@ -95,8 +102,8 @@ def _replica_problem(args, defaults: dict) -> str | None:
     return None
 
 
-def _replica_replay(args, defaults: dict, trace, page_size: int, service: ServiceModel, started: float,
-                    routers: list[str], encoder_bytes: int | None = None) -> int:
+def run_replica_replay(args, defaults: dict, trace, page_size: int, service: ServiceModel, started: float,
+                       routers: list[str], encoder_bytes: int | None = None) -> int:
     """``--replicas``: one R = 1 reference run of the total pool (and encoder store), then every R x router."""
     from workloads.sizing.replicas import DEFAULT_ENCODER_BYTES, format_replica_table, replay_replicas
     total = _replica_pool(args, defaults)
@@ -104,7 +111,7 @@ def _replica_replay(args, defaults: dict, trace, page_size: int, service: Servic
               key_pages=args.key_pages, seed=args.seed or 0, encoder_bytes=encoder_bytes or DEFAULT_ENCODER_BYTES)
     from workloads.sizing.pool_checks import pool_problem
     if problem := pool_problem(trace, page_size, [total], replicas=[1, *args.replicas], ceiling=False):
-        return _fail(problem)
+        return fail(problem)
     try:
         one = replay_replicas(trace, replicas=1, router="random", **kw)
         runs, planned = [], [(r, p) for r in args.replicas for p in routers]
@@ -114,7 +121,7 @@ def _replica_replay(args, defaults: dict, trace, page_size: int, service: Servic
             except KeyboardInterrupt:  # after the reference run: the runs done stand
                 break
     except ValueError as e:
-        return _fail(str(e))
+        return fail(str(e))
     stopped = len(runs) < len(planned)
     with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
         media = (f"; encoder store {one.encoder_bytes >> 20:,} MiB in total, split the same way, "
@@ -134,9 +141,9 @@ def _replica_replay(args, defaults: dict, trace, page_size: int, service: Servic
                                      "s_per_output_token": service.s_per_output_token,
                                      "encoder_s": service.encoder_s},
                    "one_pool": one.to_dict(), "runs": [r.to_dict() for r in runs], "interrupted": stopped}
-            saved = _save("--json", args.json, json.dumps(doc, indent=2) + "\n")
+            saved = save_output("--json", args.json, json.dumps(doc, indent=2) + "\n")
     if held.received:
-        _held_interrupt()
+        report_held_interrupt()
         stopped = True
     return INTERRUPTED if stopped else 0 if saved else 1
 
@@ -145,21 +152,21 @@ def model_replica_command(args, defaults: dict) -> int:
     """``--replicas`` on a model workload: its data as a metadata trace with media, replayed over replicas; no model
     runs, so the options of a model run are refused."""
     others = [d for d in defaults if d not in MODEL_REPLICA_OPTIONS + ("command", "target")]
-    if misused := _given(args, defaults, others):
-        return _fail(f"{', '.join(misused)}: not with --replicas on model workload {args.target!r} (a metadata "
-                     f"replay of its data: no model runs)")
+    if misused := given_flags(args, defaults, others):
+        return fail(f"{', '.join(misused)}: not with --replicas on model workload {args.target!r} (a metadata "
+                    f"replay of its data: no model runs)")
     if args.prefill_rate <= 0 or args.tpot < 0:
-        return _fail("--prefill-rate must be > 0 and --tpot >= 0")
+        return fail("--prefill-rate must be > 0 and --tpot >= 0")
     if args.page_size is not None and args.page_size < 1:
-        return _fail(f"--page-size must be >= 1, got {args.page_size}")
-    if problem := _replica_problem(args, defaults):
-        return _fail(problem)
+        return fail(f"--page-size must be >= 1, got {args.page_size}")
+    if problem := replica_problem(args, defaults):
+        return fail(problem)
     from mmcache.errors import MissingDependency, TraceError
     started = time.perf_counter()
     try:
         trace = registry.replica_trace(args.target, args.data, limit=args.limit, seed=args.seed or 0)
     except (registry.UnknownWorkload, TraceError, MissingDependency) as e:
-        return _fail(str(e))
+        return fail(str(e))
     page_size = args.page_size or ModelWorkloadOptions().page_size
     items = sum(len(s.build(i).encoded) for s in trace.sessions for i in range(len(s.calls)))
     print(f"{args.target} replica replay of {trace.source}: {trace.num_requests:,} requests in "
@@ -167,6 +174,6 @@ def model_replica_command(args, defaults: dict) -> int:
           f"page size {page_size} (built in {time.perf_counter() - started:.1f} s; no model runs)")
     encoder_s = ServiceModel.encoder_s if args.encoder_s is None else args.encoder_s
     service = ServiceModel(args.prefill_rate, args.tpot, encoder_s)
-    return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(ROUTERS),
-                           args.encoder_bytes)
+    return run_replica_replay(args, defaults, trace, page_size, service, started, args.router or list(ROUTERS),
+                              args.encoder_bytes)
 

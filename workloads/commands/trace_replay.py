@@ -20,9 +20,20 @@ import time
 
 from workloads import registry
 from workloads.commands import common
-from workloads.commands.common import (INTERRUPTED, _bytes, _fail, _given, _held_interrupt, _metrics_problem,
-                                       _progress, _rate, _save, _size, _with_metrics)
-from workloads.commands.replica_replay import _replica_problem, _replica_replay
+from workloads.commands.common import (
+    INTERRUPTED,
+    byte_rate,
+    byte_size,
+    fail,
+    given_flags,
+    metrics_problem,
+    progress_bars,
+    report_held_interrupt,
+    save_output,
+    token_size,
+    with_metrics,
+)
+from workloads.commands.replica_replay import replica_problem, run_replica_replay
 from workloads.interrupts import hold_interrupts
 from workloads.service import ServiceModel
 from workloads.sizing.ordering import DEFAULT_SESSIONS, ORDERS, Serving
@@ -92,51 +103,51 @@ def add_tier_options(rp) -> None:
     """Tiers under the device pool (text replays): mmcache.tiers modeled by workloads.sizing.tiers."""
     d = TierModel()
     tg = rp.add_argument_group("tiers (text trace replay): a host-memory tier and a shared store under every pool")
-    tg.add_argument("--host-tokens", type=_size, metavar="SIZE",
+    tg.add_argument("--host-tokens", type=token_size, metavar="SIZE",
                     help="host tier of evicted pages, in tokens (e.g. 8M); default none")
-    tg.add_argument("--store-tokens", type=_size, metavar="SIZE",
+    tg.add_argument("--store-tokens", type=token_size, metavar="SIZE",
                     help="shared store (Mooncake Store) in tokens; pages are written through at teardown")
-    tg.add_argument("--host-bw", type=_rate, default=d.host_bytes_per_s, metavar="B_S",
+    tg.add_argument("--host-bw", type=byte_rate, default=d.host_bytes_per_s, metavar="B_S",
                     help="host->device bytes/s charged per host hit (default %(default)g: PCIe 5.0 x16 in practice)")
-    tg.add_argument("--store-bw", type=_rate, default=d.store_bytes_per_s, metavar="B_S",
+    tg.add_argument("--store-bw", type=byte_rate, default=d.store_bytes_per_s, metavar="B_S",
                     help="store->device bytes/s charged per store hit (default %(default)g: Mooncake Store over "
                     "loopback TCP, measured)")
-    tg.add_argument("--kv-bytes-per-token", type=_bytes, default=d.kv_bytes_per_token, metavar="SIZE",
+    tg.add_argument("--kv-bytes-per-token", type=byte_size, default=d.kv_bytes_per_token, metavar="SIZE",
                     help="KV bytes of one token (default 128k: Llama-3-8B in bf16)")
 
 
 def trace_replay_command(args, defaults: dict) -> int:
     """Replay a trace (TARGET not a model workload); ``defaults``: the replay options' defaults, to tell which
     options were given."""
-    if misused := _given(args, defaults, MODEL_ONLY):
-        return _fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
-    if problem := _metrics_problem(args):
-        return _fail(problem)
+    if misused := given_flags(args, defaults, MODEL_ONLY):
+        return fail(f"{', '.join(misused)}: only for model workloads ({', '.join(registry.MODEL_WORKLOADS)})")
+    if problem := metrics_problem(args):
+        return fail(problem)
     if args.in_flight is not None:
-        return _fail("--in-flight: only for model workloads; a trace replay takes --sessions (sessions interleaved) "
-                     "and --in-service (requests served at once)")
+        return fail("--in-flight: only for model workloads; a trace replay takes --sessions (sessions interleaved) "
+                    "and --in-service (requests served at once)")
     if args.sessions < 1:
-        return _fail(f"--sessions must be >= 1, got {args.sessions}")
+        return fail(f"--sessions must be >= 1, got {args.sessions}")
     if args.in_service is not None and args.in_service < 1:
-        return _fail(f"--in-service must be >= 1, got {args.in_service}")
+        return fail(f"--in-service must be >= 1, got {args.in_service}")
     if args.prefill_rate <= 0 or args.tpot < 0:
-        return _fail("--prefill-rate must be > 0 and --tpot >= 0")
+        return fail("--prefill-rate must be > 0 and --tpot >= 0")
     try:
         fmt, path = registry.resolve(args.target, args.data, args.format)
     except registry.UnknownWorkload as e:
-        return _fail(str(e))
+        return fail(str(e))
     if fmt == "mooncake" and args.page_size not in (None, 512):
-        return _fail(f"Mooncake traces fix the page size at 512 (one hash id per 512-token block); "
-                     f"got --page-size {args.page_size}")
+        return fail(f"Mooncake traces fix the page size at 512 (one hash id per 512-token block); "
+                    f"got --page-size {args.page_size}")
     if fmt == "mooncake" and args.tokenizer is not None:
-        return _fail("--tokenizer: Mooncake traces hold block ids, not text")
+        return fail("--tokenizer: Mooncake traces hold block ids, not text")
     if args.page_size is not None and args.page_size < 1:
-        return _fail(f"--page-size must be >= 1, got {args.page_size}")
-    if problem := _replica_problem(args, defaults):
-        return _fail(problem)
-    progress = _progress(args)
-    return _with_metrics(args, lambda exporter, port: _trace_replay(args, defaults, fmt, path, progress, exporter,
-                                                                    port))
+        return fail(f"--page-size must be >= 1, got {args.page_size}")
+    if problem := replica_problem(args, defaults):
+        return fail(problem)
+    progress = progress_bars(args)
+    return with_metrics(args, lambda exporter, port: _trace_replay(args, defaults, fmt, path, progress, exporter,
+                                                                   port))
 
 
 def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter, port) -> int:
@@ -147,10 +158,10 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     try:
         trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
     except (TraceError, MissingDependency) as e:
-        return _fail(str(e))
+        return fail(str(e))
     _warn_skipped(trace)
     if not trace.sessions:
-        return _fail(f"no usable requests in {path}")
+        return fail(f"no usable requests in {path}")
     page_size = args.page_size or trace.page_size or TEXT_PAGE_SIZE
     loaded = time.perf_counter() - started
     serving = Serving(args.order, args.sessions, args.in_service, args.pin_sessions)
@@ -165,10 +176,10 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
         print(f"told from the content: {trace.told}; --format {flag} reads it as {other}")
     service = ServiceModel(args.prefill_rate, args.tpot)
     if args.replicas:
-        return _replica_replay(args, defaults, trace, page_size, service, started, args.router or list(TEXT_ROUTERS))
+        return run_replica_replay(args, defaults, trace, page_size, service, started, args.router or list(TEXT_ROUTERS))
     from workloads.sizing.pool_checks import pool_problem
     if problem := pool_problem(trace, page_size, args.pool_tokens, host_tokens=args.host_tokens):
-        return _fail(problem)
+        return fail(problem)
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     from mmcache.eviction import DEFAULT_POLICY
     policies = args.eviction or [DEFAULT_POLICY]
@@ -207,15 +218,15 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
         if args.json:  # one policy: the sweep's document; several: one per policy under "sweeps"
             doc = (sweep_json(sweep) if len(policies) == 1
                    else {"sweeps": [sweep_json(s) for s in sweeps], "interrupted": stopped})
-            saved &= _save("--json", args.json, json.dumps(doc, indent=2) + "\n")
+            saved &= save_output("--json", args.json, json.dumps(doc, indent=2) + "\n")
         if args.plot:
             from workloads.sizing.plot import plot_sweeps
-            saved &= _save("--plot", args.plot, plot_sweeps(sweeps))
+            saved &= save_output("--plot", args.plot, plot_sweeps(sweeps))
     if held.received:
-        _held_interrupt()
+        report_held_interrupt()
         stopped = True
     if exporter is not None and args.metrics_linger and not stopped:
-        common._linger(exporter, args.metrics_linger, port)  # by module: tests replace it there
+        common.linger_metrics(exporter, args.metrics_linger, port)  # by module: tests replace it there
     return INTERRUPTED if stopped else 0 if saved else 1
 
 

@@ -49,7 +49,7 @@ _SYSTEM = ("You are a software engineer working in a Linux shell on a repository
            "`echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT` when the fix is done.")
 
 
-def _agent_messages(rng: np.random.Generator, calls: int) -> list[tuple[str, str]]:
+def agent_messages(rng: np.random.Generator, calls: int) -> list[tuple[str, str]]:
     """One generated session: system, task, then ``calls`` command / tool-output pairs (roles as in the traces)."""
     words = lambda k: " ".join(rng.choice(_WORDS, k))  # noqa: E731
     task = f"Fix the issue: {words(12)}.\nSteps to reproduce:\n" + "\n".join(f"- {words(8)}" for _ in range(4))
@@ -63,7 +63,8 @@ def _agent_messages(rng: np.random.Generator, calls: int) -> list[tuple[str, str
     return messages
 
 
-def _trajectory(name: str, messages: list[tuple[str, str]], tok, start_s: float, gap_s: float) -> Trajectory:
+def agent_trajectory(name: str, messages: list[tuple[str, str]], tok, start_s: float,
+                     gap_s: float) -> Trajectory:
     """A ``swe_agent.Trajectory`` of generated messages, tokenized exactly as ``load_swe_agent`` does."""
     arrays = [np.asarray(t, dtype=np.int32) for t in tok.encode([render(r, c) for r, c in messages])]
     lengths = np.cumsum([0] + [a.size for a in arrays]) + 1
@@ -77,7 +78,7 @@ def _agent_requests(options: ModelWorkloadOptions) -> list[Request]:
     sessions = -(-limit // CALLS_PER_SESSION)
     if options.data is None:
         rng = np.random.default_rng(options.seed)
-        trajs = [_trajectory(f"gen-{s}", _agent_messages(rng, CALLS_PER_SESSION), tok, 1.5 * s, 6.0)
+        trajs = [agent_trajectory(f"gen-{s}", agent_messages(rng, CALLS_PER_SESSION), tok, 1.5 * s, 6.0)
                  for s in range(sessions)]
     else:
         trace = load_swe_agent(Path(options.data) / registry.MODEL_WORKLOADS["agent-model"].data_path,

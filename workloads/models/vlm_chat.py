@@ -42,9 +42,9 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw
 
+from encoders.llava import LlavaPrefill, VlmPrompt
 from mmcache import EncoderStore, ShadowIndex
 from mmcache.errors import InvalidMedia, InvalidRequest
-from encoders.llava import LlavaPrefill, VlmPrompt
 from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
 from workloads import fixtures, registry
 from workloads.harness.metrics import RequestResult

@@ -44,6 +44,7 @@ import types
 
 import torch
 
+
 class _ImportOnly(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -165,7 +166,8 @@ def apply_llama31_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids
     smooth_a = torch.tensor(old_context_len, dtype=f32) / torch.tensor(
         2 * math.pi * high_freq_factor - 2 * math.pi * low_freq_factor, dtype=f32)
     smooth_b = torch.tensor(-1.0, dtype=f32) / torch.tensor(high_freq_factor / low_freq_factor - 1.0, dtype=f32)
-    _rotate_halves(q, k, pos_ids, _frequencies(rotary_dim or q.shape[-1], rope_theta, rope_scale, smooth_a, smooth_b))
+    freq = rope_frequencies(rotary_dim or q.shape[-1], rope_theta, rope_scale, smooth_a, smooth_b)
+    rotate_halves(q, k, pos_ids, freq)
 
 
 def apply_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor,
@@ -175,11 +177,11 @@ def apply_rope_pos_ids_inplace(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.
     if interleave:
         raise NotImplementedError("interleaved RoPE: not on a path the CPU stand-ins serve")
     zero = torch.tensor(0.0)
-    _rotate_halves(q, k, pos_ids, _frequencies(rotary_dim or q.shape[-1], rope_theta, rope_scale, zero, zero))
+    rotate_halves(q, k, pos_ids, rope_frequencies(rotary_dim or q.shape[-1], rope_theta, rope_scale, zero, zero))
 
 
-def _frequencies(d: int, rope_theta: float, rope_scale: float, smooth_a: torch.Tensor,
-                 smooth_b: torch.Tensor) -> torch.Tensor:
+def rope_frequencies(d: int, rope_theta: float, rope_scale: float, smooth_a: torch.Tensor,
+                     smooth_b: torch.Tensor) -> torch.Tensor:
     """The kernel's per-dim frequency [d], fp32: ``f = theta^(-2(e mod d/2)/d)``, ``s = fmax(0, fmin(1, f a + b))``,
     ``(1 - s) f / rope_scale + s f``."""
     e = torch.arange(d, dtype=torch.float32)
@@ -188,7 +190,7 @@ def _frequencies(d: int, rope_theta: float, rope_scale: float, smooth_a: torch.T
     return (1 - smooth) * (freq / rope_scale) + smooth * freq
 
 
-def _rotate_halves(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, freq: torch.Tensor) -> None:
+def rotate_halves(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, freq: torch.Tensor) -> None:
     """Rotate the first ``freq.numel()`` dims of ``q`` and ``k`` as halves ("rotate_half") by ``pos * freq``, in
     fp32, stored back in the input dtype."""
     d = freq.numel()

@@ -30,8 +30,8 @@ from mstar.model.pi05.config import LLM_KV, LLM_POS, Pi05Config  # noqa: E402
 from mstar.model.pi05.pi05_model import Pi05Model, _Pi05LLMWeightContainer  # noqa: E402
 
 from mmcache.mstar import PrefixReuse  # noqa: E402
-from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 from workloads.peers.mstar_checkpoint import random_hub_tensors  # noqa: E402
+from workloads.peers.mstar_engine import cpu_engine, run_batch  # noqa: E402
 
 LLM, LABEL = "LLM", "main"  # the node and the label its steps write
 PREFILL, ACTION = "prefill", "action_gen"

@@ -115,10 +115,10 @@ def qwen3_tts_model(checkpoint: Path) -> Qwen3TTSModel:
 def apply_rope_pos_ids(q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor, rope_theta: float = 10000.0):
     """``mstar.utils.attention.apply_rope_pos_ids``: rotate-half RoPE in place on ``q`` [M, Hq, D] and ``k``
     [M, Hkv, D] at ``position_ids`` [M], in fp32; returns (q, k)."""
-    from workloads.peers.mstar_cpu_kernels import _frequencies, _rotate_halves
+    from workloads.peers.mstar_cpu_kernels import rope_frequencies, rotate_halves
 
     zero = torch.tensor(0.0)
-    _rotate_halves(q, k, position_ids, _frequencies(q.shape[-1], rope_theta, 1.0, zero, zero))
+    rotate_halves(q, k, position_ids, rope_frequencies(q.shape[-1], rope_theta, 1.0, zero, zero))
     return q, k
 
 

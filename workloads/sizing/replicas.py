@@ -61,7 +61,6 @@ from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextRequest, TextTrace
 
 
-
 @dataclasses.dataclass
 class ReplicaRun:
     replicas: int

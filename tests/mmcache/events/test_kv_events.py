@@ -13,8 +13,15 @@ import zmq
 
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
-from mmcache.events import (AllBlocksCleared, BlockRemoved, BlockStored, EncoderOutputRemoved, EncoderOutputStored,
-                            decode_batch, media_identifier)
+from mmcache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EncoderOutputRemoved,
+    EncoderOutputStored,
+    decode_batch,
+    media_identifier,
+)
 from mmcache.kv_events import DEFAULT_ENCODER_TOPIC, KVEventPublisher
 from mmcache.tiers import MemoryStore, StoreTier, TierStack
 

@@ -16,14 +16,21 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, DynamicCache, LlamaConfig, LlamaForCausalLM,
-                          LlavaConfig, LlavaForConditionalGeneration)
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+)
 
 from conftest import save_tiny
-from mmcache.hf.paged_kv import PagedKVCache
-from mmcache.hf.runner import chunk_spans, generate, replay, serve
 from encoders.llava import LlavaPrefill
 from mmcache.encoder_store import EncoderStore
+from mmcache.hf.paged_kv import PagedKVCache
+from mmcache.hf.runner import chunk_spans, generate, replay, serve
 
 P = 4  # page size; also the prefill chunk
 NEW = 5  # tokens generated per turn

@@ -22,12 +22,11 @@ import torch
 
 cb = pytest.importorskip("transformers.generation.continuous_batching",
                          reason="transformers has no continuous-batching engine (needs transformers >= 5)")
+from conftest import ENGINE_NEW as NEW  # noqa: E402
+from conftest import ENGINE_P as P  # noqa: E402
 from mmcache.errors import InvalidRequest  # noqa: E402
 from mmcache.hf.continuous_batching import TESTED_TRANSFORMERS, allocator_class, enable_prefix_cache  # noqa: E402
 from workloads.peers.transformers_cb import Call, PeerEngine  # noqa: E402
-
-from conftest import ENGINE_NEW as NEW  # noqa: E402
-from conftest import ENGINE_P as P  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

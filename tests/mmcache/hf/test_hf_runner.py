@@ -6,10 +6,10 @@ import torch
 
 import digests
 from conftest import png_bytes
+from encoders.llava import LlavaPrefill
 from encoders.vision import CachedVisionEncoder
 from mmcache.encoder_store import EncoderStore
 from mmcache.hf import runner
-from encoders.llava import LlavaPrefill
 from mmcache.hf.paged_kv import PagedKVCache
 from workloads import fixtures
 

@@ -7,10 +7,10 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig
 
 from conftest import save_tiny
-from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
-from mmcache.hf.runner import chunk_spans, replay, serve
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest, OutOfPages
+from mmcache.hf.paged_kv import PagedKVCache, kv_page_shape
+from mmcache.hf.runner import chunk_spans, replay, serve
 
 P = 4  # page size
 VOCAB = 512

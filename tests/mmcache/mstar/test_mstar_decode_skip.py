@@ -11,8 +11,18 @@ import pytest
 import torch
 
 import made_media
-from mstar_encoder_helpers import (CpuEngine, ForwardCount, assert_equal_outputs, data_worker, load_audio_16k,
-                                   preprocess, qwen3_omni_model, qwen3_omni_on_cpu, require_mstar, worker_engine)
+from mstar_encoder_helpers import (
+    CpuEngine,
+    ForwardCount,
+    assert_equal_outputs,
+    data_worker,
+    load_audio_16k,
+    preprocess,
+    qwen3_omni_model,
+    qwen3_omni_on_cpu,
+    require_mstar,
+    worker_engine,
+)
 
 require_mstar()
 

@@ -11,8 +11,17 @@ import pytest
 
 import made_media
 from mstar_encoder_checkpoints import same_parameters
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, load_audio_16k, preprocess,
-                                   qwen3_omni_model, qwen3_omni_on_cpu, require_mstar, served_node)
+from mstar_encoder_helpers import (
+    ForwardCount,
+    assert_equal_outputs,
+    data_worker,
+    load_audio_16k,
+    preprocess,
+    qwen3_omni_model,
+    qwen3_omni_on_cpu,
+    require_mstar,
+    served_node,
+)
 
 require_mstar()
 

@@ -14,10 +14,9 @@ from mmcache.mstar.encoder_node import CachedEncoderNode  # noqa: E402
 
 
 def test_counters_on_a_registry(tmp_path):
-    from transformers import UMT5Config, UMT5EncoderModel
-
     from mstar.model.wan22.config import Wan22Config
     from mstar.model.wan22.submodules import Wan22TextEncoderSubmodule
+    from transformers import UMT5Config, UMT5EncoderModel
     umt5 = saved_model(tmp_path, "umt5", UMT5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2,
                                                     d_kv=8, relative_attention_num_buckets=8), UMT5EncoderModel)
     sub = Wan22TextEncoderSubmodule(umt5, Wan22Config(text_max_seq_len=8, text_dim=16))

@@ -69,9 +69,8 @@ def test_the_node_and_a_direct_store_caller_share_one_flight(tmp_path_factory):
     store's one in-flight table): the tower runs once and both get its output."""
     import threading
 
-    from mstar_encoder_helpers import batch
-
     from conftest import wait_for
+    from mstar_encoder_helpers import batch
     case, node, tower = _whisper_node(tmp_path_factory.mktemp("whisper"))
     cached = CachedEncoderNode(node, items_for(node), capacity_bytes=1 << 24, page_bytes=4096)
     wrapped = engine({"enc": cached})

@@ -10,8 +10,16 @@ import torch
 
 import made_media
 from mstar_encoder_checkpoints import same_parameters
-from mstar_encoder_helpers import (ForwardCount, assert_equal_outputs, data_worker, preprocess, qwen3_omni_model,
-                                   qwen3_omni_on_cpu, require_mstar, served_node)
+from mstar_encoder_helpers import (
+    ForwardCount,
+    assert_equal_outputs,
+    data_worker,
+    preprocess,
+    qwen3_omni_model,
+    qwen3_omni_on_cpu,
+    require_mstar,
+    served_node,
+)
 
 require_mstar()
 

@@ -22,7 +22,17 @@ from mstar_helpers import all_equal, require_mstar
 require_mstar()
 from mmcache.mstar import PrefixReuse  # noqa: E402
 from workloads.peers.mstar_higgs import (  # noqa: E402
-    AUDIO_WALK, CFG, LABEL, TEXT_WALK, dense_reference, greedy, higgs_engine, higgs_reuse, save_weights, walk)
+    AUDIO_WALK,
+    CFG,
+    LABEL,
+    TEXT_WALK,
+    dense_reference,
+    greedy,
+    higgs_engine,
+    higgs_reuse,
+    save_weights,
+    walk,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 P = 4  # page size

@@ -12,13 +12,26 @@ import torch
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
-from mstar_toy_ar import (  # noqa: E402
-    KV, LABEL, P, KVStep, PendingCopy, PrefixReuse, Segment, StepContext, SubmoduleStep, dense_logits,
-    ids_as_from_a_device, ids_feed, node, serve, step, weights,
-)
-
 from mmcache import EncoderKey, EncoderStore  # noqa: E402
 from mmcache.errors import InvalidRequest  # noqa: E402
+from mstar_toy_ar import (  # noqa: E402
+    KV,
+    LABEL,
+    KVStep,
+    P,
+    PendingCopy,
+    PrefixReuse,
+    Segment,
+    StepContext,
+    SubmoduleStep,
+    dense_logits,
+    ids_as_from_a_device,
+    ids_feed,
+    node,
+    serve,
+    step,
+    weights,
+)
 
 W = weights()
 REUSE = PrefixReuse(model="toy@0")

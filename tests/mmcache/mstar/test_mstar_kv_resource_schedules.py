@@ -18,7 +18,17 @@ from mstar_helpers import require_mstar
 
 require_mstar()
 from mstar_toy_ar import (  # noqa: E402
-    D, LABEL, P, PendingCopy, PrefixReuse, ids_as_from_a_device, ids_feed, node, project, step, weights,
+    LABEL,
+    D,
+    P,
+    PendingCopy,
+    PrefixReuse,
+    ids_as_from_a_device,
+    ids_feed,
+    node,
+    project,
+    step,
+    weights,
 )
 
 W = weights()

@@ -10,8 +10,15 @@ import pytest
 import torch
 
 import made_media
-from mstar_encoder_helpers import (data_worker, install_flashinfer_standin, load_audio_16k, preprocess,
-                                   qwen3_omni_model, qwen3_omni_processors, require_mstar)
+from mstar_encoder_helpers import (
+    data_worker,
+    install_flashinfer_standin,
+    load_audio_16k,
+    preprocess,
+    qwen3_omni_model,
+    qwen3_omni_processors,
+    require_mstar,
+)
 
 require_mstar()
 

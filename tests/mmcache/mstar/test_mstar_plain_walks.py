@@ -9,9 +9,8 @@ import torch
 from mstar_helpers import all_equal, require_mstar
 
 require_mstar()
-from mstar_toy_ar import ids_feed, node, serve, step, weights  # noqa: E402
-
 from mmcache.mstar import PrefixReuse  # noqa: E402
+from mstar_toy_ar import ids_feed, node, serve, step, weights  # noqa: E402
 
 REUSE, W = PrefixReuse(model="toy@plain"), weights()
 

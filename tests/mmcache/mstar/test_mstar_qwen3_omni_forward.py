@@ -28,11 +28,8 @@ import torch
 from mstar_helpers import require_mstar
 
 require_mstar()
+from mstar_qwen3_omni_helpers import edges_equal, fed, ids, image, rows, same, serve, spoken_same, system_turn  # noqa: E402
 from workloads.peers import mstar_qwen3_omni as q  # noqa: E402
-
-from mstar_qwen3_omni_helpers import (  # noqa: E402
-    edges_equal, fed, ids, image, rows, same, serve, spoken_same, system_turn,
-)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 P = 4  # page size

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 from mstar_helpers import require_mstar
 
 require_mstar()
+from mstar_qwen3_omni_helpers import fed, ids, image, serve, spoken_same, system_turn  # noqa: E402
 from workloads.peers import mstar_cpu_kernels as kernels  # noqa: E402
 from workloads.peers import mstar_qwen3_omni as q  # noqa: E402
-
-from mstar_qwen3_omni_helpers import fed, ids, image, serve, spoken_same, system_turn  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SYSTEMS = (system_turn(13, 60), system_turn(9, 61))

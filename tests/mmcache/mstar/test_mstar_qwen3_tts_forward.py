@@ -25,8 +25,16 @@ from mstar_helpers import all_equal, require_mstar
 require_mstar()
 from mmcache.mstar.qwen3_tts import prefill_rows_media, qwen3_tts_reuse  # noqa: E402
 from workloads.peers.mstar_qwen3_tts import (  # noqa: E402
-    DECODE, LABEL, PREFILL, dense_reference, greedy, install_code_predictor_kernels, save_checkpoint, talker_engine,
-    walk)
+    DECODE,
+    LABEL,
+    PREFILL,
+    dense_reference,
+    greedy,
+    install_code_predictor_kernels,
+    save_checkpoint,
+    talker_engine,
+    walk,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 P = 4  # page size

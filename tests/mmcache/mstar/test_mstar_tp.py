@@ -6,6 +6,7 @@ the other keep none, and outputs stay equal to reuse off."""
 import pytest
 import torch
 import torch.distributed as dist
+
 from gloo_ranks import spawn_gloo
 from mstar_helpers import require_mstar
 
@@ -14,6 +15,7 @@ require_mstar()
 
 def _rank(rank: int, world: int) -> None:
     from mstar.distributed.communication import CommGroup, JointGroups
+
     from mstar_toy_ar import LABEL, PrefixReuse, node, serve, weights
 
     tp = CommGroup(my_global_rank=rank, my_group_rank=rank, group_members=list(range(world)))

@@ -19,8 +19,7 @@ from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache
 from mmcache.encoder_key import stable_bytes
 from mmcache.errors import InvalidRequest
 from mmcache.pool import HostPagePool
-from mmcache.tiers import EncoderHostTier, EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack
-from mmcache.tiers import encoder_entry
+from mmcache.tiers import EncoderHostTier, EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack, encoder_entry
 from mmcache.tiers.page_format import MAC_BYTES
 
 PB = 256  # device page bytes

@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
-from mooncake_master import MooncakeMaster
 
 from mmcache import EncoderKey, EncoderStore
 from mmcache.tiers import EncoderTiers, StoreTier, encoder_entry, mooncake
+from mooncake_master import MooncakeMaster
 
 WHY = mooncake.available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"Mooncake Store cannot run here: {WHY}")

@@ -18,8 +18,7 @@ from conftest import random_tokens
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.hf.paged_kv import PagedKVCache
 from mmcache.hf.runner import chunk_spans, replay, serve
-from mmcache.tiers import MemoryStore, StoreTier, TierStack
-from mmcache.tiers import mooncake
+from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
 from mooncake_master import MooncakeMaster
 
 P, NEW = 4, 5

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from mooncake_master import MooncakeMaster
-from tier_traffic import complete
 
 from mmcache import Fingerprint, HostPagePool, PagePool, PrefixCache
 from mmcache.errors import InvalidRequest
 from mmcache.tiers import EncoderTiers, HostTier, MemoryStore, StoreTier, TierStack, mooncake, stack
+from mooncake_master import MooncakeMaster
+from tier_traffic import complete
 
 P = 4
 WHY = mooncake.available()
@@ -205,7 +205,7 @@ def test_a_prefix_committed_while_the_store_is_read_keeps_the_index_closed_under
 
 
 class PendingCopy:
-    """Stands in for the CUDA event of an asynchronous host-to-device copy (``stack._copy_up`` on CUDA): the copy is
+    """Stands in for the CUDA event of an asynchronous host-to-device copy (``stack.copy_up`` on CUDA): the copy is
     made at once, and the event says it landed only once waited on."""
 
     def __init__(self):
@@ -223,7 +223,7 @@ def test_pages_a_hit_gives_up_are_freed_only_after_its_copy_up_lands(monkeypatch
         stack.copy_pages(src, src_pages, dst, dst_pages)
         return PendingCopy()
 
-    monkeypatch.setattr(stack, "_copy_up", copy_up)
+    monkeypatch.setattr(stack, "copy_up", copy_up)
     shared, fp = RacingStore(), Fingerprint(model="race-host", page_size=P)
     base = prompts(1, pages=6)[0]
     writer = PrefixCache(PagePool(32, (P,), torch.float32), fp,

@@ -7,16 +7,15 @@ that keep failing do mark the store down."""
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
-from mooncake_master import MooncakeMaster
-from tier_traffic import complete
 
 from mmcache import Fingerprint, PagePool, PrefixCache
 from mmcache.names import page_names
 from mmcache.tiers import MemoryStore, StoreTier, TierStack, mooncake
 from mmcache.tiers.page_format import page_key
+from mooncake_master import MooncakeMaster
+from tier_traffic import complete
 
 P = 4
 WHY = mooncake.available()
