@@ -84,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_eviction import TRACES, load  # noqa: E402
+
 from mmcache import eviction  # noqa: E402
 from mmcache.keep_durations import KeepDurations  # noqa: E402
 from workloads.sizes import format_size, parse_sizes  # noqa: E402
@@ -772,7 +773,7 @@ def differing_requests(trace, page: int, order: str, in_flight: int, size: int, 
 
     matched: dict = {}
     events: list = []  # ("admit" | "finish", rid), the default's replay
-    step, finish = replay._Replayer.step, replay._Replayer.finish
+    step, finish = replay.Replayer.step, replay.Replayer.finish
     calls: dict = {}   # session -> its rids in admission order
 
     def traced_step(self, req):
@@ -788,8 +789,8 @@ def differing_requests(trace, page: int, order: str, in_flight: int, size: int, 
             events.append(("finish", rid))
         return finish(self, rid)
 
-    with mock.patch.object(replay._Replayer, "step", traced_step), \
-            mock.patch.object(replay._Replayer, "finish", traced_finish):
+    with mock.patch.object(replay.Replayer, "step", traced_step), \
+            mock.patch.object(replay.Replayer, "finish", traced_finish):
         for policy in ("lru", eviction.DEFAULT_POLICY, "optimal"):
             replay_trace(trace, page_size=page, pool_tokens=size, order=order, in_flight=in_flight, eviction=policy,
                          lookups=lookups)
@@ -813,7 +814,7 @@ def by_quarter(trace, page: int, order: str, in_flight: int, size: int, lookups,
 
     from workloads.sizing import replay
 
-    step, rows = replay._Replayer.step, []
+    step, rows = replay.Replayer.step, []
 
     def traced_step(self, req):
         m = step(self, req)
@@ -821,7 +822,7 @@ def by_quarter(trace, page: int, order: str, in_flight: int, size: int, lookups,
         return m
 
     rates = {}
-    with mock.patch.object(replay._Replayer, "step", traced_step):
+    with mock.patch.object(replay.Replayer, "step", traced_step):
         for policy in ["lru", *variants, "optimal"]:
             rows.clear()
             replay_trace(trace, page_size=page, pool_tokens=size, order=order, in_flight=in_flight, eviction=policy,

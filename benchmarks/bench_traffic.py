@@ -18,9 +18,9 @@ import argparse
 import time
 
 import numpy as np
+from traffic import GENERATORS, KV_PAGE_BYTES, PAGE
 
 from mmcache.eviction import DEFAULT_POLICY, POLICIES, LookupRecorder
-from traffic import GENERATORS, KV_PAGE_BYTES, PAGE
 from workloads.sizes import format_size, parse_sizes
 from workloads.sizing.encoders import EncoderPlace
 from workloads.sizing.ordering import Serving

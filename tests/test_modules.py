@@ -8,13 +8,7 @@ from test_layers import ROOT, imported_names
 
 PROJECT = ("digests", "mmcache", "encoders", "workloads")
 IMPORTERS = PROJECT + ("benchmarks", "tests")
-# Known private imports that touch files being changed on another branch, each (importing file, imported name); the
-# fix makes the name public there, and removes its line here.
-KNOWN_PRIVATE_IMPORTS = {
-    ("workloads/sizing/replicas.py", "workloads.sizing.replay._Replayer"),  # workloads/sizing/replay.py
-}
 MAX_LINES = 600
-LONGER = {"mmcache/prefix_index.py"}  # over MAX_LINES, to be split on another branch
 
 
 def is_private(part: str) -> bool:
@@ -29,10 +23,10 @@ def private_imports(path: Path) -> list[str]:
 def test_no_module_imports_a_private_name_from_another():
     found = {(str(p.relative_to(ROOT)), name) for top in IMPORTERS for p in sorted((ROOT / top).rglob("*.py"))
              for name in private_imports(p)}
-    assert found - KNOWN_PRIVATE_IMPORTS == set()
+    assert found == set()
 
 
 def test_no_module_of_mmcache_is_over_600_lines():
     lines = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
              for p in sorted((ROOT / "mmcache").rglob("*.py"))}
-    assert lines and {p: n for p, n in lines.items() if n > MAX_LINES and p not in LONGER} == {}
+    assert lines and {p: n for p, n in lines.items() if n > MAX_LINES} == {}

@@ -7,8 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.traffic import (GENERATORS, IMAGE_TOKENS, PAGE, agent_sessions, burst, encoder_stop, ending_chats,
-                                hot_prompts)
+from benchmarks.traffic import (
+    GENERATORS,
+    IMAGE_TOKENS,
+    PAGE,
+    agent_sessions,
+    burst,
+    encoder_stop,
+    ending_chats,
+    hot_prompts,
+)
 from workloads.sizing.ordering import Serving
 from workloads.sizing.replay import replay_trace
 

@@ -136,7 +136,7 @@ class ReplayObserver(Protocol):
         too large for the pool) and ran the encoder for ``encoder_runs`` of its media items (with ``encoders``)."""
 
 
-class _Replayer:
+class Replayer:
     """The state of one replay: the cache, the requests it holds (in service, keyed by end; pinned sessions' last
     calls) and the counters."""
 
@@ -339,7 +339,7 @@ def replay_trace(trace: TextTrace, *, page_size: int, pool_tokens: int | None, s
         tiers = TierModel(host_bytes_per_s=tiers.host_bytes_per_s, store_bytes_per_s=tiers.store_bytes_per_s,
                           kv_bytes_per_token=tiers.kv_bytes_per_token)
     run.host_tokens, run.store_tokens = tiers.host_tokens, tiers.store_tokens
-    r = _Replayer(trace, run, service, tiers, policy, serving=serving, encoders=encoders)
+    r = Replayer(trace, run, service, tiers, policy, serving=serving, encoders=encoders)
     if observer is not None:
         observer.new_caches()
         observer.sample(r.cache_stats())

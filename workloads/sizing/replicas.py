@@ -14,7 +14,7 @@ runs (a miss, stored). The encoder hit rate is the share of items the encoder di
 
 Per request, in timestamp order: every replica first finishes what has ended by the arrival; a session's previous
 call is finished on whichever replica holds it; the router sees the request's page names, prompt length, the digests
-of its encoded media and each replica's live requests (its queue) and picks a replica, whose ``_Replayer`` admits
+of its encoded media and each replica's live requests (its queue) and picks a replica, whose ``Replayer`` admits
 and runs the request exactly as the single-pool replay does (``workloads.sizing.replay``).
 
 A router that reads the replicas' caches (``kv-aware``) reads them as an external router would: each replica's
@@ -55,7 +55,7 @@ from mmcache.shadow import ReplicaSpread
 from workloads.service import ServiceModel
 from workloads.sizing.encoders import DEFAULT_ENCODER_BYTES, ENCODER_UNIT, EncoderPlace
 from workloads.sizing.ordering import Serving, schedule
-from workloads.sizing.replay import ReplayRun, _Replayer
+from workloads.sizing.replay import Replayer, ReplayRun
 from workloads.sizing.routers import make_router
 from workloads.sizing.tiers import TierModel
 from workloads.traces.text_trace import TextRequest, TextTrace
@@ -118,7 +118,7 @@ class ReplicaRun:
                 "load_imbalance": self.load_imbalance, "encoder_hit_rate": self.encoder_hit_rate}
 
 
-class _Replica(_Replayer):
+class _Replica(Replayer):
     """One replica's cache, encoder store and live set, with a FIFO prefill queue for TTFT."""
 
     def __init__(self, trace: TextTrace, run: ReplayRun, service: ServiceModel, encoder_bytes: int,
