@@ -38,7 +38,7 @@ COST_TURNOVERS = 0.5  # the most a cost moves a key: this share of a turnover, e
 class DIP(EvictionPolicy):
     name = "dip"
     tier_policy = "lru"  # a host tier's entries are evicted device pages, with no requests to duel on
-    fixed_rule: str | None = None  # a prototype's: follow this rule whatever the duel says
+    fixed_rule: str | None = None  # a prototype's: follow this rule whatever the duel says (RULES)
 
     def __init__(self, num_pages: int, clock: Clock):
         super().__init__(num_pages, clock)
@@ -64,9 +64,14 @@ class DIP(EvictionPolicy):
             return
         self.duel.admitted(names)
         rule = self.duel.rule if self.fixed_rule is None else self.fixed_rule
-        if computed > 0 and demotes(rule, names[hits] in self._ghosts, self._lottery):
+        if computed > 0 and demotes(rule, self.lost(names[hits]), self._lottery):
             ghosts = self._ghosts
             self._demoted.add([n for n in names[hits:] if n not in ghosts] if rule == "newcomers" else names[hits:])
+
+    def lost(self, name: int) -> bool:
+        """Whether a request whose first page not found is ``name`` lost it: the page was cached and evicted lately
+        (a ghost). What makes the request a victim under the ``victims`` rule."""
+        return name in self._ghosts
 
     def released(self, names: Sequence[int]) -> None:
         self.duel.released(names)

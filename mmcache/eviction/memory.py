@@ -9,13 +9,14 @@ from typing import Iterable
 
 
 class NameWindow:
-    """The latest ``limit`` names added (a set): adding a name already in it makes it the latest."""
+    """The latest ``limit`` names added, each with a value if given (a tick, say): adding a name already in it makes
+    it the latest, with the new value."""
 
     __slots__ = ("limit", "_names")
 
     def __init__(self, limit: int):
         self.limit = max(1, int(limit))
-        self._names: OrderedDict[int, None] = OrderedDict()
+        self._names: OrderedDict[int, object] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._names)
@@ -23,10 +24,13 @@ class NameWindow:
     def __contains__(self, name: int) -> bool:
         return name in self._names
 
-    def add(self, names: Iterable[int]) -> None:
+    def get(self, name: int, default=None):
+        return self._names.get(name, default)
+
+    def add(self, names: Iterable[int], values: Iterable | None = None) -> None:
         kept = self._names
-        for name in names:
-            kept[name] = None
+        for name, value in zip(names, values) if values is not None else ((n, None) for n in names):
+            kept[name] = value
             kept.move_to_end(name)
         while len(kept) > self.limit:
             kept.popitem(last=False)
