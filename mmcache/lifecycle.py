@@ -403,9 +403,10 @@ class PrefixLifecycle:
 
     def touch(self, claim: Claim) -> None:
         """The request is done with its chain: the pool's policy hears it, and the chain is marked used now (one
-        tick for the whole chain), so its pages rank by their last use as they become evictable. Pages indexed while it ran took their parent's tick. A chain whose
-        last page left the index meanwhile is not touched: its page ids may stand for other chains' pages now (the
-        index is closed under parents, so the last page's serial vouches for the whole chain)."""
+        tick for the whole chain), so its pages rank by their last use as they become evictable. Pages indexed while
+        it ran took their parent's tick. A chain whose last page left the index meanwhile is not touched: its page ids
+        may stand for other chains' pages now (the index is closed under parents, so the last page's serial vouches
+        for the whole chain)."""
         with self.lock:
             self.index.released(claim.names[:claim.indexed])
             if claim.chain and self.index.serial(claim.chain[-1]) == claim.parent_serial:

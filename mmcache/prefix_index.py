@@ -208,7 +208,8 @@ class PrefixIndex:
         monotone = policy.monotone
         if len(pages) <= SCALAR_PAGES:
             pages = pages if type(pages) is list else pages.tolist()
-            ticks, names, parents, key, cost = self._ticks, self._names, self._parents, self.guard.key, self.page_seconds
+            ticks, names, parents, cost = self._ticks, self._names, self._parents, self.page_seconds
+            key = self.guard.key
             wanted = [key(policy, names[page], tick, keys[page], cost) for page in pages]
             for page, k in zip(pages, wanted):
                 ticks[page] = tick

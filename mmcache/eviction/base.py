@@ -45,7 +45,7 @@ class EvictionPolicy:
         self.num_pages = max(1, int(num_pages))
         self.clock = clock
 
-    # -- what the caches tell the policy (no-ops here) ------------------------------------------------------------------
+    # -- what the caches tell the policy (no-ops here) -----------------------------------------------------------------
     def looked_up(self, names: Sequence[int], hits: int, held: bool = False) -> None:
         """A request looked up ``names`` and found the first ``hits`` cached (see the module docstring)."""
 

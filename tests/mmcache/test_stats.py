@@ -27,8 +27,8 @@ def test_prefix_cache_stats_are_a_frozen_snapshot_with_the_documented_keys():
     s = cache.stats()
     assert isinstance(s, PrefixCacheStats) and s.queries == 1 and s.requests_live == 1
     assert list(s.to_dict()) == ["queries", "hits", "queried_tokens", "hit_tokens", "evicted_pages", "freed_pages",
-                                 "eviction_batches", "shortfall_pages", "stalls", "collisions", "listener_errors", "pages_free",
-                                 "pages_live", "pages_cached", "requests_live"]
+                                 "eviction_batches", "shortfall_pages", "stalls", "collisions", "listener_errors",
+                                 "pages_free", "pages_live", "pages_cached", "requests_live"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.hits = 3
     cache.abort("a")
@@ -136,7 +136,8 @@ def test_host_tiers_count_what_their_eviction_took_and_freed_and_what_did_not_fi
     assert host.put("a", bytes(130), None) and host.holds("a", None)  # 3 pages; held: a refresh
     assert not host.put("big", bytes(5 * 64), None)  # more than the pool
     assert host.put("b", bytes(65), None)  # 2 pages, 1 free: takes "a" out, 3 pages evicted and freed
-    assert host.counters == {"refreshed_entries": 1, "full_entries": 1, "evicted_pages": 3, "freed_pages": 3}
+    assert host.counters == {"refreshed_entries": 1, "full_entries": 1, "evicted_pages": 3, "freed_pages": 3,
+                             "listener_errors": 0}
 
 
 class NeverOverwrites(MemoryStore):
