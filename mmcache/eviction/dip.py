@@ -45,8 +45,8 @@ class DIP(EvictionPolicy):
         self.turnover = Turnover(num_pages, clock)
         self.costs = CostWeight()
         self.duel = InsertionDuel(num_pages, clock, self.turnover)
-        self._ghosts = NameWindow(GHOSTS * self.num_pages)
-        self._demoted = NameWindow(2 * self.num_pages)
+        self.ghosts = NameWindow(GHOSTS * self.num_pages)
+        self.demoted = NameWindow(2 * self.num_pages)
         self._lottery = Lottery()
 
     @property
@@ -58,28 +58,28 @@ class DIP(EvictionPolicy):
         computed = len(names) - hits
         self.turnover.inserted(computed)
         self.costs.refresh()
-        if hits and len(self._demoted):
-            self._demoted.discard(names[:hits])  # found again: keyed at its use from now on
+        if hits and len(self.demoted):
+            self.demoted.discard(names[:hits])  # found again: keyed at its use from now on
         if not held:
             return
         self.duel.admitted(names)
         rule = self.duel.rule if self.fixed_rule is None else self.fixed_rule
         if computed > 0 and demotes(rule, self.lost(names[hits]), self._lottery):
-            ghosts = self._ghosts
-            self._demoted.add([n for n in names[hits:] if n not in ghosts] if rule == "newcomers" else names[hits:])
+            ghosts = self.ghosts
+            self.demoted.add([n for n in names[hits:] if n not in ghosts] if rule == "newcomers" else names[hits:])
 
     def lost(self, name: int) -> bool:
         """Whether a request whose first page not found is ``name`` lost it: the page was cached and evicted lately
         (a ghost). What makes the request a victim under the ``victims`` rule."""
-        return name in self._ghosts
+        return name in self.ghosts
 
     def released(self, names: Sequence[int]) -> None:
         self.duel.released(names)
 
     def evicted(self, names: Sequence[int], keys, ticks) -> None:
-        self._ghosts.add(names)
-        if len(self._demoted):
-            self._demoted.discard(names)
+        self.ghosts.add(names)
+        if len(self.demoted):
+            self.demoted.discard(names)
 
     def _shift(self, cost: float | None, pages: int = 1) -> int:
         octaves = self.costs.octaves(cost, pages)
@@ -87,11 +87,11 @@ class DIP(EvictionPolicy):
 
     def rank(self, name: int, tick: int, cost: float | None) -> int:
         k = tick + self._shift(cost)
-        return k - self.turnover.ticks if name in self._demoted else k
+        return k - self.turnover.ticks if name in self.demoted else k
 
     def ranks(self, names: np.ndarray, ticks, cost: float | None, chain: bool) -> np.ndarray:
         k = np.asarray(ticks, dtype=np.int64) + self._shift(cost, len(names))
-        if not len(self._demoted):
+        if not len(self.demoted):
             return np.broadcast_to(k, names.shape)
-        down = np.fromiter(map(self._demoted.__contains__, names.tolist()), dtype=bool, count=len(names))
+        down = np.fromiter(map(self.demoted.__contains__, names.tolist()), dtype=bool, count=len(names))
         return k - down * self.turnover.ticks

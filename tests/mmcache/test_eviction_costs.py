@@ -5,11 +5,14 @@ recency alone."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from mmcache import EncoderKey, EncoderStore, Fingerprint, PagePool, PrefixCache
+from mmcache.errors import InvalidCost
 from mmcache.eviction import make_policy
 from mmcache.eviction.costs import CostWeight
 
@@ -76,3 +79,17 @@ def test_one_outlier_cost_moves_the_typical_cost_a_bounded_step():
     assert weight.octaves(1000.0, 1) == 1.0 and weight.octaves(1e-9, 1) == -1.0
     weight.refresh()
     assert abs(weight.log_mean - np.log2(0.001)) < 0.01 * 2 * 2 + 1e-9
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan, -0.5, "slow", True])
+def test_a_cost_that_is_not_a_finite_number_of_seconds_is_refused_before_anything_changes(bad):
+    """An infinite cost once made a pool's typical cost NaN, and keys compared with nothing; now each is refused where
+    it enters, with one error naming the value, and nothing is stored or registered."""
+    pool, cache, store = shared_pool("dip")
+    with pytest.raises(InvalidCost, match="compute_s"):
+        store.put(EncoderKey(b"\x02" * 16, "vision-tower", "image"), torch.zeros(1, dtype=torch.uint8), compute_s=bad)
+    assert len(store) == 0 and pool.num_free == pool.num_pages
+    other = PagePool(8)
+    with pytest.raises(InvalidCost, match="page_seconds"):
+        PrefixCache(other, FP, page_seconds=bad)
+    assert other.evictables == []

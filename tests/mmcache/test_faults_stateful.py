@@ -16,9 +16,11 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
+from test_node_pool_stateful import NodeMachine
+from test_node_pool_stateful import P as NODE_P
 from test_prefix_cache_stateful import CacheMachine, P
 
-from mmcache import Fingerprint, HostPagePool, PagePool, PrefixCache
+from mmcache import EncoderStore, Fingerprint, HostPagePool, PagePool, PrefixCache
 from mmcache.eviction import EvictionPolicy, make_policy
 from mmcache.tiers import HostTier, TierStack
 from policy_machines import per_policy
@@ -77,7 +79,7 @@ class FaultyPolicy(EvictionPolicy):
 
 
 class FaultyObserver:
-    """An ``IndexObserver`` (KV events) that raises at random."""
+    """An ``IndexObserver`` and an ``EncoderObserver`` (KV events) that raises at random."""
 
     def __init__(self, faults: Faults):
         self.faults = faults
@@ -90,6 +92,12 @@ class FaultyObserver:
 
     def cleared(self):
         self.faults.maybe("cleared")
+
+    def encoder_stored(self, key, nbytes):
+        self.faults.maybe("encoder_stored")
+
+    def encoder_removed(self, keys):
+        self.faults.maybe("encoder_removed")
 
 
 class FaultyTier:
@@ -132,9 +140,30 @@ class FaultsMachine(CacheMachine):
         assert self.cache.stats().listener_errors <= self.faults.raised
 
 
+class FaultsNodeMachine(NodeMachine):
+    """KV pages and encoder outputs on one pool, with the pool's policy and both observers raising at random. (No
+    encoder tier here: this machine replaces values under one key, and a host tier keeps what an older put spilled;
+    the tiers' faults are the prefix machine's.)"""
+
+    def build(self, pool: PagePool):
+        self.faults = Faults()
+        pool.policy = FaultyPolicy(make_policy(self.eviction, pool.num_pages, lambda: pool.clock.now), self.faults)
+        observer = FaultyObserver(self.faults)
+        cache = PrefixCache(pool, Fingerprint(model="tiny", page_size=NODE_P), evict_batch_pages=1, observer=observer)
+        return cache, EncoderStore(pool=pool, observer=observer)
+
+    @initialize(rng=st.randoms(use_true_random=False))
+    def arm(self, rng):
+        self.faults.rng = rng
+
+
+HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.large_base_example]
 STEPS = settings(max_examples=150, stateful_step_count=100, deadline=None,  # about 11,000 operations a policy
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+                 suppress_health_check=HEALTH)
 per_policy(FaultsMachine, globals(), "TestFaultsStateful", STEPS)
+per_policy(FaultsNodeMachine, globals(), "TestFaultsNodePool",
+           settings(max_examples=60, stateful_step_count=100, deadline=None,
+                    suppress_health_check=HEALTH))
 
 
 def test_the_collaborators_fail_and_the_cache_counts_it():

@@ -44,13 +44,16 @@ class NodeMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = PagePool(NUM_PAGES, PAGE, torch.float32, eviction=self.eviction)
-        self.cache = PrefixCache(self.pool, Fingerprint(model="tiny", page_size=P), evict_batch_pages=1)
-        self.store = EncoderStore(pool=self.pool)
+        self.cache, self.store = self.build(self.pool)
         self.live = {}        # rid -> token sequence (prompt + generated so far)
         self.prompt_len = {}
         self.values = {}      # key -> last value put (None once a put was bypassed)
         self.pins = []        # (pin, value)
         self.n = 0
+
+    def build(self, pool: PagePool) -> tuple[PrefixCache, EncoderStore]:
+        """The prefix cache and the encoder store under test, on the one ``pool``."""
+        return PrefixCache(pool, Fingerprint(model="tiny", page_size=P), evict_batch_pages=1), EncoderStore(pool=pool)
 
     def _reclaimable(self) -> int:
         return self.pool.num_free + sum(len(c.eviction_candidates()[0]) for c in self.pool.evictables)
