@@ -367,20 +367,21 @@ def load_knee_trace(args):
 
 def knee_calls(trace) -> list[Call]:
     """The engines' calls in the replay's round-robin order (``workloads.sizing.ordering.schedule``)."""
-    from workloads.sizing.ordering import schedule
+    from workloads.sizing.ordering import Serving, schedule
 
-    order = schedule(trace.sessions, "round-robin", KNEE_IN_FLIGHT)
-    return [Call(r.rid, r.session, r.token_ids.tolist()) for r in (trace.sessions[s].build(i) for s, i in order)]
+    order = schedule(trace.sessions, Serving("round-robin", KNEE_IN_FLIGHT))
+    return [Call(r.rid, r.session, r.token_ids.tolist()) for r in (trace.sessions[s].build(i) for s, i, _ in order)]
 
 
 def knee_sweep(trace, P: int, pages: list[int]):
     """The replay on the same calls at ``pages`` (blocks of ``P``): ``lru`` with the offline optimum, and the
     default (``workloads.sizing.sweep.run_sweep``, the code path of ``mmcache replay --eviction ...,optimal``)."""
     from mmcache.eviction import DEFAULT_POLICY
+    from workloads.sizing.ordering import Serving
     from workloads.sizing.sweep import run_sweep
 
-    sizes = [n * P for n in pages]
-    kw = dict(page_size=P, pool_sizes=sizes, order="round-robin", in_flight=KNEE_IN_FLIGHT)
+    sizes = [n * P for n in pages]  # the sessions of the engine's calls, each served before the next is admitted
+    kw = dict(page_size=P, pool_sizes=sizes, serving=Serving("round-robin", KNEE_IN_FLIGHT, 1))
     return run_sweep(trace, eviction="lru", **kw), run_sweep(trace, eviction=DEFAULT_POLICY, optimal=False, **kw)
 
 
