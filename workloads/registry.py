@@ -232,8 +232,10 @@ def resolve(target: str | None, data: str | Path | None = None, fmt: str = "auto
             from workloads.traces.chat import detect_format
             fmt = detect_format(path)
         return fmt, path
+    if path.suffix or "/" in target or os.sep in target:  # it names a file, not a workload
+        raise UnknownWorkload(f"{target}: no such file or folder")
     known = ", ".join(sorted(WORKLOADS))
-    raise UnknownWorkload(f"unknown workload {target!r}: not a file or folder, and not one of: {known}")
+    raise UnknownWorkload(f"unknown workload {target!r}: not one of {known}, and no file or folder of that name")
 
 
 def load(fmt: str, path: str | Path, limit: int | None = None, tokenizer: str | Path | None = None):

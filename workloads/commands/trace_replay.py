@@ -34,6 +34,7 @@ from workloads.commands.common import (
     with_metrics,
 )
 from workloads.commands.replica_replay import replica_problem, run_replica_replay
+from workloads.counts import counted
 from workloads.interrupts import hold_interrupts
 from workloads.service import ServiceModel
 from workloads.sizing.ordering import DEFAULT_SESSIONS, ORDERS, Serving
@@ -132,6 +133,8 @@ def trace_replay_command(args, defaults: dict) -> int:
         return fail(f"--in-service must be >= 1, got {args.in_service}")
     if args.prefill_rate <= 0 or args.tpot < 0:
         return fail("--prefill-rate must be > 0 and --tpot >= 0")
+    if args.page_size is not None and args.page_size < 1:
+        return fail(f"--page-size must be >= 1, got {args.page_size}")
     try:
         fmt, path = registry.resolve(args.target, args.data, args.format)
     except registry.UnknownWorkload as e:
@@ -141,8 +144,6 @@ def trace_replay_command(args, defaults: dict) -> int:
                     f"got --page-size {args.page_size}")
     if fmt == "mooncake" and args.tokenizer is not None:
         return fail("--tokenizer: Mooncake traces hold block ids, not text")
-    if args.page_size is not None and args.page_size < 1:
-        return fail(f"--page-size must be >= 1, got {args.page_size}")
     if problem := replica_problem(args, defaults):
         return fail(problem)
     progress = progress_bars(args)
@@ -166,8 +167,8 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     loaded = time.perf_counter() - started
     serving = Serving(args.order, args.sessions, args.in_service, args.pin_sessions)
     n, sessions = trace.num_requests, len(trace.sessions)
-    shape = (f"{n:,} requests, each its own session" if n == sessions
-             else f"{n:,} requests in {sessions:,} sessions")
+    shape = (f"{counted(n, 'request')}, each its own session" if n == sessions
+             else f"{counted(n, 'request')} in {counted(sessions, 'session')}")
     kind = TRACE_KINDS.get(trace.kind, f"{trace.kind} trace")
     print(f"{kind} {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
           f"{serving.describe()} (loaded in {loaded:.1f} s)")
@@ -234,7 +235,7 @@ def _warn_skipped(trace) -> None:
     """Say what of the trace is not replayed: records skipped by reason, then malformed files."""
     if trace.skipped:
         print(f"note: not replayed from {trace.source}: "
-              + "; ".join(f"{n:,} {why}" for why, n in trace.skipped.items()), file=sys.stderr)
+              + "; ".join(counted(n, why) for why, n in trace.skipped.items()), file=sys.stderr)
     if not trace.errors:
         return
     print(f"warning: skipped {trace.malformed} malformed file(s) in {trace.source}:", file=sys.stderr)
