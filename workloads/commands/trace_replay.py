@@ -154,7 +154,8 @@ def trace_replay_command(args, defaults: dict) -> int:
 def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter, port) -> int:
     """Load the trace, then replay it over replicas or through the pool-size sweep (sampled by ``exporter``)."""
     from mmcache.errors import MissingDependency, TraceError
-    from workloads.sizing.sweep import format_table, run_sweep, sweep_json
+    from workloads.harness.progress import progress_bar
+    from workloads.sizing.sweep import replays_of, run_sweep, sweep_json, table_head, table_row
     started = time.perf_counter()
     try:
         trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
@@ -184,26 +185,30 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     from mmcache.eviction import DEFAULT_POLICY
     policies = args.eviction or [DEFAULT_POLICY]
+    replays = sum(replays_of(args.pool_tokens, p, optimal=k == 0, tiers=tiers) for k, p in enumerate(policies))
+    bar = progress_bar(replays * trace.num_requests, f"{replays} replays", enabled=progress)
     sweeps, stopped = [], False
+
+    def finished(sweep, i):  # a row as soon as its size is replayed, under one progress bar for the whole command
+        if sweeps:  # the optimum of the same calls: replayed once, with the first policy
+            sweep.optimal[i] = sweeps[0].optimal[i]
+        head = ([f"eviction {sweep.runs[0].eviction}:"] if len(policies) > 1 else []) + [table_head(sweep)]
+        bar.write("\n".join([*(head if i == 0 else []), table_row(sweep, i)]), file=sys.stdout)
     for policy in policies:
         try:
             sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, serving=serving,
-                              service=service, progress=progress, tiers=tiers,
-                              observer=exporter, eviction=policy, optimal=not sweeps)
+                              service=service, tiers=tiers, observer=exporter, eviction=policy,
+                              optimal=not sweeps, watch=_Ticks(bar) if progress else None, finished=finished)
         except KeyboardInterrupt:  # in a later policy's ceiling: the policies swept before it stand
             if not sweeps:
                 raise
             stopped = True
             break
-        if sweeps:  # the optimum of the same calls: replayed once
-            sweep.optimal = sweeps[0].optimal[:len(sweep.runs)]
         sweeps.append(sweep)
-        if len(policies) > 1:
-            print(f"eviction {policy}:")
-        print(format_table(sweep))
         if sweep.interrupted:
             stopped = True
             break
+    bar.close()
     with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
         sweep = sweeps[-1]
         c = sweep.ceiling
@@ -229,6 +234,17 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     if exporter is not None and args.metrics_linger and not stopped:
         common.linger_metrics(exporter, args.metrics_linger, port)  # by module: tests replace it there
     return INTERRUPTED if stopped else 0 if saved else 1
+
+
+class _Ticks:
+    """A replay watcher (``workloads.sizing.replay.ReplayObserver``) that moves the command's one progress bar a step
+    per call served, whichever replay of the sweep serves it."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def served(self, request, req, matched, encoder_runs) -> None:
+        self.bar.update(1)
 
 
 def _warn_skipped(trace) -> None:
