@@ -185,8 +185,9 @@ def has_data(path: Path) -> bool:
 def default_data_words() -> str:
     """The data folder's default in words, for ``--help``: the order ``data_place`` takes."""
     clone = clone_data()
+    last = f"data/ in this clone, {clone}" if clone else f"the per-user data folder, {user_data()}"
     return (f"${DATA_ENV}, else ../shared/data beside this checkout when present (this project's development "
-            f"layout), else " + (f"data/ in this clone, {clone}" if clone else f"the per-user data folder, {user_data()}"))
+            f"layout), else {last}")
 
 
 def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:

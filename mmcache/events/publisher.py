@@ -49,8 +49,8 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, block_size: int, *, topic: str = "", encoder_endpoint: str | None = None,
                  encoder_topic: str = DEFAULT_ENCODER_TOPIC, medium: str = "GPU", encoding: str = "map",
-                 data_parallel_rank: int | None = 0, digest_bytes: int = DIGEST_BYTES, max_batch: int = 256, queue_events: int = 100_000,
-                 hwm: int = 100_000):
+                 data_parallel_rank: int | None = 0, digest_bytes: int = DIGEST_BYTES, max_batch: int = 256,
+                 queue_events: int = 100_000, hwm: int = 100_000):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise InvalidRequest(f"block_size must be a positive integer, got {block_size!r}")
         if not isinstance(endpoint, str) or "://" not in endpoint:

@@ -2,7 +2,8 @@
 rebuilds the set of stored pages, which equals the index's under eviction, a discard and a clear, and with pages
 copied up from a store; media identifiers ride in the extra keys of every page an item overlaps and the salt on the
 first page, as vLLM's do; encoder outputs stored and dropped come on their own socket under their own topic, so a
-subscriber to every topic on the KV endpoint never sees one; parents are always stored before their children. (Each consumer's own format: ``tests/mmcache/events/test_kv_event_consumers.py``.)"""
+subscriber to every topic on the KV endpoint never sees one; parents are always stored before their children.
+(Each consumer's own format: ``tests/mmcache/events/test_kv_event_consumers.py``.)"""
 
 import time
 
