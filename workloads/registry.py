@@ -16,7 +16,7 @@ A replay target is resolved in this order:
    Names win over same-named files in the working directory; write ``./agent`` to mean the file;
 3. an existing path, read in ``--format`` (default: ``chat.detect_format``: a folder is mini-swe-agent trajectories,
    a file Mooncake JSONL, OpenAI chat JSONL or ShareGPT JSON).
-Anything else is an error naming the known workloads.
+Anything else is an error: a path that is not there says so; any other name lists the known workloads.
 
 The data folder (``data_place``, ``find_data``), for trace and model workloads and ``mmcache data fetch`` alike:
 ``--data PATH`` if given, else ``$MMCACHE_DATA`` if set, else ``default_data()``: the project's ``shared/data`` beside

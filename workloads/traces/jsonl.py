@@ -7,7 +7,9 @@ Policy (the same for Mooncake traces, chat logs, MMMU questions, DiffusionDB pro
 - the first malformed line raises ``TraceError(path, line, reason)`` with its 1-based line number, and nothing is
   returned: a line that is not UTF-8, not JSON, nested too deep to parse, or that the loader's ``parse`` rejects
   (``ValueError``, ``KeyError``, ``TypeError``). Malformed lines are never skipped, because a replay of a partly read
-  trace reports numbers for traffic that is not the user's; the message says which line to fix or filter out;
+  trace reports numbers for traffic that is not the user's; the message says which line to fix or filter out. A
+  file whose first record line fails because the whole file is one JSON document (pretty-printed, or a list) is
+  named as that, ``TraceError(path, None, ...)``, not as a bad line;
 - ``limit``: stop after that many records; lines after them are never read (nor checked).
 """
 
