@@ -1,6 +1,6 @@
 """Digest throughput per algorithm, and digest cost against decode + preprocess for real-size images.
 
-    python benchmarks/bench_digests.py [--repeats 5] [--data ../shared/data]
+    python benchmarks/bench_digests.py [--repeats 5] [--data PATH]
 """
 
 from __future__ import annotations

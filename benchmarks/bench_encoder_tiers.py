@@ -16,7 +16,7 @@ every image it has not seen itself). Both sides of B use their own device store,
    on the reader thread within one deadline) + verify, vs one ``get`` per entry + verify (best of 3 per repeat).
 
     python benchmarks/bench_encoder_tiers.py [--quick] [--repeats 3] [--users 4] [--umt5 small|base]
-        [--data ../shared/data]
+        [--data PATH]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cached audio encoders on CPU: hit latency against the encoder's own forward, and what the store adds to misses.
 
-    python benchmarks/bench_encoders_audio.py [--repeats 5] [--distinct 8] [--threads N] [--data ../shared/data]
+    python benchmarks/bench_encoders_audio.py [--repeats 5] [--distinct 8] [--threads N] [--data PATH]
 
 Models: Whisper-base's encoder (d_model 512, 6 layers, 8 heads, ffn 2048, 80 mel bins, 1500 positions) and the
 default x-vector SpeakerEncoder, random weights, saved and reloaded. Inputs: PCM WAV bytes, 24 kHz mono 16-bit like

@@ -1,7 +1,7 @@
 """Encoder store on a CLIP vision tower and umT5 prompt encoders, on the CPU at realistic shapes (random weights).
 
     python benchmarks/bench_encoders_vision_text.py [--prompts 300] [--replay-model small|base] [--images 20]
-        [--guard-prompts 20] [--repeats 7] [--threads N] [--data ../shared/data]
+        [--guard-prompts 20] [--repeats 7] [--threads N] [--data PATH]
 
 1. Hit latency (digest + lookup + gather; for text also clean + tokenize + zero padding) as a share of the encoder
    forward alone: CLIP ViT-B/16 at 224 px, umT5-base at 226 and 512 tokens. Target < 1%.
@@ -204,6 +204,9 @@ def main() -> None:
                          "the scheduler for a descheduled thread (about 100 ms)")
     ap.add_argument("--data", type=Path, default=data_place()[0])
     args = ap.parse_args()
+    if not (prompts := args.data / "diffusiondb" / "diffusiondb_5k.jsonl").is_file():
+        sys.exit(f"bench_encoders_vision_text: no DiffusionDB prompts at {prompts}: run `mmcache data fetch "
+                 "diffusiondb` (a source made by hand: it says how) or pass --data PATH")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_encoders_") as tmp:  # ~2.5 GB of saved weights
         run(args, Path(tmp))

@@ -11,7 +11,7 @@ prefill at ``--prefill`` tokens/s, an encoder run ``--encoder-s`` seconds (the s
 policy: prefix hit %, encoder hits (store; inside matched prefixes), seconds saved by the KV pages and by the encoder
 store, and the total against ``lru``'s. The replay is deterministic: one run, no spread.
 
-    python benchmarks/bench_mixed_pool.py                      # needs ../shared/data (mmmu, seedtts)
+    python benchmarks/bench_mixed_pool.py                      # needs the mmmu and seedtts data (mmcache data fetch NAME)
     python benchmarks/bench_mixed_pool.py --encoder-s 0.2      # a costlier encoder
 """
 

@@ -205,7 +205,8 @@ def main():
         torch.set_num_threads(args.threads)
     data = shared_data()
     if data is None:
-        sys.exit("real workload data not found: place ../shared/data or set MMCACHE_DATA")
+        sys.exit("real workload data not found: make mmmu and seedtts with mmcache data fetch NAME (it says how) "
+                 "or set MMCACHE_DATA")
     root = Path(tempfile.gettempdir()) / "mmcache-bench-models"
     sizes = ("tiny", "base") if args.size == "both" else (args.size,)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats {args.repeats}")

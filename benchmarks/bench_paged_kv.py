@@ -1,6 +1,7 @@
 """Pool-backed KV in real transformers models: time to first token with reuse on and off, and the decode step cost.
 
-- Text chat: MT-Bench two-turn questions (mt-bench/ in $MMCACHE_DATA, else ../shared/data; else generated text)
+- Text chat: MT-Bench two-turn questions (mt-bench/ in the data folder the replays read, which mmcache data fetch
+  mt-bench fills; else generated text)
   behind a fixed system prompt, Mistral v3 chat template and tokenizer, on a random-weight Llama (hidden 512,
   8 layers, GQA 8/4, vocab 32768).
 - VLM chat: MMMU-Pro questions with their images (mmmu/ in the same folder; else random images) and two follow-up
@@ -55,7 +56,7 @@ FOLLOW_UPS = ("Explain your reasoning step by step.", "Which details in the imag
 
 
 def data_dir() -> Path:
-    """The data folder the replays read: $MMCACHE_DATA, else ../shared/data (``registry.data_place``)."""
+    """The data folder the replays read (``registry.data_place``: $MMCACHE_DATA, else what mmcache data fetch fills)."""
     return registry.data_place()[0]
 
 
@@ -253,7 +254,7 @@ def main(argv=None) -> None:
     vlm_chat(llava, tok, args, ttft)
     decode(llama, args, steps)
     print(f"{args.attn}, float32, {args.threads} thread(s), page size {args.page_size}, prefill chunk {args.chunk}; "
-          f"data folder {data_dir()} ($MMCACHE_DATA, else ../shared/data)\n")
+          f"data folder {data_dir()} (the one the replays read)\n")
     print("Time to first token, median per request; off/on: total TTFT with reuse off / on")
     table(("workload", "requests", "prompt tokens", "matched", "reuse off ms", "reuse on ms", "off/on"), ttft)
     print("\nDecode, median per step; DynamicCache and PagedKVCache alternate step by step")

@@ -47,7 +47,7 @@ from mmcache.hf.runner import serve  # noqa: E402
 from workloads import registry  # noqa: E402
 from workloads.peers.transformers_cb import Call, Outcome, PeerEngine  # noqa: E402
 
-DATA = registry.data_place()[0]  # $MMCACHE_DATA, else ../shared/data: where the replays read
+DATA = registry.data_place()[0]  # where the replays read: $MMCACHE_DATA, else what mmcache data fetch fills
 TRACE_FILES = {"mt-bench": ("mt-bench", "mt-bench/question.jsonl"),
                "sharegpt": ("sharegpt", "sharegpt/sharegpt_sample_50_single_turn.json"),
                "swe-agent": ("mini-swe-agent", "mini-swe-agent/trajs")}  # mooncake runs on the embedded slice without
@@ -63,8 +63,8 @@ def missing_data(traces: list[str]) -> str | None:
             return f"unknown trace {trace!r}; expected {', '.join(TRACE_FILES)} or mooncake"
         source, path = TRACE_FILES[trace]
         if not (DATA / path).exists():
-            return (f"no {trace} data: looked for {DATA / path} ($MMCACHE_DATA, else ../shared/data); get it with "
-                    f"`mmcache data fetch {source} --data {DATA}` or leave {trace} out of --traces")
+            return (f"no {trace} data: looked for {DATA / path} (the data folder the replays read); get it with "
+                    f"`mmcache data fetch {source}` or leave {trace} out of --traces")
     return None
 BIGGER = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
 

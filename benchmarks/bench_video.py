@@ -1,6 +1,6 @@
 """Video paths with the encoder store on vs off, on the CPU, tiny models built from configs (random weights).
 
-    python benchmarks/bench_video.py [--videos 24] [--repeats 5] [--threads 1] [--data ../shared/data]
+    python benchmarks/bench_video.py [--videos 24] [--repeats 5] [--threads 1] [--data [PATH]]
 
 1. Overhead guard, all-miss: distinct prompts and distinct conditioning images (video-gen) or
    distinct clips (video-chat), each video served with a fresh store (nothing can hit) and without one, in pairs
@@ -10,7 +10,8 @@
    replaced by an output already computed). Target: ratio within noise, store ops < 0.5%.
 2. Hit cost against the encoder it skips: best-of-``repeats`` time of a store hit vs the uncached encoder, for the
    umT5 prompt (512 tokens), the conditioning image's VAE latents and a clip's video features.
-3. Video-chat TTFT per turn, cache off vs on, on the clips of ``--data`` (MMMU) or the embedded ones (median ms).
+3. Video-chat TTFT per turn, cache off vs on, on the clips of ``--data`` (MMMU; ``--data`` alone: the data folder the
+   replays read, ``workloads.registry.data_place``) or the embedded ones (median ms).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from workloads.harness.serving import Clock, Schedule, compare  # noqa: E402
 from workloads.models import image_gen, video_chat, video_gen, vlm_chat  # noqa: E402
 from workloads.models.vlm_chat import generated_png  # noqa: E402
 from workloads.options import ModelWorkloadOptions  # noqa: E402
+from workloads.registry import data_place  # noqa: E402
 from workloads.traces.clips import pan_clip  # noqa: E402
 
 
@@ -147,7 +149,8 @@ def main() -> None:
     ap.add_argument("--videos", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--data", type=Path)
+    ap.add_argument("--data", type=Path, nargs="?", const=data_place()[0],
+                    help="the data folder with mmmu/images (alone: the one the replays read)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     options = ModelWorkloadOptions(encoder_bytes=16 << 20, max_new_tokens=2)

@@ -1,7 +1,9 @@
 """KV and encoder-output events for external routers, in the format vLLM's consumers decode (``mmcache.events``).
 
 Transport (vLLM ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``): ZMQ PUB; each message is three frames
-``(topic, seq as 8 bytes big-endian, payload)``, ``seq`` counting 0, 1, 2, ... per topic. The payload is msgpack
+``(topic, seq as 8 bytes big-endian, payload)``, ``seq`` counting 0, 1, 2, ... per topic. KV events go out on the
+socket bound to ``endpoint``, encoder-output events on a socket of their own (``encoder_endpoint``), so a consumer
+that subscribes to every topic on the KV endpoint never receives an encoder message. The payload is msgpack
 ``[ts, events, data_parallel_rank]`` (rank 0 unless given: vLLM always sends it and Dynamo requires it).
 
 KV events, under ``topic`` (default ""), in vLLM's ``encoding``: ``"map"`` (default; vLLM since PR #42892, each event
@@ -22,16 +24,16 @@ zero-padded to 64 hex digits (``media_identifier``); the salt is its UTF-8 text,
 length is told with ``KVEventPublisher.describe_media(digest, tokens)`` before its pages are stored; an item never
 described rides on its first page only (``unsized_media`` counts them).
 
-Encoder-output events, under ``encoder_topic`` (default ``"mmcache-encoder"``; it must not start with the KV topic),
-same batch and encoding, for a router that routes by the media an instance already encoded:
+Encoder-output events, on the publisher's ``encoder_endpoint`` (default: beside ``endpoint``, a TCP port of its own,
+read back from ``KVEventPublisher.encoder_endpoint``) under ``encoder_topic`` (default ``"mmcache-encoder"``), same
+batch and encoding, for a router that routes by the media an instance already encoded:
 
     EncoderOutputStored   identifier, digest, encoder, modality, nbytes, cache_salt (null), medium
     EncoderOutputRemoved  identifier, digest, encoder, modality, cache_salt (null), medium
 
 ``identifier`` as in ``extra_keys``, ``digest`` the digest's hex, ``encoder`` the encoder fingerprint as text (a str
 as is, else its repr), ``cache_salt`` as in ``extra_keys``. They come when an ``EncoderStore`` reports to the
-publisher (``EncoderStore(observer=publisher)``). A consumer subscribed to every topic that knows only KV events
-(Dynamo's relay subscribes to "") should get a publisher of its own that no encoder store reports to.
+publisher (``EncoderStore(observer=publisher)``).
 
 Consumers: vLLM's ``KVEventBatch`` decodes both encodings (the one its version speaks); Dynamo's ``zmq_wire`` reads
 both and takes media from 64-hex identifiers; llm-d reads ``[identifier, offset]`` keys as media and parses the topic

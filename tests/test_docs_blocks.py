@@ -8,7 +8,7 @@ Each fenced block is a test case named ``<file>:<line>``:
 - ```bash and ```sh blocks run the same way under ``bash -e -o pipefail``.
 - The fence's info string after the language is the marker:
     ```bash no-run: <reason>   not run; the test is skipped with the reason (installs packages, downloads, needs
-                               ../shared data or a GPU, or takes minutes). Keep these few, and always give the reason.
+                               the real data sets or a GPU, or takes minutes). Keep these few, and always give the reason.
     ```python slow             run only when slow tests are selected (marked ``slow``; ``-m "not slow"`` skips it).
 - Blocks in any other language or with none (command synopses, YAML, plain text) are not run.
 
@@ -18,41 +18,16 @@ docs/testing.md describes the same convention for readers.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from doc_pages import ROOT, blocks, doc_files
+
 RUN = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
-FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+)(?P<info>.*)$")
 TIMEOUT_S = 600
 MAX_NO_RUN = 12
-
-
-def doc_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def blocks(path: Path):
-    """(line, language, marker, code) of every fenced block; the code dedented by its fence's indent."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    i = 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        indent, fence, info = m.group("indent"), m.group("fence"), m.group("info").strip()
-        start, body, i = i + 1, [], i + 1
-        while i < len(lines) and not lines[i].strip().startswith(fence):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
-            i += 1
-        i += 1
-        lang, _, marker = info.partition(" ")
-        yield start, lang.lower(), marker.strip(), "\n".join(body) + "\n"
 
 
 def cases():

@@ -21,7 +21,7 @@ WORKLOADS_FLOORS = [  # top first; rooms on one floor import nothing of each oth
     ["peers"],
     ["fixtures", "registry"],
     ["traces"],
-    ["__init__", "admission", "interrupts", "options", "output_files", "service", "sizes"],
+    ["__init__", "admission", "counts", "interrupts", "options", "output_files", "service", "sizes"],
 ]
 FLOOR = {room: len(WORKLOADS_FLOORS) - k for k, rooms in enumerate(WORKLOADS_FLOORS) for room in rooms}  # ground: 1
 

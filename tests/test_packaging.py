@@ -32,6 +32,12 @@ def test_core_takes_any_newer_torch():
     assert torch and all(r.specifier.contains(NEWER_TORCH) for r in torch)
 
 
+def test_the_license_file_is_the_licence_pyproject_names():
+    assert PROJECT["license"] == {"text": "Apache-2.0"}
+    text = (Path(__file__).resolve().parents[1] / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "END OF TERMS AND CONDITIONS" in text
+
+
 def test_torchaudio_only_in_audio_and_the_extras_that_include_it():
     """audio's, and mstar's (M*'s own dependency, listed there since M* installs with --no-deps)."""
     holders = {e for e in PROJECT["optional-dependencies"] if any(r.name == "torchaudio" for r in _requirements(e))}

@@ -1,18 +1,23 @@
 """The ``mmcache`` command line.
 
+    mmcache --version
     mmcache replay [TARGET] [--format auto|mooncake|swe-agent|openai[-requests|-conversations]|sharegpt]
                    [--tokenizer PATH]
-                   [--pool-tokens 64k,128k,inf] [--order timestamp|round-robin] [--in-flight K]
-                   [--page-size P] [--json OUT.json] [--plot OUT.png] [--limit N] [--data PATH]
+                   [--pool-tokens 64k,128k,inf] [--eviction NAMES] [--order timestamp|round-robin|closed]
+                   [--sessions S] [--in-service N] [--pin-sessions] [--page-size P] [--json OUT.json]
+                   [--plot OUT.png] [--limit N] [--data PATH]
                    [--host-tokens SIZE] [--store-tokens SIZE] [--metrics-port PORT] [--metrics-linger S]
     mmcache replay [TARGET] --replicas R[,R...] [--router random,round-robin,affinity,media-affinity,cache-aware]
                    [--pool-tokens TOTAL] [--affinity-threshold N] [--key-pages K]
     mmcache replay vlm-chat|voice-clone --replicas R[,R...] [--router ...] [--pool-tokens TOTAL]
                    [--encoder-bytes TOTAL] [--encoder-s S] [--data PATH] [--limit N] [--seed S]
+    mmcache data list|fetch [NAME ...] [--data PATH] [--manifest FILE] [--no-progress]
     mmcache replay MODEL_WORKLOAD [--data [PATH]] [--model PATH] [--limit N] [--schedule trace|poisson:RATE|closed:N]
                    [--seed S] [--slo-ttft S] [--slo-ttfa S] [--html OUT.html] [--json OUT.json]
                    [--metrics-port PORT] [--metrics-linger S] [--page-size P] [--max-new-tokens N] [--pool-pages N]
                    [--encoder-bytes SIZE] [--in-flight N]
+
+Every flag, with what it does: docs/cli.md, "Every flag" (``tests/workloads/test_cli_docs.py`` keeps the two equal).
 
 Each command is a module of ``workloads.commands`` on the one parser ``build_parser`` makes: ``replay``
 (``workloads.commands.replay``) runs a trace replay (``trace_replay``: TARGET a text workload, a trace file or a
@@ -36,15 +41,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 
 from workloads.commands import data, replay
 from workloads.commands.common import INTERRUPTED, CommandParser, fail
+
+
+def installed_version() -> str:
+    """mmcache's version as the installed package's metadata says (``pip install -e .`` in the clone writes it)."""
+    try:
+        return metadata.version("mmcache")
+    except metadata.PackageNotFoundError:
+        return "unknown (no package metadata: pip install -e . in the clone)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mmcache`` parser: each command adds its subparser and options (``workloads.commands``)."""
     parser = CommandParser(prog="mmcache", description="Exact prefix and encoder reuse for multimodal "
                                                     "serving: measure it on real traces.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     replay.add_parser(sub)
     data.add_parser(sub)

@@ -16,15 +16,16 @@ A replay target is resolved in this order:
    Names win over same-named files in the working directory; write ``./agent`` to mean the file;
 3. an existing path, read in ``--format`` (default: ``chat.detect_format``: a folder is mini-swe-agent trajectories,
    a file Mooncake JSONL, OpenAI chat JSONL or ShareGPT JSON).
-Anything else is an error naming the known workloads.
+Anything else is an error: a path that is not there says so; any other name lists the known workloads.
 
 The data folder (``data_place``, ``find_data``), for trace and model workloads and ``mmcache data fetch`` alike:
 ``--data PATH`` if given, else ``$MMCACHE_DATA`` if set, else ``default_data()``: the project's ``shared/data`` beside
-this checkout when that folder exists (a development layout: this project's tests and benchmarks read it), else the
-per-user data folder of the platform (``user_data``: ``$XDG_DATA_HOME/mmcache``, else ``~/.local/share/mmcache``), so
-``mmcache data fetch`` in a fresh clone and the replays after it agree on one folder. The first place given is the
-only one used; when it lacks the workload's data, the error names the path looked for and every source in order. A
-model workload runs its embedded default unless ``--data`` is given.
+this checkout when that folder exists (this project's development layout, which its tests and benchmarks read), else
+``data/`` in the clone the package runs from (``clone_data``: an editable install), else, for a package installed
+without a clone, the per-user data folder of the platform (``user_data``). So ``mmcache data fetch`` in a fresh clone
+and the replays after it agree on one folder inside the clone. The first place given is the only one used; when it
+lacks the workload's data, the error names the path looked for, every source in order, and the ``mmcache data fetch
+NAME`` that fills it. A model workload runs its embedded default unless ``--data`` is given.
 """
 
 from __future__ import annotations
@@ -134,6 +135,13 @@ def checkout_data() -> Path:
     return Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def clone_data() -> Path | None:
+    """``data/`` at the root of the clone this package runs from (``pyproject.toml`` beside the packages, as an
+    editable install leaves them; git ignores the folder), or None for a package installed without a clone."""
+    root = Path(__file__).resolve().parents[1]
+    return root / "data" if (root / "pyproject.toml").is_file() else None
+
+
 def user_data() -> Path:
     """The per-user data folder, by the platform's convention: ``%LOCALAPPDATA%\\mmcache`` on Windows,
     ``~/Library/Application Support/mmcache`` on macOS, else ``$XDG_DATA_HOME/mmcache`` (an absolute
@@ -148,13 +156,38 @@ def user_data() -> Path:
 
 def default_data() -> Path:
     """The data folder without ``--data`` or ``$MMCACHE_DATA``: ``checkout_data()`` when it exists, else
-    ``user_data()``."""
+    ``clone_data()``, else (no clone) ``user_data()``."""
     beside = checkout_data()
-    return beside if beside.is_dir() else user_data()
+    if beside.is_dir():
+        return beside
+    return clone_data() or user_data()
 
 
 def _default_source(path: Path) -> str:
-    return "../shared/data beside this checkout" if path == checkout_data() else "the per-user data folder"
+    if path == checkout_data():
+        return "../shared/data beside this checkout"
+    return "data/ in this clone" if path == clone_data() else "the per-user data folder"
+
+
+def data_source(w: TraceWorkload | ModelWorkload) -> str:
+    """The source of ``workloads/data/sources.json`` that holds ``w``'s data: the first folder of its data path."""
+    return w.data_path.split("/")[0]
+
+
+def has_data(path: Path) -> bool:
+    """Whether ``path`` holds data: a file, or a folder with something in it other than downloads in progress
+    (``.part`` files, which a failed ``mmcache data fetch`` leaves behind)."""
+    if path.is_dir():
+        return any(not p.name.endswith(".part") for p in path.iterdir())
+    return path.exists()
+
+
+def default_data_words() -> str:
+    """The data folder's default in words, for ``--help``: the order ``data_place`` takes."""
+    clone = clone_data()
+    last = f"data/ in this clone, {clone}" if clone else f"the per-user data folder, {user_data()}"
+    return (f"${DATA_ENV}, else ../shared/data beside this checkout when present (this project's development "
+            f"layout), else {last}")
 
 
 def data_place(explicit: str | Path | None = None) -> tuple[Path, str]:
@@ -173,17 +206,16 @@ def find_data(name: str, explicit: str | Path | None = None) -> Path:
     naming the place looked and the state of every source (the same message for trace and model workloads)."""
     w = BY_NAME[name]
     root, how = data_place(explicit)
-    if (root / w.data_path).exists():
+    if has_data(root / w.data_path):
         return root
     fallback = default_data()
     sources = [f"--data {explicit}" if explicit else "no --data PATH",
                f"${DATA_ENV}={os.environ[DATA_ENV]}" if os.environ.get(DATA_ENV) else f"${DATA_ENV} not set",
-               f"{_default_source(fallback)} = {fallback}" + ("" if fallback == checkout_data() else
-                                                              " (no ../shared/data beside this checkout)")]
+               f"{_default_source(fallback)} = {fallback}"]
+    fetch = " ".join(filter(None, ["mmcache data fetch", data_source(w), f"--data {root}" if how == "--data" else ""]))
     raise UnknownWorkload(f"no data for workload {w.name!r}: looked for {root / w.data_path} (from {how}; "
-                          f"searched in this order: {', '.join(sources)}). Fetch it with mmcache data fetch "
-                          f"(into {root}), pass --data PATH (the folder holding {w.data_path or 'the data'}) or set "
-                          f"${DATA_ENV}")
+                          f"searched in this order: {', '.join(sources)}). Run {fetch} first (it fills {root}), or "
+                          f"pass --data PATH (the folder holding {w.data_path or 'the data'}) or set ${DATA_ENV}")
 
 
 def resolve(target: str | None, data: str | Path | None = None, fmt: str = "auto") -> tuple[str, Path]:
@@ -201,8 +233,10 @@ def resolve(target: str | None, data: str | Path | None = None, fmt: str = "auto
             from workloads.traces.chat import detect_format
             fmt = detect_format(path)
         return fmt, path
+    if path.suffix or "/" in target or os.sep in target:  # it names a file, not a workload
+        raise UnknownWorkload(f"{target}: no such file or folder")
     known = ", ".join(sorted(WORKLOADS))
-    raise UnknownWorkload(f"unknown workload {target!r}: not a file or folder, and not one of: {known}")
+    raise UnknownWorkload(f"unknown workload {target!r}: not one of {known}, and no file or folder of that name")
 
 
 def load(fmt: str, path: str | Path, limit: int | None = None, tokenizer: str | Path | None = None):

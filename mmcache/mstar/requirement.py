@@ -2,7 +2,7 @@
 
 ``pip install -e ".[mstar]"`` (M*'s dependencies) then ``pip install --no-deps --ignore-requires-python
 mstar-ai==0.2.1``: the release declares Python >= 3.12, yet every file compiles and its engine runs on 3.11 (measured:
-../shared/notes/mstar.md), so pip needs the flag on 3.11, and alone, since it loosens every package of its resolve.
+docs/mstar.md, "Installing M* on 3.11"), so pip needs the flag on 3.11, and alone, since it loosens every package of its resolve.
 Another M* (an older source checkout, an unreleased main) has another KV API; the adapter refuses it with the line to
 run instead of failing later inside M*'s code.
 """

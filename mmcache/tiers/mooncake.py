@@ -1,14 +1,15 @@
 """Mooncake Store as the shared tier: a client that satisfies ``mmcache.tiers.store.KVStore``. (The tests and
 benchmarks start a master on loopback with ``tests/mooncake_master.py``.)
 
-Install: ``pip install mmcache[tiers]`` (the ``mooncake-transfer-engine-non-cuda`` wheel, cp311 on Linux) and the
-Debian packages ``libibverbs1 librdmacm1 libnuma1`` its binaries load. Facts measured on this machine:
-../shared/notes/mooncake-store.md.
+Install: ``pip install -e ".[tiers]"`` (the ``mooncake-transfer-engine-non-cuda`` wheel: CPython 3.11 on Linux only)
+and the Debian packages ``libibverbs1 librdmacm1 libnuma1`` its binaries load (``install_advice`` says what to do
+elsewhere). What was measured of Mooncake Store (start, client calls, faults): docs/tiers.md.
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 import threading
 
 from mmcache.tiers.store import EXISTS, FAILED, FULL, STORED
@@ -18,13 +19,27 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 
 
+WHEEL_PYTHON = (3, 11)  # the one CPython mooncake-transfer-engine-non-cuda 0.3.13.post1 is built for (Linux)
+SYSTEM_LIBRARIES = "apt-get install libibverbs1 librdmacm1 libnuma1"
+
+
+def install_advice(python: tuple[int, int] = sys.version_info[:2], platform: str = sys.platform) -> str:
+    """What to run for a Mooncake Store client on ``python`` and ``platform``: the ``tiers`` extra where its wheel
+    exists; elsewhere, where pip cannot install it, a Python 3.11 venv on Linux for the store tier and its tests."""
+    if platform == "linux" and tuple(python) == WHEEL_PYTHON:
+        return f'pip install -e ".[tiers]" and {SYSTEM_LIBRARIES}'
+    return (f"its client (mooncake-transfer-engine-non-cuda) is built for CPython 3.11 on Linux only, so pip cannot "
+            f"install it for Python {python[0]}.{python[1]} on {platform}; for the store tier and its tests, use a "
+            f'Python 3.11 venv on Linux (python3.11 -m venv .venv-3.11, then pip install -e ".[dev]" in it) and '
+            f"{SYSTEM_LIBRARIES}; everything else runs on this Python")
+
+
 def available() -> str | None:
-    """None when the Mooncake Store client and master can run here, else why not."""
+    """None when the Mooncake Store client and master can run here, else why not and what to do."""
     try:
         from mooncake.store import MooncakeDistributedStore  # noqa: F401
     except ImportError as e:
-        return f"mooncake.store does not import ({e}): pip install mooncake-transfer-engine-non-cuda and apt-get " \
-               f"install libibverbs1 librdmacm1 libnuma1"
+        return f"mooncake.store does not import ({e}): {install_advice()}"
     if shutil.which("mooncake_master") is None:
         return "mooncake_master is not on PATH"
     return None

@@ -158,21 +158,21 @@ def test_request_log_counts_what_it_skips(tmp_path, capsys):
         f.write(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
                 + "\n")
     trace = load_openai_chat(path)  # the last line holds its reply: one request more, with its output
-    assert trace.num_requests == 4 and trace.skipped == {"lines without messages": 1}
+    assert trace.num_requests == 4 and trace.skipped == {"line without messages": 1}
     assert trace.sessions[-1].calls[0].output_len > 0
     assert main(["replay", str(path), "--pool-tokens", "inf", "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "OpenAI request log (a line a request)" in captured.out
     assert "4 requests, each its own session" in captured.out
-    assert "note: not replayed from" in captured.err and "1 lines without messages" in captured.err
+    assert "note: not replayed from" in captured.err and "1 line without messages" in captured.err
 
 
 def test_format_names_the_kind_of_openai_log(tmp_path):
     path = request_log(tmp_path)
     as_conversations = registry.load("openai-conversations", path)  # each line's own request is then not replayed
     assert as_conversations.kind == "openai-conversations" and as_conversations.num_requests == 10
-    assert as_conversations.skipped == {"conversations without an assistant reply after a message": 14,
-                                        "final turns without a reply (not replayed)": 8}
+    assert as_conversations.skipped == {"conversation without an assistant reply after a message": 14,
+                                        "final turn without a reply (not replayed)": 8}
     as_requests = registry.load("openai-requests", openai_file(tmp_path))  # each line one request, with its reply
     assert as_requests.num_requests == 3 and not as_requests.skipped
     assert all(s.calls[0].output_len > 0 for s in as_requests.sessions)
@@ -184,4 +184,4 @@ def test_conversation_log_counts_an_unanswered_final_turn(tmp_path):
     path.write_text(json.dumps({"messages": conv}) + "\n" + json.dumps({"messages": conv[:-1]}) + "\n")
     trace = load_openai_chat(path)
     assert trace.kind == "openai-conversations" and trace.num_requests == 4
-    assert trace.skipped == {"final turns without a reply (not replayed)": 1}
+    assert trace.skipped == {"final turn without a reply (not replayed)": 1}

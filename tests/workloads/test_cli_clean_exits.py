@@ -258,25 +258,25 @@ def test_a_model_replay_where_every_request_failed_is_not_a_success(tmp_path, mo
 # -- mmcache data fetch in a fresh clone ---------------------------------------------------------------------------
 @pytest.fixture
 def fresh_clone(tmp_path, monkeypatch):
-    """No ../shared/data beside the checkout, no $MMCACHE_DATA: the per-user folder under $XDG_DATA_HOME."""
+    """A clone with no ../shared/data beside it and no $MMCACHE_DATA: its own data/ folder."""
     monkeypatch.setattr(registry, "checkout_data", lambda: tmp_path / "no-shared" / "data")
+    monkeypatch.setattr(registry, "clone_data", lambda: tmp_path / "clone" / "data")
     monkeypatch.delenv(registry.DATA_ENV, raising=False)
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
-    return tmp_path / "xdg" / "mmcache"
+    return tmp_path / "clone" / "data"
 
 
-def test_the_per_user_data_folder_is_where_fetch_puts_and_replays_find(fresh_clone, tmp_path, capsys):
-    assert registry.data_place() == (fresh_clone, "the per-user data folder")
+def test_in_a_fresh_clone_fetch_fills_its_data_folder_and_replays_find_it(fresh_clone, capsys):
+    assert registry.data_place() == (fresh_clone, "data/ in this clone")
     assert main(["data", "list"]) == 0
-    assert f"data folder: {fresh_clone} (from the per-user data folder)" in capsys.readouterr().out
+    assert f"data folder: {fresh_clone} (from data/ in this clone)" in capsys.readouterr().out
     trace = fresh_clone / "mooncake" / "conversation_trace.jsonl"  # as fetch leaves it
     trace.parent.mkdir(parents=True)
     trace.write_text(registry.embedded_slice().read_text().splitlines()[0] + "\n")
     assert main(["replay", "mooncake", "--pool-tokens", "inf", "--no-progress"]) == 0
-    assert f"{trace}: 1 requests" in capsys.readouterr().out
+    assert f"{trace}: 1 request" in capsys.readouterr().out
 
 
-def test_fetch_makes_the_per_user_folder(fresh_clone, tmp_path, monkeypatch, capsys):
+def test_fetch_makes_the_clones_data_folder(fresh_clone, monkeypatch, capsys):
     from workloads import datasets
 
     def fake_fetch(sources, root, progress):
@@ -285,8 +285,41 @@ def test_fetch_makes_the_per_user_folder(fresh_clone, tmp_path, monkeypatch, cap
     monkeypatch.setattr(datasets, "fetch", fake_fetch)
     assert main(["data", "fetch", "mooncake"]) == 0
     assert (fresh_clone / "x").is_dir()
-    assert f"data folder: {fresh_clone} (from the per-user data folder); replays read it by default" in \
+    assert f"data folder: {fresh_clone} (from data/ in this clone); replays read it by default" in \
         capsys.readouterr().out
+
+
+def test_a_package_installed_without_a_clone_uses_the_per_user_folder(fresh_clone, tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "clone_data", lambda: None)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert registry.data_place() == (tmp_path / "xdg" / "mmcache", "the per-user data folder")
+
+
+@pytest.mark.parametrize("workload, source", [("agent", "mini-swe-agent"), ("mooncake", "mooncake"),
+                                              ("agent-model", "mini-swe-agent")])
+def test_a_replay_after_a_failed_fetch_fails_in_one_line_naming_the_fetch(fresh_clone, monkeypatch, capsys,
+                                                                          workload, source):
+    """This machine cannot reach the data sets' hosts: the fetch fails (1) and leaves what a failed download leaves
+    (the folders made on the way); the replay that follows says to run the fetch, in one line."""
+    import urllib.error
+    import urllib.request
+
+    def unreachable(request, timeout):
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
+    assert main(["data", "fetch", source, "--no-progress"]) == 1
+    fetch_errors = _errors(capsys.readouterr().err)
+    assert len(fetch_errors) == 1 and "Name or service not known (run the command again to resume)" in fetch_errors[0]
+    assert main(["replay", workload, "--data", "--no-progress"] if workload == "agent-model"
+                else ["replay", workload, "--no-progress"]) == 2
+    errors = _errors(capsys.readouterr().err)
+    assert len(errors) == 1 and f"Run mmcache data fetch {source} first (it fills {fresh_clone})" in errors[0]
+
+
+def test_every_workload_with_data_names_a_source_of_the_manifest():
+    from workloads import datasets
+    sources = datasets.load_sources()
+    assert {registry.data_source(w) for w in registry.WORKLOADS.values() if w.data_path} <= set(sources)
 
 
 def test_user_data_follows_xdg(monkeypatch, tmp_path):

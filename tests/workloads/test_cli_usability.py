@@ -31,6 +31,86 @@ def test_help_imports_no_torch(argv):
     assert "usage: mmcache" in proc.stdout
 
 
+BAD_FLAGS = [  # (argv, the one line it fails with): every flag is checked before torch and the cache are imported
+    (["replay", "--page-size", "0"], "--page-size must be >= 1, got 0"),
+    (["replay", "--sessions", "0"], "--sessions must be >= 1, got 0"),
+    (["replay", "--in-service", "0"], "--in-service must be >= 1, got 0"),
+    (["replay", "--in-flight", "0"], "--in-flight: only for model workloads"),
+    (["replay", "--prefill-rate", "0"], "--prefill-rate must be > 0"),
+    (["replay", "--metrics-port", "70000"], "--metrics-port must be in [0, 65535], got 70000"),
+    (["replay", "--metrics-linger", "5"], "--metrics-linger: needs --metrics-port"),
+    (["replay", "--encoder-s", "1"], "--encoder-s: only with --replicas on a model workload"),
+    (["replay", "--schedule", "closed:1"], "--schedule: only for model workloads"),
+    (["replay", "--eviction", "bogus"], "unknown eviction policy bogus"),
+    (["replay", "no-such-trace.jsonl"], "no-such-trace.jsonl: no such file or folder"),
+    (["replay", "agent", "--page-size", "0"], "--page-size must be >= 1, got 0"),
+    (["replay", "vlm-chat", "--page-size", "0"], "--page-size must be > 0, got 0"),
+    (["replay", "vlm-chat", "--in-flight", "0"], "--in-flight must be >= 1, got 0"),
+    (["replay", "vlm-chat", "--pool-pages", "0"], "--pool-pages must be > 0, got 0"),
+    (["replay", "vlm-chat", "--max-new-tokens", "0"], "--max-new-tokens must be > 0, got 0"),
+    (["replay", "vlm-chat", "--schedule", "poisson:0"], "poisson takes a rate in requests/s > 0"),
+    (["replay", "vlm-chat", "--order", "round-robin"], "--order: only for trace replays"),
+    (["replay", "vlm-chat", "--model", "/no/such/model"], "--model /no/such/model: no such folder"),
+]
+
+
+def test_every_bad_flag_fails_in_one_line_before_torch_is_imported(tmp_path):
+    """In one fresh interpreter, each bad flag in turn: status 2, one line on stderr, and no torch imported by any
+    of them (a bad flag fails in a fraction of a second, not after seconds of imports)."""
+    code = """
+import contextlib, io, json, sys
+from workloads.cli import main
+out = []
+for argv, _ in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    out.append([rc, err.getvalue()])
+print(json.dumps({"runs": out, "torch": "torch" in sys.modules}))
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(BAD_FLAGS)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    for (argv, message), (rc, err) in zip(BAD_FLAGS, result["runs"]):
+        assert rc == 2 and len(err.splitlines()) == 1 and message in err, (argv, rc, err)
+    assert not result["torch"]
+
+
+def test_a_json_document_given_as_json_lines_is_named_as_such(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}],
+                                indent=1))
+    assert main(["replay", str(trace), "--format", "mooncake", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"mmcache: error: {trace}: one JSON document (a list over several lines), not "
+                                       "JSON Lines: this format reads one JSON record per line\n")
+
+
+def test_an_output_this_user_may_not_write_says_so(tmp_path, capsys, monkeypatch):
+    """Run as root the folder's mode bits do not bind, so the check's answer is what is stood in for."""
+    monkeypatch.setattr(common.os, "access", lambda path, mode: False)
+    assert main(["replay", "--json", str(tmp_path / "out.json"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"mmcache: error: --json {tmp_path / 'out.json'}: this user may not create "
+                                       f"files in folder {tmp_path}\n")
+    (tmp_path / "out.json").write_text("{}")
+    assert main(["replay", "--json", str(tmp_path / "out.json"), "--no-progress"]) == 2
+    assert "the file exists and this user may not write it" in capsys.readouterr().err
+
+
+def test_one_request_and_one_session_are_singular(tmp_path, capsys):
+    log = tmp_path / "one.jsonl"
+    log.write_text(json.dumps({"messages": [{"role": "user", "content": "Name a prime."}]}) + "\n"
+                   + json.dumps({"messages": []}) + "\n")
+    assert main(["replay", str(log), "--pool-tokens", "inf", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert ": 1 request, each its own session," in captured.out
+    assert captured.err.endswith(": 1 line without messages\n")
+
+
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
 def test_unwritable_output_fails_before_the_run(tmp_path, flag, capsys, monkeypatch):
     monkeypatch.setattr("workloads.registry.load", lambda *a, **k: pytest.fail("the replay ran"))

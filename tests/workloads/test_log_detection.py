@@ -109,3 +109,18 @@ def test_tell_kind_counts_only_lines_that_extend_an_earlier_one():
     assert tell_kind([b, a])[0] == CONVERSATIONS  # a line that an earlier one extends re-sends nothing
     assert tell_kind([b, b])[0] == CONVERSATIONS  # a repeated line says nothing either way
     assert tell_kind([a, [("system", "s"), ("user", "other")]]) == (REQUESTS, tell_kind([a])[1])
+
+
+def test_a_log_of_requests_each_ending_in_a_user_turn_replays_every_request(tmp_path, capsys):
+    """Issue 42's case: each line is the conversation so far, ending in the user's new turn. Told by content, it
+    replays as many requests and prompt tokens as --format openai-requests does (before: 3 requests became 2)."""
+    system, q = {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}
+    rows = [[system, q], [system, q, {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another?"}],
+            [system, q, {"role": "assistant", "content": "7"}, {"role": "user", "content": "Another?"},
+             {"role": "assistant", "content": "11"}, {"role": "user", "content": "And one more?"}]]
+    path = _write(tmp_path, "my_requests.jsonl", rows)
+    told, printed = _replay(path, tmp_path=tmp_path, capsys=capsys)
+    forced, _ = _replay(path, "--format", "openai-requests", tmp_path=tmp_path, capsys=capsys)
+    assert told["kind"] == REQUESTS and told["requests"] == forced["requests"] == 3
+    assert told["prompt_tokens"] == forced["prompt_tokens"]
+    assert "3 requests in 1 session," in printed and "told from the content: 2 of 3 lines re-send" in printed

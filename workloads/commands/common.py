@@ -128,8 +128,10 @@ def output_problem(args) -> str | None:
             return f"--{flag} {path}: is a folder, not a file"
         if not folder.is_dir():
             return f"--{flag} {path}: folder {folder} does not exist"
-        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            return f"--{flag} {path}: permission denied"
+        if path.exists() and not os.access(path, os.W_OK):
+            return f"--{flag} {path}: the file exists and this user may not write it"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"--{flag} {path}: this user may not create files in folder {folder}"
     return None
 
 

@@ -31,9 +31,8 @@ def add_parser(sub) -> None:
                             "files to download; a source made by hand says how to make it, and the command fails "
                             "until its folder is there)")
             ap.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-        ap.add_argument("--data", metavar="PATH", help=f"the data folder (default: ${registry.DATA_ENV}, else "
-                        f"../shared/data beside this checkout when present, else the per-user data folder, "
-                        f"{registry.user_data()}): where the replays look by default")
+        ap.add_argument("--data", metavar="PATH", help=f"the data folder (default: {registry.default_data_words()}): "
+                        "where the replays look by default")
         ap.add_argument("--manifest", type=Path, metavar="FILE", help="a sources manifest other than the one shipped "
                         "(workloads/data/sources.json)")
 

@@ -95,7 +95,7 @@ def _model_folder_problem(path: Path) -> str | None:
     if not path.is_dir():
         return "no such folder" if not path.exists() else "not a folder"
     if not os.access(path, os.R_OK | os.X_OK):
-        return "permission denied"
+        return "this user may not read the folder"
     config = path / "config.json"
     try:
         json.loads(config.read_text(encoding="utf-8"))

@@ -41,8 +41,7 @@ def add_parser(sub) -> None:
                     f"JSON) or a folder of mini-swe-agent trajectories (default: the embedded Mooncake slice); or a "
                     f"model workload ({models})")
     rp.add_argument("--data", metavar="PATH", nargs="?", const="",
-                    help=f"data folder for workload names (default: ${registry.DATA_ENV}, else ../shared/data beside "
-                    f"this checkout when present, else the per-user data folder, {registry.user_data()}: where "
+                    help=f"data folder for workload names (default: {registry.default_data_words()}: where "
                     "mmcache data fetch puts it); a model workload runs its embedded default unless --data is given")
     trace_replay.add_source_options(rp)
     rp.add_argument("--page-size", type=int, metavar="P",

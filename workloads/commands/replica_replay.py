@@ -22,6 +22,7 @@ from workloads.commands.common import (
     report_held_interrupt,
     save_output,
 )
+from workloads.counts import counted
 from workloads.interrupts import hold_interrupts
 from workloads.options import ModelWorkloadOptions
 from workloads.service import ServiceModel
@@ -169,8 +170,9 @@ def model_replica_command(args, defaults: dict) -> int:
         return fail(str(e))
     page_size = args.page_size or ModelWorkloadOptions().page_size
     items = sum(len(s.build(i).encoded) for s in trace.sessions for i in range(len(s.calls)))
-    print(f"{args.target} replica replay of {trace.source}: {trace.num_requests:,} requests in "
-          f"{len(trace.sessions):,} sessions, {trace.prompt_tokens:,} prompt tokens, {items:,} encoded media items; "
+    print(f"{args.target} replica replay of {trace.source}: {counted(trace.num_requests, 'request')} in "
+          f"{counted(len(trace.sessions), 'session')}, {trace.prompt_tokens:,} prompt tokens, "
+          f"{items:,} encoded media items; "
           f"page size {page_size} (built in {time.perf_counter() - started:.1f} s; no model runs)")
     encoder_s = ServiceModel.encoder_s if args.encoder_s is None else args.encoder_s
     service = ServiceModel(args.prefill_rate, args.tpot, encoder_s)

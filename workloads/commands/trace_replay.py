@@ -34,6 +34,7 @@ from workloads.commands.common import (
     with_metrics,
 )
 from workloads.commands.replica_replay import replica_problem, run_replica_replay
+from workloads.counts import counted
 from workloads.interrupts import hold_interrupts
 from workloads.service import ServiceModel
 from workloads.sizing.ordering import DEFAULT_SESSIONS, ORDERS, Serving
@@ -132,6 +133,8 @@ def trace_replay_command(args, defaults: dict) -> int:
         return fail(f"--in-service must be >= 1, got {args.in_service}")
     if args.prefill_rate <= 0 or args.tpot < 0:
         return fail("--prefill-rate must be > 0 and --tpot >= 0")
+    if args.page_size is not None and args.page_size < 1:
+        return fail(f"--page-size must be >= 1, got {args.page_size}")
     try:
         fmt, path = registry.resolve(args.target, args.data, args.format)
     except registry.UnknownWorkload as e:
@@ -141,8 +144,6 @@ def trace_replay_command(args, defaults: dict) -> int:
                     f"got --page-size {args.page_size}")
     if fmt == "mooncake" and args.tokenizer is not None:
         return fail("--tokenizer: Mooncake traces hold block ids, not text")
-    if args.page_size is not None and args.page_size < 1:
-        return fail(f"--page-size must be >= 1, got {args.page_size}")
     if problem := replica_problem(args, defaults):
         return fail(problem)
     progress = progress_bars(args)
@@ -153,7 +154,8 @@ def trace_replay_command(args, defaults: dict) -> int:
 def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter, port) -> int:
     """Load the trace, then replay it over replicas or through the pool-size sweep (sampled by ``exporter``)."""
     from mmcache.errors import MissingDependency, TraceError
-    from workloads.sizing.sweep import format_table, run_sweep, sweep_json
+    from workloads.harness.progress import progress_bar
+    from workloads.sizing.sweep import replays_of, run_sweep, sweep_json, table_head, table_row
     started = time.perf_counter()
     try:
         trace = registry.load(fmt, path, limit=args.limit, tokenizer=args.tokenizer)
@@ -166,8 +168,8 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     loaded = time.perf_counter() - started
     serving = Serving(args.order, args.sessions, args.in_service, args.pin_sessions)
     n, sessions = trace.num_requests, len(trace.sessions)
-    shape = (f"{n:,} requests, each its own session" if n == sessions
-             else f"{n:,} requests in {sessions:,} sessions")
+    shape = (f"{counted(n, 'request')}, each its own session" if n == sessions
+             else f"{counted(n, 'request')} in {counted(sessions, 'session')}")
     kind = TRACE_KINDS.get(trace.kind, f"{trace.kind} trace")
     print(f"{kind} {path}: {shape}, {trace.prompt_tokens:,} prompt tokens; page size {page_size}, "
           f"{serving.describe()} (loaded in {loaded:.1f} s)")
@@ -183,26 +185,30 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     tiers = TierModel(args.host_tokens, args.store_tokens, args.host_bw, args.store_bw, args.kv_bytes_per_token)
     from mmcache.eviction import DEFAULT_POLICY
     policies = args.eviction or [DEFAULT_POLICY]
+    replays = sum(replays_of(args.pool_tokens, p, optimal=k == 0, tiers=tiers) for k, p in enumerate(policies))
+    bar = progress_bar(replays * trace.num_requests, f"{replays} replays", enabled=progress)
     sweeps, stopped = [], False
+
+    def finished(sweep, i):  # a row as soon as its size is replayed, under one progress bar for the whole command
+        if sweeps:  # the optimum of the same calls: replayed once, with the first policy
+            sweep.optimal[i] = sweeps[0].optimal[i]
+        head = ([f"eviction {sweep.runs[0].eviction}:"] if len(policies) > 1 else []) + [table_head(sweep)]
+        bar.write("\n".join([*(head if i == 0 else []), table_row(sweep, i)]), file=sys.stdout)
     for policy in policies:
         try:
             sweep = run_sweep(trace, page_size=page_size, pool_sizes=args.pool_tokens, serving=serving,
-                              service=service, progress=progress, tiers=tiers,
-                              observer=exporter, eviction=policy, optimal=not sweeps)
+                              service=service, tiers=tiers, observer=exporter, eviction=policy,
+                              optimal=not sweeps, watch=_Ticks(bar) if progress else None, finished=finished)
         except KeyboardInterrupt:  # in a later policy's ceiling: the policies swept before it stand
             if not sweeps:
                 raise
             stopped = True
             break
-        if sweeps:  # the optimum of the same calls: replayed once
-            sweep.optimal = sweeps[0].optimal[:len(sweep.runs)]
         sweeps.append(sweep)
-        if len(policies) > 1:
-            print(f"eviction {policy}:")
-        print(format_table(sweep))
         if sweep.interrupted:
             stopped = True
             break
+    bar.close()
     with hold_interrupts() as held:  # what was measured is printed and written whole, Ctrl-C or not
         sweep = sweeps[-1]
         c = sweep.ceiling
@@ -230,11 +236,22 @@ def _trace_replay(args, defaults: dict, fmt: str, path, progress: bool, exporter
     return INTERRUPTED if stopped else 0 if saved else 1
 
 
+class _Ticks:
+    """A replay watcher (``workloads.sizing.replay.ReplayObserver``) that moves the command's one progress bar a step
+    per call served, whichever replay of the sweep serves it."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def served(self, request, req, matched, encoder_runs) -> None:
+        self.bar.update(1)
+
+
 def _warn_skipped(trace) -> None:
     """Say what of the trace is not replayed: records skipped by reason, then malformed files."""
     if trace.skipped:
         print(f"note: not replayed from {trace.source}: "
-              + "; ".join(f"{n:,} {why}" for why, n in trace.skipped.items()), file=sys.stderr)
+              + "; ".join(counted(n, why) for why, n in trace.skipped.items()), file=sys.stderr)
     if not trace.errors:
         return
     print(f"warning: skipped {trace.malformed} malformed file(s) in {trace.source}:", file=sys.stderr)

@@ -20,6 +20,11 @@ class _NoBar:
     def close(self) -> None:
         pass
 
+    @staticmethod
+    def write(text: str, file=None) -> None:
+        """Print ``text``, as a bar's ``write`` does around the bar it clears and redraws."""
+        print(text, file=file or sys.stdout, flush=True)
+
 
 def bars_available() -> bool:
     """Whether tqdm is installed (the ``replay`` extra); without it every bar is silent."""
@@ -31,7 +36,8 @@ def bars_available() -> bool:
 
 
 def progress_bar(total: int, desc: str, enabled: bool = True):
-    """A tqdm bar over ``total`` steps (``update(n)``, ``close()``); a silent one unless ``enabled``."""
+    """A tqdm bar over ``total`` steps (``update(n)``, ``write(text, file)`` for a line printed above it,
+    ``close()``); a silent one unless ``enabled``."""
     if not enabled:
         return _NoBar()
     from tqdm.auto import tqdm

@@ -5,7 +5,7 @@ Defaults and where they come from:
 - ``host_bytes_per_s`` 50e9: PCIe 5.0 x16 moves 64 GB/s per direction raw; pinned host<->device copies reach about
   50 GB/s in practice (pinned memory needs CUDA; this machine has none to measure it).
 - ``store_bytes_per_s`` 1.7e9: Mooncake Store get/put of 1 MiB objects over loopback TCP on this machine (0.5-0.6 ms
-  per MiB, ../shared/notes/mooncake-store.md; benchmarks/bench_tiers.py re-measures it). RDMA would be faster.
+  per MiB, docs/tiers.md; benchmarks/bench_tiers.py re-measures it). RDMA would be faster.
 - ``kv_bytes_per_token`` 128 KiB: Llama-3-8B in bf16 (32 layers x 2 x 8 KV heads x 128 dims x 2 bytes).
 """
 

@@ -128,10 +128,10 @@ def _conversation_calls(convs: list[tuple[str, list[tuple[str, str]]]], skipped:
     for name, conv in convs:
         outputs = [k for k, (role, _) in enumerate(conv) if role == "assistant" and k > 0]
         if not outputs:
-            skipped["conversations without an assistant reply after a message"] += 1
+            skipped["conversation without an assistant reply after a message"] += 1
             continue
         if outputs[-1] < len(conv) - 1:
-            skipped["final turns without a reply (not replayed)"] += 1
+            skipped["final turn without a reply (not replayed)"] += 1
         sessions.append(_Calls(name, conv, outputs, outputs, [float(i) for i in range(len(outputs))]))
     return sessions
 
@@ -152,11 +152,11 @@ def _request_calls(convs: list[tuple[str, list[tuple[str, str]]]], skipped: Coun
     arrival = 0
     for name, conv in convs:
         if not conv:
-            skipped["lines without messages"] += 1
+            skipped["line without messages"] += 1
             continue
         end = len(conv) - 1 if conv[-1][0] == "assistant" else len(conv)  # a last assistant turn is the reply
         if end == 0:
-            skipped["lines with a reply and no prompt"] += 1
+            skipped["line with a reply and no prompt"] += 1
             continue
         prefixes = [hash(tuple(conv[:k])) for k in range(len(conv) + 1)]
         found = next((latest.pop(prefixes[k]) for k in range(len(conv) - 1, 0, -1)  # the hash nominates, == decides

@@ -7,7 +7,9 @@ Policy (the same for Mooncake traces, chat logs, MMMU questions, DiffusionDB pro
 - the first malformed line raises ``TraceError(path, line, reason)`` with its 1-based line number, and nothing is
   returned: a line that is not UTF-8, not JSON, nested too deep to parse, or that the loader's ``parse`` rejects
   (``ValueError``, ``KeyError``, ``TypeError``). Malformed lines are never skipped, because a replay of a partly read
-  trace reports numbers for traffic that is not the user's; the message says which line to fix or filter out;
+  trace reports numbers for traffic that is not the user's; the message says which line to fix or filter out. A
+  file whose first record line fails because the whole file is one JSON document (pretty-printed, or a list) is
+  named as that, ``TraceError(path, None, ...)``, not as a bad line;
 - ``limit``: stop after that many records; lines after them are never read (nor checked).
 """
 
@@ -22,6 +24,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from mmcache.errors import TraceError
 
 T = TypeVar("T")
+ONE_DOCUMENT_BYTES = 256 << 20  # a file larger than this is not read whole to tell a JSON document from JSON Lines
 
 
 def kind_of(path: Path) -> str:
@@ -75,9 +78,23 @@ def load_json(path: str | Path):
         raise TraceError(path, None, _too_deep("JSON")) from None
 
 
+def _one_document(path: Path) -> str | None:
+    """What ``path`` holds when it is one JSON document spread over lines rather than JSON Lines ("a list", "an
+    object"), else None. Only asked after its first record line failed to parse."""
+    if path.stat().st_size > ONE_DOCUMENT_BYTES:
+        return None
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    return "a list" if isinstance(value, list) else "an object" if isinstance(value, dict) else None
+
+
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """``(line number, parsed JSON value)`` for every non-blank line, in file order; see the module policy."""
+    """``(line number, parsed JSON value)`` for every non-blank line, in file order; see the module policy. A file
+    that is one JSON document over several lines (pretty-printed) is named as such, not as a bad first line."""
     path = check_file(path)
+    first = True
     with open(path, "rb") as f:  # bytes, so that bad UTF-8 too is reported with its line
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -87,9 +104,13 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
             except UnicodeDecodeError:
                 raise TraceError(path, lineno, "not UTF-8") from None
             except json.JSONDecodeError as e:
+                if first and (what := _one_document(path)):
+                    raise TraceError(path, None, f"one JSON document ({what} over several lines), not JSON Lines: "
+                                     "this format reads one JSON record per line") from None
                 raise TraceError(path, lineno, f"not JSON: {e.msg} (column {e.colno})") from None
             except RecursionError:
                 raise TraceError(path, lineno, _too_deep("JSON")) from None
+            first = False
 
 
 def load_jsonl(path: str | Path, parse: Callable[[Any, int], T], limit: int | None = None) -> list[T]:

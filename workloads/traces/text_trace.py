@@ -100,7 +100,9 @@ class TextTrace:
     page_size: int | None = None
     first_audio_tokens: int | None = None  # audio output: tokens (frames) before the first audio chunk; None: text
     errors: list[TraceError] = dataclasses.field(default_factory=list)
-    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # readable records not replayed, by reason
+    # readable records not replayed, by reason: a singular noun phrase that ``workloads.counts.counted`` puts in
+    # the plural ("line without messages")
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
     told: str | None = None    # when ``kind`` was told from the content (an OpenAI log), why, in words
 
     @property

@@ -87,6 +87,7 @@ def capture(encoding: str):
     pub = KVEventPublisher("tcp://127.0.0.1:*", P, topic=KV_TOPIC, encoder_topic=ENC_TOPIC, medium="GPU",
                            encoding=encoding, max_batch=8)
     sub.connect(pub.endpoint)
+    sub.connect(pub.encoder_endpoint)
     time.sleep(0.3)  # ZMQ's slow joiner
     store = EncoderStore(capacity_bytes=6 * 64, page_bytes=16, observer=pub)
     expected, indexed, held = replay(pub, store)
@@ -204,7 +205,8 @@ def test_dynamo_reads_every_event_with_its_defaults(run):
 
 def test_llmd_reads_every_event_and_no_salt_as_media(run):
     encoding, frames, expected, *_ = run
-    assert frames[0][0].decode().split("@") == ["kv", "pod-1", "toy"] and len(frames[0][1]) == 8
+    first = kv(frames)[0]
+    assert first[0].decode().split("@") == ["kv", "pod-1", "toy"] and len(first[1]) == 8
     decoded = [e for f in kv(frames) for e in llmd_decode(f[2])]
     assert len(decoded) == kv_events_sent(frames)
 

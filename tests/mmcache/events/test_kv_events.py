@@ -1,8 +1,9 @@
 """KV events for external routers over a real ZMQ socket on 127.0.0.1: a subscriber decodes vLLM-format batches and
 rebuilds the set of stored pages, which equals the index's under eviction, a discard and a clear, and with pages
 copied up from a store; media identifiers ride in the extra keys of every page an item overlaps and the salt on the
-first page, as vLLM's do; encoder outputs stored and dropped come under their own topic; parents are always stored
-before their children. (Each consumer's own format: ``tests/mmcache/events/test_kv_event_consumers.py``.)"""
+first page, as vLLM's do; encoder outputs stored and dropped come on their own socket under their own topic, so a
+subscriber to every topic on the KV endpoint never sees one; parents are always stored before their children.
+(Each consumer's own format: ``tests/mmcache/events/test_kv_event_consumers.py``.)"""
 
 import time
 
@@ -22,19 +23,28 @@ from mmcache.events import (
     decode_batch,
     media_identifier,
 )
+from mmcache.events.publisher import encoder_endpoint_beside
 from mmcache.kv_events import DEFAULT_ENCODER_TOPIC, KVEventPublisher
 from mmcache.tiers import MemoryStore, StoreTier, TierStack
 
 P = 4
 
 
-class Router:
-    """What an external KV-aware router keeps: block hash -> (parent, token ids, extra keys)."""
+def subscriber(*endpoints):
+    """A SUB socket subscribed to every topic on each of ``endpoints``."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    for endpoint in endpoints:
+        sock.connect(endpoint)
+    return sock
 
-    def __init__(self, endpoint):
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(endpoint)
+
+class Router:
+    """What an external KV-aware router keeps: block hash -> (parent, token ids, extra keys); and the encoder outputs
+    it was told of, when it also connects to the publisher's encoder endpoint."""
+
+    def __init__(self, *endpoints):
+        self.sock = subscriber(*endpoints)
         self.blocks, self.seqs, self.orphans, self.outputs = {}, [], 0, []
 
     def drain(self, timeout=2.0):
@@ -45,6 +55,7 @@ class Router:
             if topic == DEFAULT_ENCODER_TOPIC.encode():
                 self.outputs.extend(batch.events)
                 continue
+            assert topic == b""
             self.seqs.append(int.from_bytes(seq, "big"))
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
@@ -75,7 +86,7 @@ def serve(cache, rid, tokens, media=(), salt=b""):
 def wired():
     fp = Fingerprint(model="events", page_size=P)
     pub = KVEventPublisher("tcp://127.0.0.1:*", P, medium="CPU", max_batch=8)
-    router = Router(pub.endpoint)
+    router = Router(pub.endpoint, pub.encoder_endpoint)
     time.sleep(0.3)  # ZMQ's slow joiner: the subscription reaches the publisher before traffic starts
     cache = PrefixCache(PagePool(24, (P,), torch.float32), fp, evict_batch_pages=2, observer=pub)
     yield cache, pub, router
@@ -130,7 +141,7 @@ def test_an_item_never_described_rides_on_its_first_page_only(wired):
     assert keys == [None, ((media_identifier(digest), 1),), None] and pub.unsized_media == 1
 
 
-def test_encoder_outputs_stored_and_dropped_come_under_their_own_topic(wired):
+def test_encoder_outputs_stored_and_dropped_come_on_their_own_socket_under_their_own_topic(wired):
     _, pub, router = wired
     store = EncoderStore(capacity_bytes=64, page_bytes=16, observer=pub)
     keys = [EncoderKey(bytes([k]) * 16, "vit@0", "image", b"t" if k else b"") for k in range(3)]
@@ -144,6 +155,37 @@ def test_encoder_outputs_stored_and_dropped_come_under_their_own_topic(wired):
     assert router.outputs[0].nbytes == 32 and router.outputs[0].digest == keys[0].digest.hex()
 
 
+def test_a_subscriber_to_every_topic_on_the_kv_endpoint_never_gets_an_encoder_message():
+    """Dynamo's relay subscribes to "" on the KV endpoint: it must see vLLM's stream alone, its sequence numbers
+    counting up, however the KV and encoder events interleave."""
+    pub = KVEventPublisher("tcp://127.0.0.1:*", P, medium="CPU", max_batch=2)
+    assert pub.encoder_endpoint != pub.endpoint and pub.encoder_endpoint.startswith("tcp://127.0.0.1:")
+    relay = subscriber(pub.endpoint)
+    time.sleep(0.3)  # ZMQ's slow joiner
+    cache = PrefixCache(PagePool(24, (P,), torch.float32), Fingerprint(model="events", page_size=P), observer=pub)
+    store = EncoderStore(capacity_bytes=64, page_bytes=16, observer=pub)
+    for i in range(6):  # KV and encoder events interleaved
+        serve(cache, f"r{i}", [i + 1] * (2 * P + 1))
+        store.put(EncoderKey(bytes([i]) * 16, "vit@0", "image"), torch.zeros(32, dtype=torch.uint8))
+    assert pub.flush()
+    got = []
+    while relay.poll(1000):
+        got.append(relay.recv_multipart())
+    pub.close()
+    relay.close(linger=0)
+    assert got and {topic for topic, _, _ in got} == {b""}
+    assert [int.from_bytes(seq, "big") for _, seq, _ in got] == list(range(len(got)))
+    assert {type(e) for _, _, payload in got for e in decode_batch(payload).events} == {BlockStored}
+
+
+@pytest.mark.parametrize("endpoint, beside", [("tcp://127.0.0.1:5557", "tcp://127.0.0.1:*"),
+                                              ("tcp://[::1]:5557", "tcp://[::1]:*"),
+                                              ("ipc:///tmp/kv.sock", "ipc:///tmp/kv.sock-encoder"),
+                                              ("inproc://kv", "inproc://kv-encoder")])
+def test_the_encoder_endpoint_is_beside_the_kv_one_by_default(endpoint, beside):
+    assert encoder_endpoint_beside(endpoint) == beside
+
+
 def test_publisher_arguments_are_checked():
     with pytest.raises(InvalidRequest):
         KVEventPublisher("tcp://127.0.0.1:*", 0)
@@ -151,8 +193,10 @@ def test_publisher_arguments_are_checked():
         KVEventPublisher("127.0.0.1:5557", 4)
     with pytest.raises(InvalidRequest):
         KVEventPublisher("tcp://127.0.0.1:*", 4, encoding="json")
-    with pytest.raises(InvalidRequest):  # a subscriber to the KV topic would get encoder messages
-        KVEventPublisher("tcp://127.0.0.1:*", 4, topic="kv", encoder_topic="kv-encoder")
+    taken = KVEventPublisher("tcp://127.0.0.1:*", 4)
+    with pytest.raises(InvalidRequest, match="cannot bind the encoder-event socket"):
+        KVEventPublisher("tcp://127.0.0.1:*", 4, encoder_endpoint=taken.endpoint)
+    taken.close()
 
 
 def test_pages_copied_up_from_the_store_are_stored_events_too(wired):
