@@ -110,7 +110,8 @@ class EncoderStoreStats(_Snapshot):
     modality, then the tiers' counters that are not per modality (``EncoderTiers.stats()``; an absent tier's stay at
     their defaults): which tiers there are (``host``, ``store``); the host tier's spills of entries it held already
     (``host_refreshed_entries``) or could not fit (``host_full_entries``), and the pages its eviction took out of it
-    (``host_evicted_pages``) and freed (``host_freed_pages``); the shared store's puts of encoder entries, as
+    (``host_evicted_pages``) and freed (``host_freed_pages``), and the calls to its policy that raised
+    (``host_listener_errors``); the shared store's puts of encoder entries, as
     ``TierStats`` counts them for KV pages: stored (``store_published_entries``), already held, refused for space,
     dropped, and entries removed to make room or because a reader refused them; ``listener_errors``, the calls to the
     pool's policy, the observer and the tiers that raised and that the store went on without (``mmcache.guard``).
@@ -126,6 +127,7 @@ class EncoderStoreStats(_Snapshot):
     host_full_entries: int = 0
     host_evicted_pages: int = 0
     host_freed_pages: int = 0
+    host_listener_errors: int = 0
     store_published_entries: int = 0
     store_publish_exists: int = 0
     store_publish_full: int = 0

@@ -10,18 +10,10 @@ import pytest
 from doc_pages import ROOT, commands, doc_files
 
 OUTSIDE = "../shared"
-# A page another change owns, whose commands that change moves; strict, so the mark goes once they are moved.
-MOVING = {"docs/eviction.md": "rewritten by the eviction work, which re-measures its figures and moves its commands"}
 LINK = re.compile(r"\]\(([^)#\s]+)")
 
 
-def _page(path):
-    name = str(path.relative_to(ROOT))
-    marks = [pytest.mark.xfail(strict=True, reason=MOVING[name])] if name in MOVING else []
-    return pytest.param(path, id=name, marks=marks)
-
-
-@pytest.mark.parametrize("page", [_page(p) for p in doc_files()])
+@pytest.mark.parametrize("page", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_command_reads_this_projects_shared_folder(page):
     named = [f"{page.name}:{line}: {command}" for line, command in commands(page) if OUTSIDE in command]
     assert not named, "commands that read ../shared, which a clone does not have:\n" + "\n".join(named)

@@ -11,9 +11,6 @@ from doc_pages import ROOT, commands, doc_files
 NUMBER = re.compile(r"(?<![\w.,])\d+(?:[.,]\d+)*(?:-\d+(?:[.,]\d+)*)?")
 DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 NEAR = (3, 40)  # lines before and after a command shown in prose or a block where its figures must stand
-# A row whose source another change is re-measuring, with a command of its own; strict: the mark goes once it is.
-MOVING = {"python benchmarks/bench_eviction.py --traces agent,image-chats,mooncake --policies lru,odds":
-          "the eviction work re-measures these figures and gives docs/eviction.md their command"}
 
 
 def normal(command: str) -> str:
@@ -47,8 +44,7 @@ def sources(command: str) -> list[tuple[str, list[str]]]:
 
 
 def _row(row):
-    marks = [pytest.mark.xfail(strict=True, reason=MOVING[row[3]])] if row[3] in MOVING else []
-    return pytest.param(row, id=row[0][:60], marks=marks)
+    return pytest.param(row, id=row[0][:60])
 
 
 def test_the_results_table_is_read():

@@ -17,6 +17,7 @@ COUNTERS = ["queries", "hits", "misses", "bytes_stored", "evictions", "evicted_b
             "bypasses", "joins", "collisions", "time_saved_s", "host_spilled", "host_hits", "host_misses",
             "host_rejected", "store_hits", "store_misses", "store_rejected", "store_mac_failures"]
 TIER_FIELDS = ["host", "store", "host_refreshed_entries", "host_full_entries", "host_evicted_pages", "host_freed_pages",
+               "host_listener_errors",
                "store_published_entries", "store_publish_exists", "store_publish_full", "store_publish_dropped",
                "store_room_removed", "store_refused_removed", "listener_errors"]
 
