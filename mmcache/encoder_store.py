@@ -520,7 +520,7 @@ class EncoderStore:
         owners = self.pool.owners
         chosen = coldest_off_heap(self._cold, n, self._current,
                                   lambda item: all(owners(p) == 1 for p in item[2].pages),
-                                  lambda item: len(item[2].pages))
+                                  lambda item: len(item[2].pages), ident=lambda item: id(item[2]))
         if chosen is None:
             return coldest_of(self.eviction_candidates(), n)
         W = self.pool.num_pages + 1  # eviction_key of depth 0

@@ -455,7 +455,8 @@ class PrefixIndex:
         if n > SCALAR_PAGES:
             return coldest_of(self.eviction_candidates(), n)
         owners = self.pool.owners
-        chosen = coldest_off_heap(self._cold, n, self._current, lambda item: owners(item[1]) == 1)
+        chosen = coldest_off_heap(self._cold, n, self._current, lambda item: owners(item[1]) == 1,
+                                  ident=lambda item: item[1])
         if chosen is None:
             return coldest_of(self.eviction_candidates(), n)
         return [item[1] for item in chosen], [item[0] for item in chosen]

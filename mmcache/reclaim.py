@@ -68,16 +68,19 @@ def coldest_of(candidates: tuple[np.ndarray, np.ndarray], n: int) -> tuple[np.nd
 
 
 def coldest_off_heap(heap: list, n: int, current: Callable[[tuple], int | None], alone: Callable[[tuple], bool],
-                     size: Callable[[tuple], int] | None = None, limit: int = SCALAR_PAGES) -> list[tuple] | None:
+                     size: Callable[[tuple], int] | None = None, limit: int = SCALAR_PAGES,
+                     ident: Callable[[tuple], object] = lambda item: item) -> list[tuple] | None:
     """The items at the top of a cache's lazy eviction heap whose sizes reach ``n``: what ``Evictable.coldest`` takes
     off a heap instead of a pass over the cache. The cache keeps, for every entry it may evict, an item ``(key,
     ...)`` whose key is at most the entry's current key (pushed when the entry is stored; keys only grow after).
     ``current(item)``: the entry's key now, None when the entry is gone (the item is dropped); an item whose key grew
     is pushed again at its key, so the top item whose key is current is the coldest entry. ``alone(item)``: only the
-    cache holds the entry's pages (else it is set aside and put back); ``size(item)``: its pages (default 1). Returns
+    cache holds the entry's pages (else it is set aside and put back); ``size(item)``: its pages (default 1);
+    ``ident(item)``: the entry an item stands for (a policy whose keys fall leaves several items of one entry, and
+    an entry is chosen once: the others are dropped). Returns
     the items chosen, coldest first (every item stays in the heap), or None when more than ``limit`` held entries
     come first: the caller then makes its pass. Callers hold the pool's ``cache_lock``."""
-    chosen, held, found = [], [], 0
+    chosen, held, found, seen = [], [], 0, set()
     while heap and found < n:
         top = heap[0]
         now = current(top)
@@ -88,8 +91,9 @@ def coldest_off_heap(heap: list, n: int, current: Callable[[tuple], int | None],
             heapq.heapreplace(heap, (now, *top[1:]))
             continue
         heapq.heappop(heap)
-        if (chosen and top == chosen[-1]) or (held and top == held[-1]):  # a second item of one entry: dropped
+        if (entry := ident(top)) in seen:  # a second item of one entry: dropped
             continue
+        seen.add(entry)
         if alone(top):
             chosen.append(top)
             found += 1 if size is None else size(top)

@@ -101,3 +101,19 @@ def test_one_clock_orders_both_kinds():
     cache.grow("b", 12)                                         # 3 pages, 2 free: one cached page goes
     assert key(0) in store and key(1) in store
     assert len(cache.index) == 1                                # the KV chain's deepest page: the coldest
+
+
+def test_an_entry_with_several_heap_items_is_chosen_once():
+    """A policy whose keys fall (the replay's optimum) leaves several heap items of one entry; taking it twice counted
+    its pages twice, so a reclaim that seemed to cover a shortfall freed half of it and the allocation after it failed
+    (KV pages and encoder outputs on one pool under the optimum)."""
+    import heapq
+
+    from mmcache.reclaim import coldest_off_heap
+
+    entry, other = object(), object()
+    heap = [(5, 1, entry), (5, 2, entry), (7, 3, other)]
+    heapq.heapify(heap)
+    chosen = coldest_off_heap(heap, 4, lambda item: 5 if item[2] is entry else 7, lambda item: True,
+                              lambda item: 2, ident=lambda item: id(item[2]))
+    assert [item[2] for item in chosen] == [entry, other]
