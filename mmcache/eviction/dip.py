@@ -7,7 +7,7 @@ Keys are ticks of the last use, as ``lru``'s, with two bounded shifts:
   a session whose history a loop larger than the pool evicted between its calls; ``misses`` demotes every
   request's; ``lru`` none). A page found by a later request is keyed at its use again. Which rule: the one whose
   sampled pool, serving a sample of the same chains as the real pool does (requests holding pages from lookup to
-  release), hit the most lately, and ``lru`` unless another beats it by a margin. So where keeping some sessions
+  release), hit the most lately, and ``lru`` unless another beats it by 5%. So where keeping some sessions
   whole beats losing them all, the pool keeps some whole, and where it does not, the pool is ``lru``;
 - **cost**: an entry that saves more per page than the pool's typical entry (an encoder output beside KV pages) is
   keyed up to ``COST_TURNOVERS`` of a turnover later, one that saves less as much earlier (``CostWeight``: bounded,

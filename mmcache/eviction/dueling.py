@@ -5,11 +5,12 @@ An **insertion rule** says where the pages a request computed go when it release
 top (the last use, as LRU keys them); ``victims``, a turnover back, toward the eviction frontier, when the request
 lost pages it had held before (a session whose history was evicted between its calls: under a loop larger than the
 pool, keeping the others whole beats losing every one; thrash resistance); ``misses``, toward the frontier whatever
-the request (bimodal insertion: a page earns its place by a second use). Both latter rules let one request in
+the request (bimodal insertion: a page earns its place by a second use); ``newcomers``, the pages seen for the first
+time toward the frontier and those evicted lately (ghosts) at the top. The latter rules let one request in
 ``EPSILON`` through at the top, so what is kept can change; a page found by a later request goes back to the top.
 
-A ``SampledPool`` is a names-only pool of the real pool's pages over ``SAMPLE`` (the names whose bits say so: a
-fixed sample of every chain) under one rule. It sees what the real pool sees, from the policy's hooks: a request
+A ``SampledPool`` is a names-only pool of the real pool's pages over ``sampling(num_pages)`` (the names whose bits say
+so: a fixed sample of every chain; about ``SAMPLED_PAGES`` pages) under one rule. It sees what the real pool sees, from the policy's hooks: a request
 holds the sampled pages it found from its lookup to its release, and the ones it computes take room from its lookup
 and are cached at its release; a chain is found to its first sampled page missing; cached pages leave the lowest key
 first (deeper first among equal keys), held ones never. ``InsertionDuel`` runs one per rule on the same chains and
@@ -30,7 +31,7 @@ RULES = ("lru", "victims", "misses", "newcomers")
 EPSILON = 32         # one request in EPSILON that a rule would demote is inserted at the top instead
 SAMPLED_PAGES = 512  # a sampled pool holds about this many pages: the sample is one page name in num_pages / this
 HALF_LIFE = 256      # lookups after which a hit weighs half in the score
-MARGIN = 0.02        # a rule replaces lru only with this much more (relative) of the score
+MARGIN = 0.05        # a rule replaces lru only with this much more (relative) of the score
 GHOSTS = 2           # names of evicted pages remembered, per page of a pool
 
 
