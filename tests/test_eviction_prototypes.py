@@ -8,15 +8,23 @@ import numpy as np
 import pytest
 
 from benchmarks.eviction_prototypes import PROTOTYPES, register
-from mmcache import Fingerprint, PagePool, PrefixCache
+from mmcache import Fingerprint, PagePool, PrefixCache, eviction
 from mmcache.eviction import POLICIES
 
-register()
+# Factories, not names: registering here would change the registry every other test module reads at collection.
+CANDIDATES = {**POLICIES, **PROTOTYPES}
 
 
-@pytest.mark.parametrize("name", sorted(set(POLICIES) | set(PROTOTYPES)))
+def test_register_makes_every_prototype_a_name(monkeypatch):
+    monkeypatch.setattr(eviction, "POLICIES", dict(POLICIES))
+    assert register() == list(PROTOTYPES)
+    assert [PagePool(8, eviction=name).policy.name for name in PROTOTYPES] == list(PROTOTYPES)
+    assert set(POLICIES).isdisjoint(PROTOTYPES)
+
+
+@pytest.mark.parametrize("name", sorted(CANDIDATES))
 def test_a_policy_serves_sessions_that_outgrow_the_pool(name):
-    pool = PagePool(48, eviction=name)
+    pool = PagePool(48, eviction=CANDIDATES[name])
     cache = PrefixCache(pool, Fingerprint("prototypes", page_size=4), evict_batch_pages=1, page_seconds=1e-3)
     rng = np.random.default_rng(0)
     history = [rng.integers(1, 999, size=8).tolist() for _ in range(6)]
