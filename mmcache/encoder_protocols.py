@@ -44,6 +44,10 @@ class EncoderLowerTier(Protocol):
     def publish(self, entry: StoredBytes) -> None:
         """``entry`` was just stored (no lock held): share it (queued, off the request's path)."""
 
+    def replaced(self, key: EncoderKey) -> None:
+        """A computed value is being put under ``key`` (called under the pool's ``cache_lock``): drop what this
+        process's tiers hold of an older value, so a get never returns anything but the last value put."""
+
     def fetch(self, keys: list[EncoderKey], accept: Callable[[EncoderKey, tuple], bool]) -> list[TierRead]:
         """A ``TierRead`` per key (no lock held, one bounded wait for the whole call): an entry verified against its
         key in full and by ``accept(key, layout)`` before it is returned."""

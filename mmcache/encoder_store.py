@@ -176,6 +176,8 @@ class EncoderStore:
         with self._lock:
             self._check_replace(key, tree, layout)
             self._remove(key.name)
+            if publish and self.tiers is not None:
+                self.guard.call("tier", self.tiers.replaced, key)
             if n > self.pool.num_pages:
                 self._count(key.modality, bypasses=1)
                 logger.warning("encoder store: %s output of %d bytes exceeds the whole pool (%d bytes); not cached",

@@ -93,6 +93,11 @@ class EncoderHostTier:
             self._owner.update(dict.fromkeys(pages, key))
             return True
 
+    def discard(self, key: str) -> None:
+        """Drop the entry under ``key`` if held (its value is being replaced above)."""
+        with self.pool.cache_lock:
+            self._drop([key])
+
     def get(self, key: str) -> np.ndarray | None:
         """A copy of the payload under ``key`` (uint8, fresh memory), marked used; None when not held."""
         with self.pool.cache_lock:

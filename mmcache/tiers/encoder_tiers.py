@@ -3,6 +3,8 @@ declares (``EncoderStore(..., tiers=EncoderTiers(host=..., store=...))``).
 
 - ``spill`` (from the store's eviction, under its pool's ``cache_lock``): evicted entries are encoded keyless and
   written to the ``EncoderHostTier`` (write-back on eviction; an entry already held there is only refreshed).
+- ``replaced`` (every put of a computed value, under the pool's ``cache_lock``): the host tier drops its copy of the
+  key, which a later spill would otherwise find held and keep.
 - ``publish`` (after every put of a computed value): the entry, sealed with the store's key, is queued on the
   ``StoreTier``'s publisher thread (write-through, so another instance can use it while it is hot here). The
   ``StoreTier`` is the same one a KV ``TierStack`` may use: one publisher, one deadline, one key, one down/probe
@@ -61,6 +63,12 @@ class EncoderTiers:
         payload = encoder_entry.encode(entry, self.store.key)
         if payload is not None:
             self.store.publish([(encoder_entry.entry_key(entry.key), payload)], KIND)
+
+    def replaced(self, key: EncoderKey) -> None:
+        """Drop the host tier's copy of ``key`` (an older value: a spill finds it held and would keep it). The shared
+        store is written through by the next ``publish``."""
+        if self.host is not None:
+            self.host.discard(encoder_entry.entry_key(key))
 
     def stats(self) -> dict:
         """The tiers' counters that are not per modality, as ``mmcache.stats.EncoderStoreStats`` fields: which tiers

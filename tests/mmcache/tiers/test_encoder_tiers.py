@@ -79,6 +79,22 @@ def test_an_evicted_entry_spills_to_the_host_and_comes_back_bit_equal():
     assert s.get(store_key(99)) is None and s.stats().totals.host_misses == 1
 
 
+def test_a_value_put_again_replaces_the_host_copy_of_the_older_one():
+    """put, spill, put anew, spill: the host tier holds the newer value, not the one it held first (a spill finds a
+    key held and only refreshes it, so the put must drop the older copy); a bypassed put drops it too."""
+    s, host, _ = tiered(pages=2)
+    old, new = torch.zeros(100), torch.ones(100)  # two pages each: one entry fills the pool
+    s.put(store_key(0), old)
+    s.put(store_key(1), torch.full((100,), 2.0))  # evicts key 0 to the host
+    assert len(host) == 1
+    s.put(store_key(0), new)  # evicts key 1; the host's copy of key 0 is the older value: dropped
+    s.put(store_key(1), torch.full((100,), 2.0))  # evicts key 0 again: the newer value spills
+    assert_same_value(s.get_or_compute_many([store_key(0)], never)[0].value, new)
+    s.put(store_key(2), torch.zeros(10_000))  # larger than the pool: bypassed, and no tier keeps an older key 2
+    s.put(store_key(1), torch.full((100,), 3.0))
+    assert s.get(store_key(1)) is not None and s.get(store_key(2)) is None
+
+
 def test_misses_go_down_the_tiers_as_one_batch_then_one_sub_batch_is_computed():
     class Counting(MemoryStore):
         def __init__(self):
