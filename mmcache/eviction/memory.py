@@ -32,8 +32,11 @@ class NameWindow:
         for name, value in zip(names, values) if values is not None else ((n, None) for n in names):
             kept[name] = value
             kept.move_to_end(name)
-        while len(kept) > self.limit:
-            kept.popitem(last=False)
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        while len(self._names) > self.limit:
+            self._names.popitem(last=False)
 
     def discard(self, names: Iterable[int]) -> None:
         pop = self._names.pop
@@ -41,25 +44,17 @@ class NameWindow:
             pop(name, None)
 
 
-class UseCounts:
+class UseCounts(NameWindow):
     """Lookups per name of the latest ``limit`` names looked up (a ghost history: kept after an entry left)."""
 
-    __slots__ = ("limit", "_counts")
+    __slots__ = ()
 
-    def __init__(self, limit: int):
-        self.limit = max(1, int(limit))
-        self._counts: OrderedDict[int, int] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._counts)
-
-    def get(self, name: int) -> int:
-        return self._counts.get(name, 0)
+    def get(self, name: int, default: int = 0) -> int:
+        return self._names.get(name, default)
 
     def add(self, names: Iterable[int]) -> None:
-        counts = self._counts
+        counts = self._names
         for name in names:
             counts[name] = counts.get(name, 0) + 1
             counts.move_to_end(name)
-        while len(counts) > self.limit:
-            counts.popitem(last=False)
+        self._forget_oldest()
