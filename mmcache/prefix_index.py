@@ -568,7 +568,7 @@ class PrefixIndex:
     def check(self) -> None:
         """``BrokenInvariant`` naming the first rule of the module docstring that does not hold: the name table is the
         indexed set and the arrays agree with it; the index is closed under parents and counts each page's indexed
-        children; no tick or key rises from a page to its child; the heap holds an item of every indexed page's
+        children; no tick (nor, under a monotone policy, key) rises from a page to its child; the heap holds an item of every indexed page's
         current indexing at no more than its ``eviction_key``; the pool counts the index's owner on every one."""
         idx = np.flatnonzero(self._indexed)
         require(sorted(self._pages.values()) == idx.tolist(), "the name table is the indexed set")
@@ -579,7 +579,9 @@ class PrefixIndex:
         require((self._kids == np.bincount(up, minlength=self.pool.num_pages)).all(),
                 "each page counts its indexed children")
         require((self._tick[up] >= self._tick[child]).all(), "ticks never rise from a page to its child")
-        require((self._key[up] >= self._key[child]).all(), "keys never rise from a page to its child")
+        # a policy whose keys fall (the replay's optimum) lowers a used parent's key and leaves its children's
+        require(not self.pool.policy.monotone or (self._key[up] >= self._key[child]).all(),
+                "keys never rise from a page to its child")
         require((self.pool.counts[idx] >= 1).all(), "the pool counts the index's owner on every indexed page")
         require(set(idx.tolist()) <= heap_covers(self._cold, self._current, lambda item: item[1]),
                 "the heap holds every indexed page at no more than its key")
