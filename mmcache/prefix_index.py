@@ -568,8 +568,9 @@ class PrefixIndex:
     def check(self) -> None:
         """``BrokenInvariant`` naming the first rule of the module docstring that does not hold: the name table is the
         indexed set and the arrays agree with it; the index is closed under parents and counts each page's indexed
-        children; no tick (nor, under a monotone policy, key) rises from a page to its child; the heap holds an item of every indexed page's
-        current indexing at no more than its ``eviction_key``; the pool counts the index's owner on every one."""
+        children; no tick (nor, under a monotone policy, key) rises from a page to its child; the heap holds an item
+        of every indexed page's current indexing at no more than its ``eviction_key``; the pool counts the index's
+        owner on every one."""
         idx = np.flatnonzero(self._indexed)
         require(sorted(self._pages.values()) == idx.tolist(), "the name table is the indexed set")
         require(all(int(self._name[p]) == n for n, p in self._pages.items()), "a page holds the name it is indexed by")
