@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from workloads import registry
 from workloads.cli import main
 from workloads.sizes import format_size, parse_size, parse_sizes
 
@@ -109,7 +110,7 @@ def test_named_workload_resolves_through_data_env(tmp_path, monkeypatch, capsys)
     assert main(["replay", "agent", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert f"no data for workload 'agent': looked for {tmp_path / 'elsewhere' / 'mini-swe-agent' / 'trajs'}" in err
-    assert "from $MMCACHE_DATA" in err and "no --data PATH" in err and "../shared/data" in err
+    assert "from $MMCACHE_DATA" in err and "no --data PATH" in err and str(registry.default_data()) in err
 
 
 @pytest.mark.slow
