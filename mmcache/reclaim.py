@@ -77,9 +77,9 @@ def coldest_off_heap(heap: list, n: int, current: Callable[[tuple], int | None],
     is pushed again at its key, so the top item whose key is current is the coldest entry. ``alone(item)``: only the
     cache holds the entry's pages (else it is set aside and put back); ``size(item)``: its pages (default 1);
     ``ident(item)``: the entry an item stands for (a policy whose keys fall leaves several items of one entry, and
-    an entry is chosen once: the others are dropped). Returns
-    the items chosen, coldest first (every item stays in the heap), or None when more than ``limit`` held entries
-    come first: the caller then makes its pass. Callers hold the pool's ``cache_lock``."""
+    an entry is chosen once: the others are dropped). Returns the items chosen, coldest first (every item stays in
+    the heap), or None when more than ``limit`` held entries come first: the caller then makes its pass. Callers
+    hold the pool's ``cache_lock``."""
     chosen, held, found, seen = [], [], 0, set()
     while heap and found < n:
         top = heap[0]

@@ -90,9 +90,10 @@ def test_a_value_put_again_replaces_the_host_copy_of_the_older_one():
     s.put(store_key(0), new)  # evicts key 1; the host's copy of key 0 is the older value: dropped
     s.put(store_key(1), torch.full((100,), 2.0))  # evicts key 0 again: the newer value spills
     assert_same_value(s.get_or_compute_many([store_key(0)], never)[0].value, new)
-    s.put(store_key(2), torch.zeros(10_000))  # larger than the pool: bypassed, and no tier keeps an older key 2
-    s.put(store_key(1), torch.full((100,), 3.0))
-    assert s.get(store_key(1)) is not None and s.get(store_key(2)) is None
+    s.put(store_key(1), torch.full((100,), 3.0))  # drops key 1's older host copy; key 0 back down to the host
+    assert len(host) == 1
+    assert not s.put(store_key(0), torch.zeros(10_000))  # larger than the pool: bypassed, and the host's copy dropped
+    assert len(host) == 0 and s.get(store_key(0)) is None
 
 
 def test_misses_go_down_the_tiers_as_one_batch_then_one_sub_batch_is_computed():
