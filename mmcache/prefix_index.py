@@ -431,7 +431,7 @@ class PrefixIndex:
         entries = [(keys[p] * W - depths[p], int(p), serials[p]) for p in pages]
         if len(heap) + len(entries) > 2 * len(self._pages) + 4 * SCALAR_PAGES:
             self._rebuild_cold()
-        elif len(entries) > SCALAR_PAGES:
+        elif len(entries) > len(heap):  # heapify is linear in the whole heap: worth it only past that many pushes
             heap += entries
             heapq.heapify(heap)
         else:

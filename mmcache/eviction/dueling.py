@@ -134,7 +134,7 @@ class SampledPool:
             self._ghosts.add((name,))
         for item in kept:
             heapq.heappush(heap, item)
-        if len(heap) > 4 * (len(keys) + 64):  # stale items outnumber the pages: rebuild
+        if len(heap) > 2 * (len(keys) + 64):  # stale items outnumber the pages: rebuild (few, so a pop never wades far)
             self._heap = [(k, -d, n) for n, (k, d) in keys.items()]
             heapq.heapify(self._heap)
 
