@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--pools", help="pool sizes for every trace (default: each trace's own, around its knee: "
                     + "; ".join(f"{t} {p}" for t, p in POOLS.items()) + ")")
     ap.add_argument("--page-size", type=int, default=128)
-    ap.add_argument("--policies", default="lru,dip,lfu")
+    ap.add_argument("--policies", default="lru,dip,dip-costs,lfu")
     ap.add_argument("--prefill", type=float, default=ServiceModel.prefill_tokens_per_s)
     ap.add_argument("--encoder-s", type=float, default=ServiceModel.encoder_s)
     args = ap.parse_args()

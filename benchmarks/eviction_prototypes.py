@@ -4,8 +4,6 @@ test (``tests/test_eviction_prototypes.py`` runs every registered policy and eve
 
 - ``dip:victims``, ``dip:misses``, ``dip:newcomers``: the default following one insertion rule whatever its duel
   says: what each rule is worth alone, and what the duel gains or costs against the best of them;
-- ``dip:costless``: the default weighing no cost (recency and insertion alone): what the bounded cost shift adds on a
-  pool of KV pages and encoder outputs;
 - ``dip:gated``: ``victims``, a request counting as one only when the lost page's last use lies at least half a
   turnover back, so a prompt re-sent soon after (a burst) is never demoted again. Tried to guard bursts, dropped: the
   default holds to lru through the generated burst without it, and it gives up much of the gain on session loops.
@@ -20,13 +18,6 @@ from mmcache.eviction.memory import NameWindow
 def following(rule: str) -> type[DIP]:
     """The default, following ``rule`` whatever its duel says."""
     return type(f"DIP_{rule}", (DIP,), {"name": f"dip:{rule}", "fixed_rule": rule})
-
-
-class Costless(DIP):
-    name = "dip:costless"
-
-    def _shift(self, cost, pages: int = 1) -> int:
-        return 0
 
 
 class Gated(DIP):
@@ -48,8 +39,7 @@ class Gated(DIP):
         return last is not None and 2 * (self.clock() - last) >= self.turnover.ticks
 
 
-PROTOTYPES = {cls.name: cls for cls in (following("victims"), following("misses"), following("newcomers"), Costless,
-                                        Gated)}
+PROTOTYPES = {cls.name: cls for cls in (following("victims"), following("misses"), following("newcomers"), Gated)}
 
 
 def register() -> list[str]:

@@ -9,7 +9,9 @@ Policies (``POLICIES``):
 
 - ``dip`` (the default, ``mmcache.eviction.dip``): LRU with an insertion rule chosen online by set dueling against
   LRU on sampled pools that serve requests as the real pool does: thrash resistance where sessions outgrow the pool,
-  LRU where that does not pay; costs weigh, bounded.
+  LRU where that does not pay.
+- ``dip-costs`` (``mmcache.eviction.dip``): ``dip`` with a bounded weight for what an entry saves per page, so a pool
+  shared with encoder outputs keeps more of them (more time saved, fewer KV hits while they come).
 - ``lru`` (``mmcache.eviction.lru``): the tick of the last use.
 - ``lfu`` (``mmcache.eviction.lfu``): recency plus capped frequency; loses to ``lru`` on session traffic.
 
@@ -22,7 +24,7 @@ from typing import Callable, Union
 
 from mmcache.errors import InvalidConfig
 from mmcache.eviction.base import Clock, EvictionPolicy, entry_name
-from mmcache.eviction.dip import DIP
+from mmcache.eviction.dip import DIP, CostedDIP
 from mmcache.eviction.lfu import LFU
 from mmcache.eviction.lru import LRU
 from mmcache.eviction.optimal import LookupRecorder, OfflineOptimal
@@ -30,10 +32,10 @@ from mmcache.eviction.optimal import LookupRecorder, OfflineOptimal
 PolicyFactory = Callable[[int, Clock], EvictionPolicy]
 Eviction = Union[str, PolicyFactory, EvictionPolicy, None]  # what a pool takes
 
-POLICIES: dict[str, PolicyFactory] = {"dip": DIP, "lru": LRU, "lfu": LFU}
+POLICIES: dict[str, PolicyFactory] = {"dip": DIP, "dip-costs": CostedDIP, "lru": LRU, "lfu": LFU}
 DEFAULT_POLICY = "dip"
 
-__all__ = ["DEFAULT_POLICY", "DIP", "LFU", "LRU", "POLICIES", "Clock", "Eviction", "EvictionPolicy",
+__all__ = ["DEFAULT_POLICY", "DIP", "CostedDIP", "LFU", "LRU", "POLICIES", "Clock", "Eviction", "EvictionPolicy",
            "LookupRecorder", "OfflineOptimal", "PolicyFactory", "check_policy", "entry_name", "make_policy",
            "policy_name", "register_policy", "tier_policy"]
 

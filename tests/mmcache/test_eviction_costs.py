@@ -1,7 +1,7 @@
 """Cost-aware eviction on one pool holding KV pages and encoder outputs: the policy weighs what a hit on each saves
 (a KV page its prefill, ``PrefixCache(page_seconds=)``; an encoder output its forward over its pages, ``compute_s``),
-bounded: a costly entry outlives newer cheap ones by at most a share of a turnover, never for good. ``lru`` weighs
-recency alone."""
+bounded: a costly entry outlives newer cheap ones by at most a share of a turnover, never for good. ``lru`` and the
+default ``dip`` weigh no cost; ``dip-costs`` and ``lfu`` do."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def serve(cache: PrefixCache, rid, tokens: np.ndarray) -> int:
     return matched
 
 
-@pytest.mark.parametrize("policy, outlives", [("lru", False), ("dip", True), ("lfu", True)])
+@pytest.mark.parametrize("policy, outlives", [("lru", False), ("dip", False), ("dip-costs", True), ("lfu", True)])
 def test_an_output_that_saves_more_outlives_newer_kv_pages_for_a_bounded_time(policy, outlives):
     """Prompts whose pages save 1 ms each run through a 12-page pool, then an image's output (50 ms of encoder on one
     page) is stored, then more prompts: after a turnover's worth of new pages recency alone has evicted the output,
@@ -60,7 +60,7 @@ def test_an_output_that_saves_more_outlives_newer_kv_pages_for_a_bounded_time(po
 def test_a_cost_every_entry_shares_changes_no_key():
     """Costs weigh entries against each other only: a pool whose entries all save the same per page keys them as one
     given no cost (an engine that does not say what a page saves)."""
-    with_cost, without = (make_policy("dip", 64, lambda: 0) for _ in range(2))
+    with_cost, without = (make_policy("dip-costs", 64, lambda: 0) for _ in range(2))
     names = np.arange(1, 41, dtype=np.uint64)
     floors = np.zeros(names.size, dtype=np.int64)
     for step in range(5):

@@ -196,12 +196,12 @@ def test_replay_eviction_option(capsys):
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_host_pool_made_like_a_device_pool_evicts_by_its_tier_policy(name):
-    """A host tier holds evicted device pages, with no requests of its own: the default's duel has nothing to serve
-    there, so a tier under it evicts by LRU; other policies order the tier as they order the pool."""
+    """A host tier holds evicted device pages, with no requests of its own: ``dip``'s duel has nothing to serve there,
+    so a tier under it (or ``dip-costs``) evicts by LRU; other policies order the tier as they order the pool."""
     from mmcache.pool import HostPagePool
     device = PagePool(8, (4,), eviction=name)
     host = HostPagePool.like(device, 4)
-    assert host.policy.name == ("lru" if name == "dip" else name) and host.policy is not device.policy
+    assert host.policy.name == ("lru" if name in ("dip", "dip-costs") else name) and host.policy is not device.policy
     best = OfflineOptimal([[1, 2], [1]])  # a replay's yardstick, not an online policy: the default's tier policy
     assert HostPagePool.like(PagePool(8, (4,), eviction=best), 4).policy.name == "lru"
 

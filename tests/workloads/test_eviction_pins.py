@@ -13,6 +13,7 @@ from workloads.sizing.replay import replay_trace
 SIZES = [1 << 20, 2 << 20, 4 << 20]
 PINNED = {  # hit tokens at 1M, 2M, 4M of the slice's 27,441,774 prompt tokens
     "dip": [1519104, 2820096, 5272064],
+    "dip-costs": [1519104, 2820096, 5272064],  # a text trace: every page saves alike, so costs move no key
     "lru": [1315328, 2674176, 5131264],
     "lfu": [1595904, 2973696, 5380096],
     "optimal": [4556800, 7469568, 8066048],

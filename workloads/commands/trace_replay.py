@@ -81,8 +81,8 @@ def add_source_options(rp) -> None:
 def add_sweep_options(rp) -> None:
     """The pool-size sweep's eviction policies and request order."""
     rp.add_argument("--eviction", type=_policies, metavar="NAMES",
-                    help="trace replays: eviction policies to sweep, comma-separated: dip (the default), lru, lfu, "
-                    "optimal (the offline optimum of the same calls), or any registered with "
+                    help="trace replays: eviction policies to sweep, comma-separated: dip (the default), dip-costs, "
+                    "lru, lfu, optimal (the offline optimum of the same calls), or any registered with "
                     "mmcache.eviction.register_policy; every sweep also replays the optimum at each pool size for "
                     "its 'of optimal' column")
     rp.add_argument("--order", choices=ORDERS, default="timestamp",
