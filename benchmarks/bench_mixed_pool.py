@@ -1,7 +1,7 @@
-"""KV pages and encoder outputs on ONE pool under pressure: the time each kind saves under the default policy
-(``dip``, which weighs what an entry saves, bounded: a KV page its prefill, an encoder output its forward over its
-pages) against ``lru`` (recency alone: an image's output and a KV page weigh the same), at pool sizes from tight to
-roomy.
+"""KV pages and encoder outputs on ONE pool under pressure: the time each kind saves under each policy against ``lru``
+(recency alone: an image's output and a KV page weigh the same): the default ``dip`` (weighs no cost either),
+``dip-costs`` (weighs what an entry saves, bounded: a KV page its prefill, an encoder output its forward over its
+pages) and ``lfu``, at pool sizes from tight to roomy.
 
 Traces (the replica replay's media traces, one replica, ``shared_pool=True``, ``workloads.sizing.replicas``):
 vlm-chat's image chats (several users per image: outputs shared across users, KV within a session) and voice-clone's
