@@ -159,8 +159,9 @@ class EncoderStore:
         Raises ``EncoderOutputError`` before any state changes for non-tensor values, values unlike ``expect``, or a
         shape/dtype unlike the entry stored for the same key and verifying ids. A bypass (larger than the pool, or no
         room because everything left is pinned) stores nothing and drops the replaced entry, so a get never returns
-        anything but the last value put. ``compute_s`` is the encoder time each later hit saves. A stored value is
-        handed to the tiers (``publish``) after the put.
+        anything but the last value put. ``compute_s`` is the encoder time each later hit saves (weighed by a
+        policy that weighs costs: ``dip-costs``, ``lfu``). A stored value is handed to the tiers (``publish``) after
+        the put.
         """
         self._check(key)
         return self._put(key, value, as_cost(compute_s, "compute_s"), publish=True)
