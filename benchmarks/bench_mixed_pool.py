@@ -57,7 +57,7 @@ def main() -> None:
         trace = load(name, data)
         print(f"\n{name}: {trace.source}; page {args.page_size}, prefill {args.prefill:g} tokens/s, encoder "
               f"{args.encoder_s:g} s a run")
-        print(f"{'pool':>6} | {'policy':>6} | {'prefix hit %':>12} | {'encoder hits (store; prefix)':>28} | "
+        print(f"{'pool':>6} | {'policy':>9} | {'prefix hit %':>12} | {'encoder hits (store; prefix)':>28} | "
               f"{'KV saved s':>10} | {'encoder saved s':>15} | {'total s':>8} | {'vs lru':>6}")
         for size in parse_sizes(args.pools or POOLS[name]):
             runs = {p: replay_replicas(trace, replicas=1, router="random", page_size=args.page_size,
@@ -68,7 +68,7 @@ def main() -> None:
                 total = r.kv_saved_s + r.encoder_saved_s
                 vs = f"{total / base:.3f}" if base else "-"
                 hits = f"{r.encoder_store_hits:,} of {r.encoder_items:,}; {r.encoder_in_prefix:,}"
-                print(f"{format_size(size):>6} | {p:>6} | {100 * r.hit_rate:12.2f} | {hits:>28} | "
+                print(f"{format_size(size):>6} | {p:>9} | {100 * r.hit_rate:12.2f} | {hits:>28} | "
                       f"{r.kv_saved_s:10.1f} | {r.encoder_saved_s:15.1f} | {total:8.1f} | {vs:>6}")
 
 
