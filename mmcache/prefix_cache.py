@@ -94,7 +94,8 @@ class PrefixCache:
     agrees with. ``observer``: an ``IndexObserver`` (``mmcache.kv_events.KVEventPublisher``) told of every page
     indexed and dropped. ``page_seconds``: what a hit on one page saves (its prefill time), the cost a policy that
     weighs costs (``dip-costs``, ``lfu``) weighs against the other caches' entries (an encoder output's forward time
-    per page); None: unknown, as the pool's average entry. ``index``: the ``PrefixIndex``; read it, never drive it (its lock is the pool's).
+    per page); None: unknown, as the pool's average entry. ``index``: the ``PrefixIndex``; read it, never drive it
+    (its lock is the pool's).
     """
 
     def __init__(self, pool: PagePool, fingerprint: Fingerprint, *, evict_batch_pages: int | None = None,

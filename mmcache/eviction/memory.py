@@ -4,8 +4,8 @@ call does work that grows with ``limit``: the upkeep is a constant per name, nev
 
 Why not one ``OrderedDict``: a window adding and forgetting names all the time makes the table underneath rebuild
 every few thousand names, and an ``OrderedDict`` rebuilds its node table with it: milliseconds at 40,000 names, under
-the pool's lock, and more where the rebuilt table lands on memory the process never touched (``benchmarks/
-bench_core.py``, policy upkeep). Here a window is a list linked through its names, oldest first, kept in dicts of
+the pool's lock, and more where the rebuilt table lands on memory the process never touched (the policy-upkeep rows
+of ``benchmarks/bench_core.py``). Here a window is a list linked through its names, oldest first, kept in dicts of
 about ``SHARD_NAMES`` names each (a name's dict: ``name & mask``), so a rebuild is of one small dict.
 """
 
