@@ -45,29 +45,40 @@ class NameWindow:
 
     def add(self, names: Iterable[int], values: Iterable | None = None) -> None:
         shards, prevs, nexts, mask = self._values, self._prev, self._next, self._mask
-        for name, value in zip(names, values) if values is not None else ((n, None) for n in names):
-            i = name & mask
-            if name in shards[i]:
-                if name == self._last:
-                    shards[i][name] = value
-                    continue
-                self._unlink(name, i)
-            else:
-                self._size += 1
-            shards[i][name] = value
-            last = self._last
-            prevs[i][name], nexts[i][name] = last, None
-            if last is None:
-                self._first = name
-            else:
-                nexts[last & mask][last] = name
-            self._last = name
-        while self._size > self.limit:
+        size, last = self._size, self._last
+        try:
+            for name, value in zip(names, values) if values is not None else ((n, None) for n in names):
+                i = name & mask
+                shard = shards[i]
+                if name in shard:
+                    if name == last:
+                        shard[name] = value
+                        continue
+                    self._last = last
+                    self._unlink(name, i)
+                else:
+                    size += 1
+                shard[name] = value
+                prevs[i][name], nexts[i][name] = last, None
+                if last is None:
+                    self._first = name
+                else:
+                    nexts[last & mask][last] = name
+                last = name
+        finally:  # a name that is not an int stops the loop: what it added stays whole
+            self._size, self._last = size, last
+        while size > self.limit:  # forget the oldest: the first of the list
             oldest = self._first
             i = oldest & mask
-            self._unlink(oldest, i)
-            del shards[i][oldest], prevs[i][oldest], nexts[i][oldest]
-            self._size -= 1
+            after = nexts[i].pop(oldest)
+            del prevs[i][oldest], shards[i][oldest]
+            self._first = after
+            if after is None:
+                last = None
+            else:
+                prevs[after & mask][after] = None
+            size -= 1
+        self._size, self._last = size, last
 
     def discard(self, names: Iterable[int]) -> None:
         shards, mask = self._values, self._mask
